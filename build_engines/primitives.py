@@ -1,0 +1,94 @@
+"""Small numerical building blocks of the CED network: RMSNorm, interleaved (YaRN) RoPE, sink attention.
+
+They are pure functions of tensors so that the reference network, the ONNX export and the kernels in `plugins/`
+share one definition of each operation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (`w * x * rsqrt(mean(x^2) + eps)`), as V4.1 does for every norm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+def rope_inv_freq(
+    rope_dim: int,
+    theta: float,
+    yarn_original_seq_len: int = 0,
+    yarn_factor: float = 1.0,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+) -> torch.Tensor:
+    """Per-pair inverse frequencies, with YaRN interpolation when `yarn_original_seq_len > 0`.
+
+    YaRN keeps the high-frequency pairs (which resolve nearby positions) and divides the low-frequency ones by the
+    factor, blending linearly between the two correction dims; the compressed layers of V4.1 use it so positions
+    far beyond the pre-training length stay distinguishable.
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float64, device="cpu") / rope_dim))
+    if yarn_original_seq_len <= 0 or yarn_factor == 1.0:
+        return inv.float()
+
+    def correction_dim(n_rotations: float) -> float:
+        return rope_dim * math.log(yarn_original_seq_len / (n_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1 where the original frequency is kept
+    return (inv / yarn_factor * (1 - keep) + inv * keep).float()
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (..., rope_dim/2) for integer positions of any shape."""
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(device=positions.device, dtype=torch.float64)
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
+    """Rotate the last `rope_dim` channels of x as interleaved pairs (2i, 2i+1); the rest pass through.
+
+    x: (..., S, [heads,] D); cos/sin broadcast to (..., S, [1,] rope_dim/2). `inverse` rotates by -angle, which
+    V4.1 applies to the attention output so that the value's rope tail ends up relative to the query position.
+    """
+    head, tail = x[..., : x.shape[-1] - rope_dim], x[..., x.shape[-1] - rope_dim :]
+    pairs = tail.float().unflatten(-1, (rope_dim // 2, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    s = -sin if inverse else sin
+    rotated = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
+    return torch.cat((head, rotated.to(x.dtype)), dim=-1)
+
+
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention where K = V = one shared latent and a per-head sink logit enters only the denominator.
+
+    q: (B, S, H, D); kv: (B, N, D); mask: (B, S, N) bool, True = visible; sink: (H,). Returns (B, S, H, D).
+    A row with nothing visible returns zeros (the sink absorbs all the mass), as the released kernel does.
+    """
+    scores = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale
+    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    sink_b = sink.float().view(1, 1, -1, 1)
+    peak = torch.maximum(scores.amax(-1, keepdim=True), sink_b)
+    weights = torch.exp(scores - peak)
+    denom = weights.sum(-1, keepdim=True) + torch.exp(sink_b - peak)
+    out = torch.einsum("bshn,bnd->bshd", weights / denom, kv.float())
+    return out.to(q.dtype)
