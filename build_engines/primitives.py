@@ -87,7 +87,7 @@ def sink_attention(
     scores = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale
     scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
     sink_b = sink.float().view(1, 1, -1, 1)
-    peak = torch.maximum(scores.amax(-1, keepdim=True), sink_b)
+    peak = torch.maximum(scores.amax(-1, keepdim=True), sink_b).detach()  # any shift is exact; no gradient needed
     weights = torch.exp(scores - peak)
     denom = weights.sum(-1, keepdim=True) + torch.exp(sink_b - peak)
     out = torch.einsum("bshn,bnd->bshd", weights / denom, kv.float())
