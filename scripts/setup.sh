@@ -8,5 +8,5 @@ command -v "$PY" >/dev/null || PY=python3
 "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"Python 3.11 is required, found {sys.version}"'
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
-.venv/bin/python -m pip install --quiet -e ".[dev]"
+.venv/bin/python -m pip install --quiet -e ".[dev,serve]"
 .venv/bin/python -c 'import torch, numpy; assert numpy.__version__.startswith("1."), numpy.__version__; print(f"environment ready: torch {torch.__version__}, numpy {numpy.__version__}")'

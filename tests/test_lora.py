@@ -213,16 +213,15 @@ def test_hot_replacement_keeps_shared_state_and_in_flight_version(net: CEDNetwor
     sessions = [Conversation(enc, dec) for _ in range(3)]
     for i, conv in enumerate(sessions):
         conv.new_turn(torch.randint(0, net.cfg.vocab_size, (1, 140 + i)), v1 if i != 1 else None)
-    snapshots = [conv.shared.encoder_state.clone() for conv in sessions]
-    shared_before = [conv.shared for conv in sessions]
+    snapshots = [(conv.encoder_state.clone(), conv.decoder.fork()) for conv in sessions]
     in_flight = sessions[0].fork()
     next_token = torch.randint(0, net.cfg.vocab_size, (1, 1))
     # a new version of the same path replaces v1 in the bank
     save_adapter(path, random_adapter_weights({k: v for k, v in decoder_lora_modules(net.cfg, dec).items() if ".attn." in k}, 4, std=0.05), 4, 8.0, net.cfg.name)
     v2 = bank.load(path)
     assert v2.hash == v1.hash and v2.version != v1.version and bank.get("L1_agent") is v2
-    for conv, snap, shared in zip(sessions, snapshots, shared_before):
-        assert conv.shared is shared and conv.shared.encoder_state.equal(snap)
+    for conv, (enc_snap, dec_snap) in zip(sessions, snapshots):
+        assert conv.encoder_state.equal(enc_snap) and conv.decoder.shared_equal(dec_snap)
     old = in_flight.step(next_token).logits  # finishes on the version it started with
     reference = sessions[0].fork()
     assert torch.equal(old, reference.step(next_token).logits)
