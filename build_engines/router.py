@@ -1,0 +1,136 @@
+"""MoL2: a pointer head that picks an adapter from H19 and option descriptions seen only through the embedding.
+
+The query side is H19 (the last encoder layer's streams, which the normal prefill computes anyway) pooled over the
+current user turn: no extra prefill, no state written. The option side (route prompt + description of each
+adapter) goes through the frozen token embedding only, then a deeper MLP and self-attention within each option;
+it depends only on the adapter set, so it is computed once and cached. One cross-attention layer lets the query
+read the options' tokens, and a scaled q.k product scores each option (a pointer over a variable set).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+ROUTE_PROMPT = "Route this request to the assistant whose description fits best:"
+HEAD_FILE, HEAD_CONFIG = "router.safetensors", "router_config.json"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dim: int  # width of H19 and of the token embedding
+    width: int  # the head's own width (scales with the model: ~15M parameters at V4.1 width)
+    heads: int = 4
+    option_layers: int = 1  # self-attention blocks within each option
+
+    @staticmethod
+    def for_model(model_dim: int) -> "RouterConfig":
+        return RouterConfig(model_dim=model_dim, width=max(64, model_dim // 2), heads=4)
+
+
+class _OptionBlock(nn.Module):
+    """Pre-norm self-attention + MLP over one option's tokens (padding masked)."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, key_padding_mask=pad, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+@dataclass
+class OptionCache:
+    """The option side for one option set: token states (n, T, w), padding (n, T), pooled keys (n, w)."""
+
+    tokens: torch.Tensor
+    padding: torch.Tensor
+    keys: torch.Tensor
+
+
+class PointerHead(nn.Module):
+    def __init__(self, cfg: RouterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        w = cfg.width
+        self.query_norm = nn.LayerNorm(cfg.model_dim)
+        self.query_proj = nn.Linear(cfg.model_dim, w)
+        self.option_in = nn.Sequential(nn.LayerNorm(cfg.model_dim), nn.Linear(cfg.model_dim, w), nn.GELU(), nn.Linear(w, w))
+        self.option_blocks = nn.ModuleList(_OptionBlock(w, cfg.heads) for _ in range(cfg.option_layers))
+        self.cross_norm = nn.LayerNorm(w)
+        self.cross = nn.MultiheadAttention(w, cfg.heads, batch_first=True)
+        self.wq = nn.Linear(w, w)
+        self.wk = nn.Linear(w, w)
+
+    # ------------------------------------------------------------------ option side (cached)
+    def encode_options(self, option_embeddings: Sequence[torch.Tensor]) -> OptionCache:
+        """Embedded options (each (T_i, model_dim), token embedding only) -> cached option states."""
+        if not option_embeddings:
+            raise ValueError("an option set needs at least one option")
+        T = max(e.shape[0] for e in option_embeddings)
+        dim = self.cfg.model_dim
+        x = torch.zeros(len(option_embeddings), T, dim, device=option_embeddings[0].device)
+        pad = torch.ones(len(option_embeddings), T, dtype=torch.bool, device=x.device)
+        for i, e in enumerate(option_embeddings):
+            x[i, : e.shape[0]] = e
+            pad[i, : e.shape[0]] = False
+        h = self.option_in(x)
+        for block in self.option_blocks:
+            h = block(h, pad)
+        keep = (~pad).unsqueeze(-1).float()
+        pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1)
+        return OptionCache(h, pad, self.wk(pooled))
+
+    # ------------------------------------------------------------------ query side (per request)
+    def score(self, h19_pooled: torch.Tensor, options: OptionCache) -> torch.Tensor:
+        """(B, model_dim) pooled H19 -> (B, n) pointer logits over the cached options."""
+        q = self.query_proj(self.query_norm(h19_pooled)).unsqueeze(1)  # (B, 1, w)
+        n, T, w = options.tokens.shape
+        B = q.shape[0]
+        mem = options.tokens.reshape(1, n * T, w).expand(B, -1, -1)
+        mask = options.padding.reshape(1, n * T).expand(B, -1)
+        q = q + self.cross(self.cross_norm(q), mem, mem, key_padding_mask=mask, need_weights=False)[0]
+        return (self.wq(q.squeeze(1)) @ options.keys.t()) / w ** 0.5
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(directory / HEAD_FILE))
+        (directory / HEAD_CONFIG).write_text(json.dumps(self.cfg.__dict__, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "PointerHead":
+        directory = Path(directory)
+        head = cls(RouterConfig(**json.loads((directory / HEAD_CONFIG).read_text())))
+        head.load_state_dict(load_file(str(directory / HEAD_FILE)))
+        return head.eval()
+
+
+def pool_h19(encoder_out: torch.Tensor, turn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, S, hc, dim) H19 streams -> (B, dim): mean over the hc streams, then over the user-turn positions."""
+    h = encoder_out.float().mean(2)
+    if turn_mask is None:
+        return h.mean(1)
+    m = turn_mask.float().unsqueeze(-1)
+    return (h * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def option_text(description: str) -> str:
+    """What the option side reads: the route prompt followed by the adapter's description."""
+    return f"{ROUTE_PROMPT} {description}"
+
+
+def route_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    return F.softmax(logits, dim=-1)

@@ -1,0 +1,67 @@
+"""decoder (decoupled): applies ADAPTER_HASH, bounded replay, then streams tokens, calling the encoder per token."""
+
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from tritonserver_backend import contract as c
+from tritonserver_backend import counters as k
+from tritonserver_backend import triton_glue as glue
+from tritonserver_backend.counters import Counters
+from tritonserver_backend.decoder_service import DecoderService
+from tritonserver_backend.handover_codec import from_arrays
+from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = glue.parameters(args)
+        glue.set_threads(params)
+        model_dir = glue.resolve(args, params["model_dir"])
+        counters = Counters()
+        glue.export_counters(counters, [k.READ, k.APPLIED, k.REPLAYS, k.REPLAY_TOKENS])
+        registry = ensure_registry(glue.resolve(args, params["registry_root"]), model_dir)
+        self.service = DecoderService(model_dir, registry, counters, int(params["session_budget_bytes"]), int(params["max_context"]))
+        self.threads = set()
+
+    def execute(self, requests):
+        for request in requests:  # one thread per request: sessions stream concurrently
+            thread = threading.Thread(target=self._serve, args=(request, request.get_response_sender()), daemon=True)
+            self.threads.add(thread)
+            thread.start()
+        return None
+
+    def _encode(self, session_id, ids):
+        out = glue.bls("encoder", {c.SESSION_ID: session_id, c.TOKEN_IDS: ids, c.PREFIX_IDS: np.zeros(0, np.int64), c.START: False}, list(c.HANDOVER))
+        return from_arrays(out)
+
+    def _serve(self, request, sender):
+        try:
+            session = glue.read(request, c.SESSION_ID)
+            adapter_hash = int(glue.read(request, c.ADAPTER_HASH))
+            handover = from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})
+            params = SamplingParams(
+                max_tokens=int(glue.read(request, c.MAX_TOKENS, DEFAULT_MAX_TOKENS)),
+                temperature=float(glue.read(request, c.TEMPERATURE, 0.0)),
+                top_p=float(glue.read(request, c.TOP_P, 1.0)),
+                seed=int(glue.read(request, c.SEED, 0)),
+                stop=tuple(glue.read(request, c.STOP, [])),
+            )
+            for token, finish in self.service.generate(session, handover, adapter_hash, params, self._encode):
+                outputs = {c.TOKEN_ID: token, c.ADAPTER_HASH_APPLIED: adapter_hash, c.FINISH: finish}
+                sender.send(glue.response(outputs), flags=FINAL if token < 0 else 0)
+            if glue.read(request, c.END_SESSION, False):
+                self.service.end(session)
+                glue.bls("encoder", {c.SESSION_ID: session, c.TOKEN_IDS: np.zeros(0, np.int64), c.PREFIX_IDS: np.zeros(0, np.int64), c.START: False, c.END_SESSION: True}, [])
+        except Exception as exc:  # noqa: BLE001 - this request fails alone; other sessions go on
+            sender.send(glue.error_response(exc), flags=FINAL)
+        finally:
+            self.threads.discard(threading.current_thread())
+
+    def finalize(self):
+        for thread in list(self.threads):
+            thread.join(timeout=30)

@@ -1,0 +1,28 @@
+"""preprocess: user text -> the turn's token ids through the chat template (and history ids for a rebuild)."""
+
+import triton_python_backend_utils as pb_utils  # noqa: F401  (the stub provides it; glue uses it)
+
+from tritonserver_backend import contract as c
+from tritonserver_backend import triton_glue as glue
+from tritonserver_backend.pipeline import check_explicit
+from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.text_service import TextService
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = glue.parameters(args)
+        model_dir = glue.resolve(args, params["model_dir"])
+        self.text = TextService(model_dir)
+        self.registry = ensure_registry(glue.resolve(args, params["registry_root"]), model_dir)
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                check_explicit(self.registry, glue.read(request, c.ADAPTER, ""))
+                ids, prefix, start = self.text.preprocess(glue.read(request, c.TEXT), bool(glue.read(request, c.NEW_SESSION, False)), glue.read(request, c.HISTORY, None))
+                responses.append(glue.response({c.TOKEN_IDS: ids, c.PREFIX_IDS: prefix, c.START: start}))
+            except Exception as exc:  # noqa: BLE001 - one request's error never fails the others
+                responses.append(glue.error_response(exc))
+        return responses

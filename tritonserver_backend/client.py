@@ -1,0 +1,165 @@
+"""Chat clients for the `mol2` ensemble: gRPC bidirectional streaming (tritonclient) and HTTP (generate_stream SSE).
+
+Both return the same `Reply`, so tests and the chat script can compare transports token for token.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import contract as c
+
+
+@dataclass
+class Reply:
+    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    adapter: str = ""
+    finish_reason: str = ""
+    error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+@dataclass
+class TurnRequest:
+    session_id: str
+    text: str
+    new_session: bool = False
+    adapter: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    history: str | None = None
+    end_session: bool = False
+
+    def tensors(self) -> dict[c.TensorSpec, Any]:
+        values: dict[c.TensorSpec, Any] = {c.SESSION_ID: self.session_id, c.TEXT: self.text}
+        optional = {
+            c.NEW_SESSION: self.new_session or None,
+            c.ADAPTER: self.adapter,
+            c.MAX_TOKENS: self.max_tokens,
+            c.TEMPERATURE: self.temperature,
+            c.TOP_P: self.top_p,
+            c.SEED: self.seed,
+            c.STOP: self.stop,
+            c.HISTORY: self.history,
+            c.END_SESSION: self.end_session or None,
+        }
+        values.update({k: v for k, v in optional.items() if v is not None})
+        return values
+
+
+def _numpy(spec: c.TensorSpec, value: Any) -> np.ndarray:
+    if spec.dtype == "BYTES":
+        items = value if isinstance(value, list) else [value]
+        return np.array([v.encode("utf-8") for v in items], dtype=np.object_)
+    return np.asarray([value], dtype=spec.numpy_dtype)
+
+
+def _add(reply: Reply, token: int, piece: str, adapter: str, finish: str) -> None:
+    if token >= 0:
+        reply.token_ids.append(token)
+        reply.pieces.append(piece)
+    reply.adapter = adapter or reply.adapter
+    reply.finish_reason = finish or reply.finish_reason
+
+
+class GrpcChat:
+    """One gRPC stream; `turn` sends a request and collects its streamed responses until the final one."""
+
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self._grpc = grpcclient
+        self.client = grpcclient.InferenceServerClient(url)
+        self._results: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self._results.put((result, error)))
+
+    def turn(self, request: TurnRequest, timeout: float = 300.0) -> Reply:
+        inputs = []
+        for spec, value in request.tensors().items():
+            arr = _numpy(spec, value)
+            inp = self._grpc.InferInput(spec.name, list(arr.shape), spec.dtype)
+            inp.set_data_from_numpy(arr)
+            inputs.append(inp)
+        outputs = [self._grpc.InferRequestedOutput(s.name) for s in c.ENSEMBLE_OUTPUTS]
+        self.client.async_stream_infer(c.ENSEMBLE_NAME, inputs, outputs=outputs, enable_empty_final_response=True)
+        reply = Reply()
+        while True:
+            result, error = self._results.get(timeout=timeout)
+            if error is not None:
+                reply.error = error.message() if hasattr(error, "message") else str(error)
+                return reply
+            final = result.get_response().parameters.get("triton_final_response")
+            if result.as_numpy(c.TOKEN_ID_OUT.name) is not None:
+                _add(
+                    reply,
+                    int(result.as_numpy(c.TOKEN_ID_OUT.name).reshape(-1)[0]),
+                    result.as_numpy(c.TEXT_OUTPUT.name).reshape(-1)[0].decode("utf-8", errors="replace"),
+                    result.as_numpy(c.ADAPTER_NAME.name).reshape(-1)[0].decode(),
+                    result.as_numpy(c.FINISH_REASON.name).reshape(-1)[0].decode(),
+                )
+            if final is not None and final.bool_param:
+                return reply
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+class HttpChat:
+    """HTTP/1.1 `generate_stream` (server-sent events), one event per streamed response."""
+
+    def __init__(self, url: str) -> None:
+        host, _, port = url.partition(":")
+        self.host, self.port = host, int(port or 80)
+
+    def turn(self, request: TurnRequest, timeout: float = 300.0) -> Reply:
+        body = {spec.name: value for spec, value in request.tensors().items()}
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request("POST", f"/v2/models/{c.ENSEMBLE_NAME}/generate_stream", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            reply = Reply()
+            if resp.status != 200:
+                reply.error = _http_error(resp.read())
+                return reply
+            for raw in resp:
+                line = raw.decode("utf-8").strip()
+                if not line.startswith("data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    reply.error = event["error"]
+                    return reply
+                if c.TOKEN_ID_OUT.name in event:
+                    _add(reply, int(_scalar(event[c.TOKEN_ID_OUT.name])), str(_scalar(event[c.TEXT_OUTPUT.name])), str(_scalar(event[c.ADAPTER_NAME.name])), str(_scalar(event[c.FINISH_REASON.name])))
+            return reply
+        finally:
+            conn.close()
+
+
+def _scalar(value: Any) -> Any:
+    return value[0] if isinstance(value, list) else value
+
+
+def _http_error(raw: bytes) -> str:
+    """Error bodies come as JSON, or as one server-sent event (`data: {...}`) from generate_stream."""
+    text = raw.decode("utf-8", errors="replace").strip()
+    if text.startswith("data:"):
+        text = text[5:].strip()
+    try:
+        return str(json.loads(text).get("error", text))
+    except (ValueError, AttributeError):
+        return text

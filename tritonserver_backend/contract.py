@@ -1,0 +1,115 @@
+"""The tensor contract of the model repository, defined once.
+
+Every model's inputs and outputs, and the ensemble's wiring, are data here; `repository.py` renders the
+`config.pbtxt` files from it and the `model.py` files read names from it, so names and dtypes cannot drift between
+models. Client-facing tensors are lowercase, tensors between models UPPERCASE (the usual Triton convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # Triton data type name without the TYPE_ prefix
+    dims: tuple[int, ...]
+    optional: bool = False
+    doc: str = ""
+
+    @property
+    def numpy_dtype(self) -> type:
+        return {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_}[self.dtype]
+
+    def pbtxt(self) -> str:
+        dims = ", ".join(str(d) for d in self.dims)
+        opt = "\n    optional: true" if self.optional else ""
+        config_type = "STRING" if self.dtype == "BYTES" else self.dtype  # model configs call BYTES "TYPE_STRING"
+        return f'  {{\n    name: "{self.name}"\n    data_type: TYPE_{config_type}\n    dims: [ {dims} ]{opt}\n  }}'
+
+
+# ------------------------------------------------------------------------------------ client-facing (ensemble)
+SESSION_ID = TensorSpec("session_id", "BYTES", (1,), doc="conversation id; every request carries one")
+TEXT = TensorSpec("text", "BYTES", (1,), doc="the user turn")
+NEW_SESSION = TensorSpec("new_session", "BOOL", (1,), True, "true starts (or restarts) the session with this turn")
+HISTORY = TensorSpec("history", "BYTES", (1,), True, 'JSON list of earlier {"role","content"} messages: rebuilds a lost or evicted session')
+ADAPTER = TensorSpec("adapter", "BYTES", (1,), True, 'explicit adapter name (always wins over the router); "base" = no adapter; empty = route')
+MAX_TOKENS = TensorSpec("max_tokens", "INT32", (1,), True, "reply length limit (default 64)")
+TEMPERATURE = TensorSpec("temperature", "FP32", (1,), True, "0 = greedy (default)")
+TOP_P = TensorSpec("top_p", "FP32", (1,), True, "nucleus sampling mass (default 1.0)")
+SEED = TensorSpec("seed", "INT64", (1,), True, "sampling seed (default 0): same seed, same reply")
+STOP = TensorSpec("stop", "BYTES", (-1,), True, "stop strings; generation ends when the reply contains one")
+END_SESSION = TensorSpec("end_session", "BOOL", (1,), True, "true drops the session after this turn")
+
+TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,), doc="one streamed piece of the reply")
+TOKEN_ID_OUT = TensorSpec("token_id", "INT32", (1,), doc="the streamed token id (-1 on the final, empty response)")
+ADAPTER_NAME = TensorSpec("adapter_name", "BYTES", (1,), doc='adapter that produced the reply ("base" for none)')
+FINISH_REASON = TensorSpec("finish_reason", "BYTES", (1,), doc='"" while streaming; "stop", "length" or "end_of_turn" on the last response')
+
+# ------------------------------------------------------------------------------------ between models
+TOKEN_IDS = TensorSpec("TOKEN_IDS", "INT64", (-1,), doc="the user turn rendered by the chat template (ends with the assistant prompt); H19 is pooled over it")
+PREFIX_IDS = TensorSpec("PREFIX_IDS", "INT64", (-1,), doc="what precedes TOKEN_IDS when a session (re)starts: <|bos|> and any history turns")
+START = TensorSpec("START", "BOOL", (1,), doc="the client asked for a new session")
+H19 = TensorSpec("H19", "FP32", (1, -1), doc="last encoder layer's streams, mean over hc streams and the user turn: (1, dim)")
+ROUTER_H19 = TensorSpec("H19", "FP32", (-1, -1), doc="(B, dim): the router scores a batch of rows in one call")
+ROUTER_ADAPTER = TensorSpec("adapter", "BYTES", (-1,), True, "(B,) explicit adapter per row; empty = route that row")
+ROUTER_ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (-1,), doc="(B,) one decision per row")
+ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (1,), doc="31-bit FNV-1a of the adapter path; 0 = base")
+ADAPTER_HASH_APPLIED = TensorSpec("ADAPTER_HASH_APPLIED", "INT32", (1,), doc="adapter the decoder applied")
+TOKEN_ID = TensorSpec("TOKEN_ID", "INT32", (1,), doc="one generated token")
+FINISH = TensorSpec("FINISH", "BYTES", (1,), doc="finish reason on the last response")
+
+HANDOVER_POSITIONS = TensorSpec("HANDOVER_POSITIONS", "INT64", (-1,), doc="(S,) absolute positions")
+HANDOVER_STREAMS = TensorSpec("HANDOVER_STREAMS", "FP32", (-1, -1, -1), doc="(S, hc, dim) streams after layer 20's attention")
+HANDOVER_FFN_PRE = TensorSpec("HANDOVER_FFN_PRE", "FP32", (-1, -1), doc="(S, hc) layer 20's pre mix into its FFN")
+HANDOVER_TOPK = TensorSpec("HANDOVER_TOPK", "INT64", (-1, -1), doc="(S, index_topk) layer 20's top-k, -1 padded")
+HANDOVER_CANDIDATES = TensorSpec("HANDOVER_CANDIDATES", "INT64", (-1, -1), doc="(S, candidate_blocks) layer 20's pool, -1 padded")
+HANDOVER_GLOBAL_KV = TensorSpec("HANDOVER_GLOBAL_KV", "FP32", (-1, -1), doc="(S, D) layer 20's new global-KV entries")
+HANDOVER_INDEX_K = TensorSpec("HANDOVER_INDEX_K", "FP32", (-1, -1), doc="(S, Di) layer 20's new index keys")
+HANDOVER = (HANDOVER_POSITIONS, HANDOVER_STREAMS, HANDOVER_FFN_PRE, HANDOVER_TOPK, HANDOVER_CANDIDATES, HANDOVER_GLOBAL_KV, HANDOVER_INDEX_K)
+
+# ------------------------------------------------------------------------------------ admin
+ACTION = TensorSpec("action", "BYTES", (1,), doc="load | unload | list")
+ADAPTER_PATH = TensorSpec("path", "BYTES", (1,), True, "adapter directory (PEFT layout) for load; a new version of a loaded path updates it")
+DESCRIPTION = TensorSpec("description", "BYTES", (1,), True, "what the router reads about the adapter")
+RESULT = TensorSpec("result", "BYTES", (1,), doc="JSON answer")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    decoupled: bool = False
+    max_batch_size: int = 0
+
+
+PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER), (TOKEN_IDS, PREFIX_IDS, START))
+ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, END_SESSION), (H19, *HANDOVER))
+ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
+DECODER = ModelSpec(
+    "decoder",
+    (SESSION_ID, ADAPTER_HASH, *HANDOVER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION),
+    (TOKEN_ID, ADAPTER_HASH_APPLIED, FINISH),
+    decoupled=True,
+)
+POSTPROCESS = ModelSpec("postprocess", (TOKEN_ID, ADAPTER_HASH_APPLIED, FINISH), (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON))
+ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
+ENSEMBLE_NAME = "mol2"
+ENSEMBLE_INPUTS = (SESSION_ID, TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON)
+MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, POSTPROCESS, ADMIN)
+
+
+def ensemble_steps() -> list[tuple[ModelSpec, dict[str, str], dict[str, str]]]:
+    """(model, input map model-tensor -> ensemble-tensor, output map) for each step, in order.
+
+    Ensemble tensor names equal the model tensor names, so the maps are identities over each model's I/O.
+    """
+    steps = []
+    for model in (PREPROCESS, ENCODER, ROUTER, DECODER, POSTPROCESS):
+        steps.append((model, {t.name: t.name for t in model.inputs}, {t.name: t.name for t in model.outputs}))
+    return steps

@@ -1,0 +1,36 @@
+"""Routing and replay counters, labelled by adapter; model.py exports them as Triton custom metrics."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+WRITTEN, READ, APPLIED = "routing_decisions_written", "routing_decisions_read", "routing_decisions_applied"
+REPLAYS, REPLAY_TOKENS, EXPLICIT = "replays", "replay_tokens", "explicit_overrides"
+DESCRIPTIONS = {
+    WRITTEN: "routing decisions written by the router (explicit overrides included)",
+    READ: "routing decisions read by the decoder",
+    APPLIED: "routing decisions applied by the decoder (adapter active, replay done)",
+    REPLAYS: "bounded replays run by the decoder",
+    REPLAY_TOKENS: "positions replayed through the decoder",
+    EXPLICIT: "requests whose explicit adapter overrode the router",
+}
+
+
+class Counters:
+    """Thread-safe counts keyed by (counter, adapter name); `listener(counter, adapter, amount)` mirrors them."""
+
+    def __init__(self) -> None:
+        self._counts: Counter[tuple[str, str]] = Counter()
+        self._lock = threading.Lock()
+        self.listener = None
+
+    def add(self, counter: str, adapter: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[(counter, adapter)] += amount
+        if self.listener is not None:
+            self.listener(counter, adapter, amount)
+
+    def get(self, counter: str, adapter: str | None = None) -> int:
+        with self._lock:
+            return sum(v for (c, a), v in self._counts.items() if c == counter and (adapter is None or a == adapter))

@@ -1,0 +1,19 @@
+"""Errors a client may see: short, typed, one line; tracebacks stay in the server log."""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    """A request that cannot be served as sent; its message goes to that client only."""
+
+
+class UnknownSession(ServingError):
+    pass
+
+
+class BadRequest(ServingError):
+    pass
+
+
+class UnknownAdapter(ServingError):
+    pass

@@ -1,0 +1,118 @@
+"""The adapter registry shared by the router, decoder and admin models: one JSON file, atomic writes.
+
+Each model process keeps its own view and refreshes it when the file changes, so loading, updating (a new version
+of the same path) and unloading an adapter reach every model without a restart. An adapter's identity is the
+31-bit FNV-1a hash of its registered path, the value that travels as ADAPTER_HASH.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from build_engines.lora import adapter_hash
+
+from .errors import BadRequest, UnknownAdapter
+
+REGISTRY_FILE = "registry.json"
+BASE_NAME = "base"
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    path: str  # as registered (relative paths are relative to the registry's root)
+    description: str
+
+    @property
+    def hash(self) -> int:
+        return adapter_hash(self.path)
+
+
+class Registry:
+    """Read/refresh/write the registry file at `root/registry.json`."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.file = self.root / REGISTRY_FILE
+        self._stamp: tuple[int, int] | None = None
+        self._entries: dict[str, Entry] = {}
+        self.refresh()
+
+    def resolve_path(self, entry: Entry) -> Path:
+        p = Path(entry.path)
+        return p if p.is_absolute() else self.root / p
+
+    def refresh(self) -> bool:
+        """Re-read the file if it changed since the last read; returns whether it did."""
+        try:
+            st = self.file.stat()
+        except FileNotFoundError:
+            changed = bool(self._entries) or self._stamp is not None
+            self._entries, self._stamp = {}, None
+            return changed
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return False
+        data = json.loads(self.file.read_text())
+        self._entries = {name: Entry(name, e["path"], e.get("description", "")) for name, e in data.get("adapters", {}).items()}
+        self._stamp = stamp
+        return True
+
+    def entries(self) -> list[Entry]:
+        return [self._entries[k] for k in sorted(self._entries)]
+
+    def by_name(self, name: str) -> Entry:
+        if name not in self._entries:
+            raise UnknownAdapter(f"unknown adapter {name!r}; loaded adapters: {sorted(self._entries)} (or {BASE_NAME!r})")
+        return self._entries[name]
+
+    def by_hash(self, value: int) -> Entry | None:
+        """None for 0 (base); UnknownAdapter for a hash no loaded adapter has (e.g. unloaded meanwhile)."""
+        if value == 0:
+            return None
+        for e in self._entries.values():
+            if e.hash == value:
+                return e
+        raise UnknownAdapter(f"adapter hash {value} is not loaded (unloaded meanwhile?); loaded adapters: {sorted(self._entries)}")
+
+    def name_of(self, value: int) -> str:
+        try:
+            entry = self.by_hash(value)
+        except UnknownAdapter:
+            return f"unknown:{value}"
+        return BASE_NAME if entry is None else entry.name
+
+    # ---------------------------------------------------------------- writes (admin)
+    @contextmanager
+    def _locked(self) -> Iterator[dict]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".registry.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = json.loads(self.file.read_text()) if self.file.exists() else {"adapters": {}}
+            yield data
+            tmp = self.file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            os.replace(tmp, self.file)
+        self.refresh()
+
+    def put(self, name: str, path: str, description: str) -> Entry:
+        if not name or name == BASE_NAME or "/" in name:
+            raise BadRequest(f"invalid adapter name {name!r}")
+        with self._locked() as data:
+            for other, e in data["adapters"].items():
+                if other != name and adapter_hash(e["path"]) == adapter_hash(path):
+                    raise BadRequest(f"path {path!r} is already registered as {other!r}")
+            data["adapters"][name] = {"path": path, "description": description}
+        return self.by_name(name)
+
+    def remove(self, name: str) -> Entry:
+        entry = self.by_name(name)
+        with self._locked() as data:
+            data["adapters"].pop(name, None)
+        return entry

@@ -1,0 +1,96 @@
+"""Render the model repository's config.pbtxt files from the tensor contract.
+
+`python -m tritonserver_backend.repository` rewrites `model_repository/*/config.pbtxt` (committed; a test checks
+they match the contract). Paths in the parameters are relative to the project root (the model repository's
+parent), so `tritonserver --model-repository model_repository` serves the embedded default as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from . import contract as c
+
+DEFAULT_PARAMETERS = {
+    "model_dir": "embedded/mol2-small",
+    "registry_root": "artifacts/registry",
+    "max_context": "8192",
+    "session_budget_bytes": str(2 << 30),
+    "torch_threads": "1",
+}
+PYTHON_MODELS_USING = {
+    "preprocess": ("model_dir", "registry_root"),
+    "encoder": ("model_dir", "max_context", "session_budget_bytes", "torch_threads"),
+    "router": ("model_dir", "registry_root", "torch_threads"),
+    "decoder": ("model_dir", "registry_root", "max_context", "session_budget_bytes", "torch_threads"),
+    "postprocess": ("model_dir", "registry_root"),
+    "adapter_admin": ("model_dir", "registry_root"),
+}
+
+
+def _io(kind: str, specs: tuple[c.TensorSpec, ...]) -> str:
+    return f"{kind} [\n" + ",\n".join(s.pbtxt() for s in specs) + "\n]"
+
+
+def python_model_config(model: c.ModelSpec, params: dict[str, str]) -> str:
+    lines = [f'name: "{model.name}"', 'backend: "python"', f"max_batch_size: {model.max_batch_size}"]
+    if model.decoupled:
+        lines.append("model_transaction_policy {\n  decoupled: true\n}")
+    lines += [_io("input", model.inputs), _io("output", model.outputs)]
+    lines.append("instance_group [\n  {\n    count: 1\n    kind: KIND_CPU\n  }\n]")
+    for key in PYTHON_MODELS_USING[model.name]:
+        lines.append(f'parameters {{\n  key: "{key}"\n  value: {{ string_value: "{params[key]}" }}\n}}')
+    return "\n".join(lines) + "\n"
+
+
+def ensemble_config() -> str:
+    lines = [f'name: "{c.ENSEMBLE_NAME}"', 'platform: "ensemble"', "max_batch_size: 0", _io("input", c.ENSEMBLE_INPUTS), _io("output", c.ENSEMBLE_OUTPUTS), "ensemble_scheduling {\n  step ["]
+    steps = []
+    for model, inputs, outputs in c.ensemble_steps():
+        body = [f'      model_name: "{model.name}"', "      model_version: -1"]
+        body += [f'      input_map {{ key: "{k}" value: "{v}" }}' for k, v in inputs.items()]
+        body += [f'      output_map {{ key: "{k}" value: "{v}" }}' for k, v in outputs.items()]
+        steps.append("    {\n" + "\n".join(body) + "\n    }")
+    lines.append(",\n".join(steps))
+    lines.append("  ]\n}")
+    return "\n".join(lines) + "\n"
+
+
+def render(out: Path, params: dict[str, str] | None = None) -> dict[Path, str]:
+    params = {**DEFAULT_PARAMETERS, **(params or {})}
+    files = {out / m.name / "config.pbtxt": python_model_config(m, params) for m in c.MODELS}
+    files[out / c.ENSEMBLE_NAME / "config.pbtxt"] = ensemble_config()
+    return files
+
+
+SOURCE_REPOSITORY = Path(__file__).resolve().parent.parent / "model_repository"
+
+
+def build_repository(out: Path, params: dict[str, str]) -> Path:
+    """A deployable copy: rendered configs plus each model's model.py (e.g. with absolute paths, for tests)."""
+    for path, text in render(out, params).items():
+        (path.parent / "1").mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        source = SOURCE_REPOSITORY / path.parent.name / "1" / "model.py"
+        if source.exists():
+            (path.parent / "1" / "model.py").write_text(source.read_text())
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("model_repository"))
+    for key, value in DEFAULT_PARAMETERS.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", default=value)
+    args = parser.parse_args(argv)
+    params = {k: getattr(args, k) for k in DEFAULT_PARAMETERS}
+    for path, text in render(args.out, params).items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "1").mkdir(exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

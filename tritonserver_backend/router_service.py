@@ -1,0 +1,80 @@
+"""The router model's logic: MoL2 pointer head over the loaded adapters' descriptions; explicit adapters win."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from build_engines.router import OptionCache, PointerHead, RouterConfig, option_text
+from build_engines.tokenizer import ChatTokenizer
+
+from . import counters as k
+from .counters import Counters
+from .errors import BadRequest, ServingError
+from .registry import BASE_NAME, Registry
+
+ROUTER_DIR = "router"
+
+
+class RouterService:
+    def __init__(self, model_dir: str | Path, registry: Registry, counters: Counters | None = None) -> None:
+        model_dir = Path(model_dir)
+        self.registry = registry
+        self.counters = counters or Counters()
+        self.tokenizer = ChatTokenizer.load(model_dir)
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+            self.embed = f.get_tensor("embed.weight").float()  # the option side sees the token embedding only
+        if (model_dir / ROUTER_DIR / "router_config.json").exists():
+            self.head, self.trained = PointerHead.load(model_dir / ROUTER_DIR), True
+        else:  # until a trained head exists: seeded random weights, so routing is arbitrary but deterministic
+            torch.manual_seed(0)
+            self.head, self.trained = PointerHead(RouterConfig.for_model(self.embed.shape[1])).eval(), False
+        self._options: OptionCache | None = None
+        self._option_names: list[str] = []
+        self.refresh(force=True)
+
+    @torch.no_grad()
+    def refresh(self, force: bool = False) -> None:
+        """Recompute the cached option side when the adapter set or a description changed."""
+        if not self.registry.refresh() and not force:
+            return
+        entries = self.registry.entries()
+        self._option_names = [e.name for e in entries]
+        embedded = [self.embed[torch.tensor(self.tokenizer.encode(option_text(e.description or e.name)))] for e in entries]
+        self._options = self.head.encode_options(embedded) if embedded else None
+
+    @torch.no_grad()
+    def route(self, h19: Sequence[np.ndarray], explicit: Sequence[str | None]) -> list[int | ServingError]:
+        """One ADAPTER_HASH (or an error) per request; an explicit adapter is taken as is, never scored."""
+        self.refresh()
+        results: list[int | ServingError] = [0] * len(h19)
+        to_score = []
+        for i, (h, name) in enumerate(zip(h19, explicit)):
+            if name:
+                try:
+                    results[i] = 0 if name == BASE_NAME else self.registry.by_name(name).hash
+                    self.counters.add(k.EXPLICIT, name)
+                    self.counters.add(k.WRITTEN, name)
+                except ServingError as exc:
+                    results[i] = exc
+            elif h.ndim != 1 or h.shape[0] != self.embed.shape[1] or not np.isfinite(h).all():
+                results[i] = BadRequest(f"H19 must be a finite vector of {self.embed.shape[1]} values, got shape {h.shape}")
+            else:
+                to_score.append(i)
+        if to_score:
+            if self._options is None:
+                for i in to_score:
+                    results[i] = 0  # no adapter loaded: the base model answers
+                    self.counters.add(k.WRITTEN, BASE_NAME)
+            else:
+                q = torch.from_numpy(np.stack([h19[i] for i in to_score]).astype(np.float32))
+                picks = self.head.score(q, self._options).argmax(-1).tolist()
+                for i, p in zip(to_score, picks):
+                    entry = self.registry.by_name(self._option_names[p])
+                    results[i] = entry.hash
+                    self.counters.add(k.WRITTEN, entry.name)
+        return results

@@ -1,0 +1,132 @@
+"""The only place that talks to Triton's Python backend (`triton_python_backend_utils`).
+
+`model.py` files call these helpers, so they stay a screen long: read inputs by the contract (with defaults for
+optional ones), build responses, turn a `ServingError` into a short per-request error (tracebacks go to the
+server log only), call the encoder through BLS, and export the counters as Triton custom metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import contract as c
+from .counters import DESCRIPTIONS, Counters
+from .errors import BadRequest, ServingError
+
+LOG = logging.getLogger("mol2")
+
+
+def pb():  # type: ignore[no-untyped-def]
+    import triton_python_backend_utils as pb_utils  # only importable inside the Python-backend stub
+
+    return pb_utils
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+def parameters(args: dict) -> dict[str, str]:
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def resolve(args: dict, value: str) -> Path:
+    """Paths in config parameters are relative to the model repository's parent (the project root)."""
+    p = Path(os.path.expandvars(value))
+    return p if p.is_absolute() else (Path(args["model_repository"]).resolve().parent.parent / p).resolve()
+
+
+def set_threads(params: dict[str, str]) -> None:
+    import torch
+
+    torch.set_num_threads(int(params.get("torch_threads", "1")))
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def read(request: Any, spec: c.TensorSpec, default: Any = None) -> Any:
+    """One input as numpy (BYTES decoded to str for [1]-shaped tensors); `default` when optional and absent."""
+    t = pb().get_input_tensor_by_name(request, spec.name)
+    if t is None:
+        if spec.optional:
+            return default
+        raise BadRequest(f"missing input {spec.name}")
+    a = t.as_numpy()
+    want = spec.numpy_dtype
+    if spec.dtype == "BYTES":
+        if a.dtype != np.object_:
+            raise BadRequest(f"input {spec.name} must be BYTES")
+        flat = a.reshape(-1)
+        decoded = [v.decode("utf-8", errors="strict") if isinstance(v, bytes) else str(v) for v in flat]
+        if spec.dims == (1,):
+            if len(decoded) != 1:
+                raise BadRequest(f"input {spec.name} must hold exactly one string, got {len(decoded)}")
+            return decoded[0]
+        return decoded
+    if a.dtype != want:
+        raise BadRequest(f"input {spec.name} must be {spec.dtype}, got {a.dtype}")
+    if spec.dims == (1,):
+        if a.size != 1:
+            raise BadRequest(f"input {spec.name} must hold exactly one value, got shape {a.shape}")
+        return a.reshape(-1)[0].item()
+    if len(spec.dims) != a.ndim:
+        raise BadRequest(f"input {spec.name} must have rank {len(spec.dims)}, got shape {a.shape}")
+    return a
+
+
+def tensor(spec: c.TensorSpec, value: Any) -> Any:
+    if spec.dtype == "BYTES":
+        arr = np.array([v.encode("utf-8") if isinstance(v, str) else v for v in (value if isinstance(value, list) else [value])], dtype=np.object_)
+    else:
+        arr = np.asarray(value, dtype=spec.numpy_dtype)
+        if spec.dims == (1,):
+            arr = arr.reshape(1)
+    return pb().Tensor(spec.name, arr)
+
+
+def response(outputs: dict[c.TensorSpec, Any]) -> Any:
+    return pb().InferenceResponse(output_tensors=[tensor(s, v) for s, v in outputs.items()])
+
+
+def error_response(exc: BaseException) -> Any:
+    """Short message for the client; anything that is not a ServingError is logged and reported generically."""
+    if isinstance(exc, ServingError):
+        message = str(exc)
+    elif isinstance(exc, UnicodeDecodeError):
+        message = "a string input is not valid UTF-8"
+    else:
+        LOG.error("internal error: %s", traceback.format_exc())
+        pb().Logger.log_error(traceback.format_exc())
+        message = f"internal error ({type(exc).__name__}); see the server log"
+    return pb().InferenceResponse(output_tensors=[], error=pb().TritonError(message))
+
+
+# ---------------------------------------------------------------------------------------------- BLS
+def bls(model: str, inputs: dict[c.TensorSpec, Any], outputs: list[c.TensorSpec]) -> dict[str, np.ndarray]:
+    request = pb().InferenceRequest(model_name=model, inputs=[tensor(s, v) for s, v in inputs.items()], requested_output_names=[o.name for o in outputs])
+    resp = request.exec()
+    if resp.has_error():
+        raise BadRequest(resp.error().message())
+    return {o.name: pb().get_output_tensor_by_name(resp, o.name).as_numpy() for o in outputs}
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+def export_counters(counters: Counters, names: list[str]) -> None:
+    """Mirror `counters` into Triton custom metrics `mol2_<counter>{adapter="..."}` on the metrics port."""
+    pb_utils = pb()
+    families = {n: pb_utils.MetricFamily(name=f"mol2_{n}", description=DESCRIPTIONS[n], kind=pb_utils.MetricFamily.COUNTER) for n in names}
+    metrics: dict[tuple[str, str], Any] = {}
+
+    def listener(counter: str, adapter: str, amount: int) -> None:
+        if counter not in families:
+            return
+        key = (counter, adapter)
+        if key not in metrics:
+            metrics[key] = families[counter].Metric(labels={"adapter": adapter})
+        metrics[key].increment(amount)
+
+    counters.listener = listener
