@@ -94,15 +94,22 @@ class PointerHead(nn.Module):
         return OptionCache(h, pad, self.wk(pooled))
 
     # ------------------------------------------------------------------ query side (per request)
-    def score(self, h19_pooled: torch.Tensor, options: OptionCache) -> torch.Tensor:
-        """(B, model_dim) pooled H19 -> (B, n) pointer logits over the cached options."""
+    def score(self, h19_pooled: torch.Tensor, options: OptionCache, option_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, model_dim) pooled H19 -> (B, n) pointer logits over the cached options.
+
+        `option_mask` (B, n) restricts each row to its own candidate subset (cross-attention and scores alike),
+        so requests with different candidate sets can share one cached option side.
+        """
         q = self.query_proj(self.query_norm(h19_pooled)).unsqueeze(1)  # (B, 1, w)
         n, T, w = options.tokens.shape
         B = q.shape[0]
         mem = options.tokens.reshape(1, n * T, w).expand(B, -1, -1)
         mask = options.padding.reshape(1, n * T).expand(B, -1)
+        if option_mask is not None:
+            mask = mask | (~option_mask).unsqueeze(-1).expand(B, n, T).reshape(B, n * T)
         q = q + self.cross(self.cross_norm(q), mem, mem, key_padding_mask=mask, need_weights=False)[0]
-        return (self.wq(q.squeeze(1)) @ options.keys.t()) / w ** 0.5
+        logits = (self.wq(q.squeeze(1)) @ options.keys.t()) / w ** 0.5
+        return logits if option_mask is None else logits.masked_fill(~option_mask, float("-inf"))
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)

@@ -9,7 +9,7 @@ import http.client
 import json
 import queue
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class GrpcChat:
         self._results: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self._results.put((result, error)))
 
-    def turn(self, request: TurnRequest, timeout: float = 300.0) -> Reply:
+    def turn(self, request: TurnRequest, timeout: float = 300.0, on_piece: Callable[[str], None] | None = None) -> Reply:
         inputs = []
         for spec, value in request.tensors().items():
             arr = _numpy(spec, value)
@@ -103,13 +103,16 @@ class GrpcChat:
                 return reply
             final = result.get_response().parameters.get("triton_final_response")
             if result.as_numpy(c.TOKEN_ID_OUT.name) is not None:
+                piece = result.as_numpy(c.TEXT_OUTPUT.name).reshape(-1)[0].decode("utf-8", errors="replace")
                 _add(
                     reply,
                     int(result.as_numpy(c.TOKEN_ID_OUT.name).reshape(-1)[0]),
-                    result.as_numpy(c.TEXT_OUTPUT.name).reshape(-1)[0].decode("utf-8", errors="replace"),
+                    piece,
                     result.as_numpy(c.ADAPTER_NAME.name).reshape(-1)[0].decode(),
                     result.as_numpy(c.FINISH_REASON.name).reshape(-1)[0].decode(),
                 )
+                if on_piece is not None:
+                    on_piece(piece)
             if final is not None and final.bool_param:
                 return reply
 
@@ -125,7 +128,7 @@ class HttpChat:
         host, _, port = url.partition(":")
         self.host, self.port = host, int(port or 80)
 
-    def turn(self, request: TurnRequest, timeout: float = 300.0) -> Reply:
+    def turn(self, request: TurnRequest, timeout: float = 300.0, on_piece: Callable[[str], None] | None = None) -> Reply:
         body = {spec.name: value for spec, value in request.tensors().items()}
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
@@ -144,7 +147,10 @@ class HttpChat:
                     reply.error = event["error"]
                     return reply
                 if c.TOKEN_ID_OUT.name in event:
-                    _add(reply, int(_scalar(event[c.TOKEN_ID_OUT.name])), str(_scalar(event[c.TEXT_OUTPUT.name])), str(_scalar(event[c.ADAPTER_NAME.name])), str(_scalar(event[c.FINISH_REASON.name])))
+                    piece = str(_scalar(event[c.TEXT_OUTPUT.name]))
+                    _add(reply, int(_scalar(event[c.TOKEN_ID_OUT.name])), piece, str(_scalar(event[c.ADAPTER_NAME.name])), str(_scalar(event[c.FINISH_REASON.name])))
+                    if on_piece is not None and int(_scalar(event[c.TOKEN_ID_OUT.name])) >= 0:
+                        on_piece(piece)
             return reply
         finally:
             conn.close()

@@ -78,6 +78,18 @@ def build_repository(out: Path, params: dict[str, str]) -> Path:
     return out
 
 
+def contract_markdown() -> str:
+    """The tensor contract as markdown tables (pasted into docs/serving.md; a test keeps them in sync)."""
+    out = []
+    for title, inputs, outputs in [(f"ensemble `{c.ENSEMBLE_NAME}` (what clients call)", c.ENSEMBLE_INPUTS, c.ENSEMBLE_OUTPUTS)] + [(f"model `{m.name}`" + (" (decoupled)" if m.decoupled else ""), m.inputs, m.outputs) for m in c.MODELS]:
+        out += [f"### {title}", "", "| direction | name | type | shape | optional | meaning |", "|---|---|---|---|---|---|"]
+        for direction, specs in (("in", inputs), ("out", outputs)):
+            for s in specs:
+                out.append(f"| {direction} | `{s.name}` | {s.dtype} | {list(s.dims)} | {'yes' if s.optional else ''} | {s.doc.replace("|", "\\|")} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("model_repository"))

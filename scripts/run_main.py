@@ -1,0 +1,74 @@
+"""The main job: serve the embedded default with a real tritonserver and hold a scripted multi-turn conversation.
+
+Steps: build a model repository for the embedded default (configs from the tensor contract, a fresh adapter
+registry), start tritonserver on free loopback ports, wait until ready, run a conversation that visits several
+domains (routed turns and one explicit override) over gRPC streaming, print every streamed reply with the adapter
+chosen, show the routing counters from the metrics port, and stop the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tritonserver_backend.client import GrpcChat, TurnRequest
+from tritonserver_backend.launcher import TritonServer
+from tritonserver_backend.repository import build_repository
+
+ROOT = Path(__file__).resolve().parent.parent
+CONVERSATION = [
+    (None, "hey, how are you doing tonight?"),
+    (None, "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""),
+    (None, ".card { display: flex; justify-content: space-between; padding: 1rem; }"),
+    (None, "git rebase -i HEAD~3 says: cannot rebase, you have unstaged changes. what should I run?"),
+    ("L0_chat", "thanks a lot, you saved my evening!"),
+]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=ROOT / "embedded" / "mol2-small")
+    p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "main")
+    p.add_argument("--max-tokens", type=int, default=40)
+    args = p.parse_args()
+    if not (args.model / "model.safetensors").exists():
+        print(f"{args.model} has no model: build it with `python -m build_engines.build_default`", file=sys.stderr)
+        return 2
+    if args.work.exists():
+        shutil.rmtree(args.work)
+    repo = build_repository(args.work / "model_repository", {"model_dir": str(args.model.resolve()), "registry_root": str((args.work / "registry").resolve())})
+    print(f"model repository: {repo} (models: preprocess, encoder, router, decoder, postprocess, adapter_admin; ensemble mol2)")
+    server = TritonServer(work_dir=args.work / "server")
+    server.start(repo)
+    try:
+        print(f"tritonserver {server.install.binary} starting (PID {server.pid}, gRPC {server.grpc_url}, HTTP {server.http_url}) ...")
+        print(f"ready after {server.wait_ready(300):.1f} s")
+        chat = GrpcChat(server.grpc_url)
+        for i, (adapter, text) in enumerate(CONVERSATION):
+            print(f"\n[turn {i + 1}] user{' (explicit adapter ' + adapter + ')' if adapter else ''}: {text}")
+            print("assistant: ", end="", flush=True)
+            t0 = time.perf_counter()
+            reply = chat.turn(TurnRequest("main-demo", text, new_session=i == 0, adapter=adapter, max_tokens=args.max_tokens), on_piece=lambda s: print(s, end="", flush=True))
+            if reply.error:
+                print(f"\n  [error] {reply.error}")
+                return 1
+            how = "explicit override" if adapter else "routed by MoL2"
+            print(f"\n  -> adapter {reply.adapter} ({how}); {len(reply.token_ids)} tokens in {time.perf_counter() - t0:.2f} s; finish: {reply.finish_reason}")
+        chat.close()
+        metrics = urllib.request.urlopen(server.metrics_url).read().decode()
+        print("\nrouting counters (Triton custom metrics):")
+        for line in metrics.splitlines():
+            if line.startswith("mol2_"):
+                print(f"  {line}")
+    finally:
+        server.stop()
+        print("server stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

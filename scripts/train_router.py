@@ -1,0 +1,193 @@
+"""Train and evaluate the MoL2 router on the embedded default; write docs/routing.md and the trained head.
+
+    .venv/bin/python scripts/train_router.py            # recipes A/B/C x 3 seeds, data-scaling sweep, final head
+
+The study follows the article: generic pick-one questions rewritten from labelled sets (each with its own candidate
+set) plus adapter-domain user turns; recipe A = generic only, B = mixed, C = staged (generic, then adapter); the
+held-out adapter benchmark and per-source generic test accuracy; a sweep over the amount of adapter data. The head
+of recipe B (seed 0) becomes the embedded default's router (`<model>/router/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from build_engines.checkpoint import load_checkpoint  # noqa: E402
+from build_engines.network import EncoderEngine  # noqa: E402
+from build_engines.router_train import TaskSet, accuracy, build_task_sets, extract_h19, new_head, train_head, write_json  # noqa: E402
+from build_engines.routing_data import load_items, write_routing_data  # noqa: E402
+from build_engines.tokenizer import ChatTokenizer  # noqa: E402
+
+ADAPTER_TRAIN, ADAPTER_BENCH = "adapter_routing", "adapter_benchmark"
+
+
+def cap(items: list[dict], per_task: int, seed: int) -> list[dict]:
+    """At most `per_task` items of each task (seeded), so no task dominates and extraction stays short."""
+    rng = random.Random(seed)
+    by_task: dict[str, list[dict]] = {}
+    for it in items:
+        by_task.setdefault(it["task"], []).append(it)
+    out = []
+    for task in sorted(by_task):
+        rows = by_task[task]
+        out.extend(rows if len(rows) <= per_task else rng.sample(rows, per_task))
+    return out
+
+
+def limit(ts: TaskSet, n: int, seed: int) -> TaskSet:
+    g = torch.Generator().manual_seed(seed)
+    return ts if n >= len(ts) else ts.subset(torch.randperm(len(ts), generator=g)[:n])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=Path("embedded/mol2-small"))
+    p.add_argument("--data", type=Path, default=Path("artifacts/data"))
+    p.add_argument("--routing", type=Path, default=Path("artifacts/routing"))
+    p.add_argument("--cache", type=Path, default=Path("artifacts/router_cache"))
+    p.add_argument("--out", type=Path, default=Path("docs/routing.md"))
+    p.add_argument("--train-per-task", type=int, default=1500)
+    p.add_argument("--test-per-task", type=int, default=300)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--sweep", default="0,25,50,100,250,500,1000,4000")
+    args = p.parse_args()
+    t_start = time.perf_counter()
+    if not (args.routing / "generic.jsonl").exists():
+        write_routing_data(args.data, args.routing)
+    tok = ChatTokenizer.load(args.model)
+    net = load_checkpoint(args.model)
+    encoder = EncoderEngine.from_state_dict(net.cfg, net.state_dict()).eval()
+    embed = net.embed.weight.detach().float()
+    digest = hashlib.sha256((args.model / "model.safetensors").read_bytes()).hexdigest()[:16]
+    del net
+
+    generic = load_items(args.routing, "generic")
+    adapter = load_items(args.routing, "adapter")
+    splits = {
+        "train": cap([i for i in generic if i["split"] == "train"], args.train_per_task, 0) + [i for i in adapter if i["split"] == "train"],
+        "test": cap([i for i in generic if i["split"] == "test"], args.test_per_task, 1) + [i for i in adapter if i["split"] == "test"],
+    }
+    sets = {}
+    for split, items in splits.items():
+        feats = extract_h19(encoder, tok, [i["query"] for i in items], args.cache, digest)
+        sets[split] = build_task_sets(items, feats, tok)
+    generic_tasks = sorted(t for t in sets["train"] if not t.startswith("adapter"))
+    print(f"items: train {sum(len(s) for s in sets['train'].values())}, test {sum(len(s) for s in sets['test'].values())}; H19 ready after {time.perf_counter() - t_start:.0f} s")
+
+    def evaluate(head) -> dict[str, float]:  # type: ignore[no-untyped-def]
+        res = {t: accuracy(head, embed, sets["test"][t]) for t in generic_tasks}
+        res["generic_mean"] = statistics.mean(res[t] for t in generic_tasks)
+        res[ADAPTER_BENCH] = accuracy(head, embed, sets["test"][ADAPTER_BENCH])
+        return res
+
+    def run(recipe: str, n_adapter: int, seed: int) -> tuple[dict[str, float], object]:
+        gen = [sets["train"][t] for t in generic_tasks]
+        ad = limit(sets["train"][ADAPTER_TRAIN], n_adapter, seed)
+        head = new_head(embed.shape[1], seed)
+        if recipe == "A" or n_adapter == 0:
+            stages, steps = [gen], [args.steps]
+        elif recipe == "B":
+            stages, steps = [gen + [ad]], [args.steps]
+        else:  # C: staged
+            stages, steps = [gen, [ad]], [args.steps * 2 // 3, args.steps - args.steps * 2 // 3]
+        t0 = time.perf_counter()
+        train_head(head, embed, stages, steps, seed=seed, progress=False)
+        res = evaluate(head)
+        res["train_s"] = time.perf_counter() - t0
+        print(f"recipe {recipe} n_adapter {n_adapter} seed {seed}: adapter benchmark {res[ADAPTER_BENCH]:.4f}, generic mean {res['generic_mean']:.4f} ({res['train_s']:.0f} s)", flush=True)
+        return res, head
+
+    n_all = len(sets["train"][ADAPTER_TRAIN])
+    recipes: dict[str, list[dict[str, float]]] = {}
+    final_head = None
+    for recipe in ("A", "B", "C"):
+        recipes[recipe] = []
+        for seed in range(args.seeds):
+            res, head = run(recipe, 0 if recipe == "A" else n_all, seed)
+            recipes[recipe].append(res)
+            if recipe == "B" and seed == 0:
+                final_head = head
+    sweep: dict[int, list[float]] = {}
+    for n in [int(x) for x in args.sweep.split(",") if x]:
+        n = min(n, n_all)
+        sweep[n] = [run("B", n, seed)[0][ADAPTER_BENCH] for seed in range(args.seeds)]
+    assert final_head is not None
+    final_head.save(args.model / "router")
+    results = {"recipes": recipes, "sweep": {str(k): v for k, v in sweep.items()}, "generic_tasks": generic_tasks, "items": {s: {t: len(ts) for t, ts in v.items()} for s, v in sets.items()}, "wall_s": time.perf_counter() - t_start}
+    write_json(args.out.parent / "figures" / "routing_results.json", results)
+    write_report(args, results, sys.argv[1:])
+    return 0
+
+
+def _ms(values: list[float]) -> str:
+    return f"{100 * statistics.mean(values):.2f} ± {100 * statistics.pstdev(values):.2f}" if len(values) > 1 else f"{100 * values[0]:.2f}"
+
+
+def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> None:
+    recipes, sweep, tasks = results["recipes"], results["sweep"], results["generic_tasks"]
+    fig_dir = args.out.parent / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    names = list(recipes)
+    ax[0].bar(names, [100 * statistics.mean(r["adapter_benchmark"] for r in recipes[n]) for n in names], yerr=[100 * statistics.pstdev(r["adapter_benchmark"] for r in recipes[n]) for n in names], capsize=4)
+    ax[0].set(title="adapter benchmark accuracy by recipe", ylabel="%", ylim=(0, 100))
+    ax[1].bar(names, [100 * statistics.mean(r["generic_mean"] for r in recipes[n]) for n in names], yerr=[100 * statistics.pstdev(r["generic_mean"] for r in recipes[n]) for n in names], capsize=4, color="tab:orange")
+    ax[1].set(title="generic test accuracy (mean over sources)", ylabel="%", ylim=(0, 100))
+    fig.tight_layout()
+    fig.savefig(fig_dir / "routing_recipes.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    ns = sorted(int(k) for k in sweep)
+    ax.errorbar([max(n, 1) for n in ns], [100 * statistics.mean(sweep[str(n)]) for n in ns], yerr=[100 * statistics.pstdev(sweep[str(n)]) for n in ns], marker="o", capsize=3)
+    ax.set(xscale="log", xlabel="adapter-domain training items (0 plotted at 1)", ylabel="adapter benchmark %", title="data scaling (recipe B)")
+    fig.tight_layout()
+    fig.savefig(fig_dir / "routing_scaling.png", dpi=110)
+    plt.close(fig)
+    lines = [
+        "# MoL2 routing: accuracy by training recipe and data scaling",
+        "",
+        f"Produced by `.venv/bin/python scripts/train_router.py {' '.join(argv)}` in {results['wall_s'] / 60:.1f} min on this machine (CPU). "
+        f"Model: `{args.model}` (H19 = last encoder layer, pooled over the user turn). Items used (after a per-task cap): {results['items']}.",
+        "",
+        "## Accuracy by recipe (analog of the article's Table 6/7 and Figure 11); mean ± std over seeds, %",
+        "",
+        "| recipe | adapter benchmark | generic mean | " + " | ".join(tasks) + " |",
+        "|---|---|---|" + "---|" * len(tasks),
+    ]
+    for n in names:
+        rs = recipes[n]
+        lines.append(f"| {n} | {_ms([r['adapter_benchmark'] for r in rs])} | {_ms([r['generic_mean'] for r in rs])} | " + " | ".join(_ms([r[t] for r in rs]) for t in tasks) + " |")
+    lines += [
+        "",
+        "A = generic only, B = mixed (generic + adapter-domain items), C = staged (generic, then adapter-domain items).",
+        "",
+        "![recipes](figures/routing_recipes.png)",
+        "",
+        "## Data scaling: adapter-domain items added to the full generic set (analog of Table 8); recipe B, %",
+        "",
+        "| adapter items | " + " | ".join(str(n) for n in ns) + " |",
+        "|---|" + "---|" * len(ns),
+        "| adapter benchmark | " + " | ".join(_ms(sweep[str(n)]) for n in ns) + " |",
+        "",
+        "![scaling](figures/routing_scaling.png)",
+        "",
+    ]
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
