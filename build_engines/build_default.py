@@ -16,7 +16,6 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import get_preset
 from .corpora.reader import iter_documents, load_manifest, sources
-from .lora import AdapterBank, read_adapter
+from .lora import AdapterBank
 from .network import CEDNetwork, init_weights
 from .token_data import Mixture, size_weights, token_stream, tokenizer_digest
 from .tokenizer import TOKENIZER_FILE, ChatTokenizer, train_tokenizer
@@ -168,8 +167,60 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": time.perf_counter() - started,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    describe_adapters(out)
+    record_smoke_generation(out)
     print(json.dumps(manifest["perplexity"]["adapter_by_domain_test"], indent=1))
     print(f"embedded default written to {out} ({manifest['total_bytes'] / 1e6:.1f} MB)")
+
+
+SMOKE_PROMPT = "Hello! What can you tell me about the sea?"
+SMOKE_TOKENS = 8
+
+
+@torch.no_grad()
+def smoke_generation(model_dir: Path) -> dict[str, list[int]]:
+    """Greedy tokens for a fixed chat prompt, base and every adapter: what the embedded-default test reproduces."""
+    net = load_checkpoint(model_dir)
+    tok = ChatTokenizer.load(model_dir)
+    bank = AdapterBank(net.cfg, net)
+    bank.attach(net)
+    prompt = torch.tensor([tok.chat([{"role": "user", "content": SMOKE_PROMPT}])])
+    out: dict[str, list[int]] = {}
+    for name in ["BASE"] + sorted(p.name for p in (model_dir / "adapters").iterdir()):
+        adapter = None if name == "BASE" else bank.load(model_dir / "adapters" / name, name=name, path_id=f"adapters/{name}")
+        with AdapterBank.rows([adapter]):
+            o = net(prompt)
+            state, ids = o.state, [int(o.logits[0, -1].argmax())]
+            for _ in range(SMOKE_TOKENS - 1):
+                o = net(torch.tensor([[ids[-1]]]), state)
+                state = o.state
+                ids.append(int(o.logits[0, -1].argmax()))
+        out[name] = ids
+    return out
+
+
+def describe_adapters(model_dir: Path) -> None:
+    """Write each adapter's router description (`mol2_description`) into its adapter_config.json, and refresh the
+    manifest's hashes: the serving registry reads the same text the router was trained on."""
+    from .routing_data import ADAPTER_DESCRIPTIONS
+
+    manifest_path = model_dir / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    for name, text in ADAPTER_DESCRIPTIONS.items():
+        cfg_path = model_dir / "adapters" / name / "adapter_config.json"
+        if cfg_path.exists():
+            meta = json.loads(cfg_path.read_text())
+            meta["mol2_description"] = text
+            cfg_path.write_text(json.dumps(meta, indent=2) + "\n")
+            manifest["files_sha256"][f"adapters/{name}/adapter_config.json"] = sha256(cfg_path)
+    manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def record_smoke_generation(model_dir: Path) -> None:
+    path = model_dir / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["smoke_generation"] = {"prompt": SMOKE_PROMPT, "greedy_tokens": smoke_generation(model_dir)}
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _mean_ppl(net: CEDNetwork, streams: dict, srcs: list[str], args: argparse.Namespace, adapter) -> float:  # type: ignore[no-untyped-def]

@@ -63,6 +63,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--sweep", default="0,25,50,100,250,500,1000,4000")
+    p.add_argument("--adapter-cap", type=int, default=100_000, help="at most this many adapter items per split (smoke runs)")
     args = p.parse_args()
     t_start = time.perf_counter()
     if not (args.routing / "generic.jsonl").exists():
@@ -77,8 +78,8 @@ def main() -> int:
     generic = load_items(args.routing, "generic")
     adapter = load_items(args.routing, "adapter")
     splits = {
-        "train": cap([i for i in generic if i["split"] == "train"], args.train_per_task, 0) + [i for i in adapter if i["split"] == "train"],
-        "test": cap([i for i in generic if i["split"] == "test"], args.test_per_task, 1) + [i for i in adapter if i["split"] == "test"],
+        "train": cap([i for i in generic if i["split"] == "train"], args.train_per_task, 0) + cap([i for i in adapter if i["split"] == "train"], args.adapter_cap, 2),
+        "test": cap([i for i in generic if i["split"] == "test"], args.test_per_task, 1) + cap([i for i in adapter if i["split"] == "test"], args.adapter_cap, 3),
     }
     sets = {}
     for split, items in splits.items():
@@ -126,10 +127,23 @@ def main() -> int:
         sweep[n] = [run("B", n, seed)[0][ADAPTER_BENCH] for seed in range(args.seeds)]
     assert final_head is not None
     final_head.save(args.model / "router")
+    register_router_files(args.model)
     results = {"recipes": recipes, "sweep": {str(k): v for k, v in sweep.items()}, "generic_tasks": generic_tasks, "items": {s: {t: len(ts) for t, ts in v.items()} for s, v in sets.items()}, "wall_s": time.perf_counter() - t_start}
     write_json(args.out.parent / "figures" / "routing_results.json", results)
     write_report(args, results, sys.argv[1:])
     return 0
+
+
+def register_router_files(model: Path) -> None:
+    """Add the router head's files to the embedded default's manifest (hashes checked by the tests)."""
+    import json
+
+    path = model / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for f in sorted((model / "router").iterdir()):
+        manifest["files_sha256"][f"router/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
+    manifest["router_command"] = "python scripts/train_router.py " + " ".join(sys.argv[1:])
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _ms(values: list[float]) -> str:

@@ -93,6 +93,13 @@ def test_handover_codec_round_trip_and_malformed_tensors(net) -> None:  # type: 
         from_arrays(bad)
 
 
+def test_serving_doc_carries_the_current_contract() -> None:
+    from tritonserver_backend.repository import contract_markdown
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    assert contract_markdown() in doc, "docs/serving.md is stale: paste contract_markdown() again"
+
+
 def test_committed_configs_match_the_contract() -> None:
     root = Path(__file__).resolve().parent.parent / "model_repository"
     for path, text in render(root).items():

@@ -85,7 +85,8 @@ def contract_markdown() -> str:
         out += [f"### {title}", "", "| direction | name | type | shape | optional | meaning |", "|---|---|---|---|---|---|"]
         for direction, specs in (("in", inputs), ("out", outputs)):
             for s in specs:
-                out.append(f"| {direction} | `{s.name}` | {s.dtype} | {list(s.dims)} | {'yes' if s.optional else ''} | {s.doc.replace("|", "\\|")} |")
+                doc = s.doc.replace("|", "\\|")
+                out.append(f"| {direction} | `{s.name}` | {s.dtype} | {list(s.dims)} | {'yes' if s.optional else ''} | {doc} |")
         out.append("")
     return "\n".join(out)
 

@@ -1,0 +1,84 @@
+"""Write docs/model_card.md from the embedded default's manifest and the data manifest (no recomputation).
+
+    .venv/bin/python scripts/model_card.py
+Every figure comes from `embedded/mol2-small/manifest.json`, written by `python -m build_engines.build_default`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DOMAIN_OF = {"L0_chat": "chat", "L1_agent": "agent", "L2_code": "code", "L3_design": "design"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=Path("embedded/mol2-small"))
+    p.add_argument("--data", type=Path, default=Path("artifacts/data"))
+    p.add_argument("--out", type=Path, default=Path("docs/model_card.md"))
+    args = p.parse_args()
+    m = json.loads((args.model / "manifest.json").read_text())
+    data = json.loads((args.data / "manifest.json").read_text())
+    cfg = m["config"]
+    ppl = m["perplexity"]
+    t = m["timings_s"]
+    lines = [
+        "# Model card: the embedded default `mol2-small`",
+        "",
+        f"A small causal encoder-decoder with every structural role of DeepSeek-V4.1-Flash (see `docs/architecture.md`), trained from scratch on this project's offline corpora, plus four domain LoRA adapters. Built by `{m['command']}`; all files and their sha256 are listed in `{args.model}/manifest.json` ({m['total_bytes'] / 1e6:.1f} MB in total, base weights stored in bf16).",
+        "",
+        "## Model",
+        f"- {m['parameters'] / 1e6:.2f} M parameters; {cfg['n_layers']} layers (encoder 0-{cfg['n_encoder_layers'] - 1}, decoder {cfg['n_encoder_layers']}-{cfg['n_layers'] - 1}), dim {cfg['dim']}, {cfg['n_heads']} heads x {cfg['head_dim']}, window {cfg['window_size']}, KV sources {cfg['kv_source_layers']}, index layers {cfg['index_source_layers']}, {cfg['n_routed_experts']} routed experts top-{cfg['n_activated_experts']} + {cfg['n_shared_experts']} shared, hc {cfg['hc_mult']} streams; vocabulary {cfg['vocab_size']} (byte-level BPE trained on the training split, `tokenizer.json`, with chat special tokens).",
+        f"- Training: {m['settings']['base_steps']} steps x {m['settings']['batch']} x {m['settings']['seq_len']} tokens = {m['settings']['base_steps'] * m['settings']['batch'] * m['settings']['seq_len'] / 1e6:.2f} M tokens, AdamW (lr 2e-3, warm-up, cosine), seed {m['settings']['seed']}; {m['settings']['domain_share']:.0%} of the mixture from the adapter domains.",
+        f"- Machine: {m['machine']['device']}, {m['machine']['cpu_count']} threads, {m['machine']['platform']}, torch {m['machine']['torch']}.",
+        f"- Time: tokenizer {t.get('tokenizer_s', 0):.0f} s, tokenization {t.get('tokenize_s', 0):.0f} s, base pre-training {t.get('base_training_s', 0) / 60:.1f} min (torch.compile included), "
+        + ", ".join(f"{k.removeprefix('adapter_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items() if k.startswith("adapter_"))
+        + f", evaluation {t.get('evaluation_s', 0) / 60:.1f} min; whole build {m['wall_s'] / 60:.1f} min.",
+        "",
+        "## Training data (from `python -m build_engines.corpora prepare`; registry packages only)",
+        "",
+        "| source | kind | train docs | train MB | val docs | test docs |",
+        "|---|---|---|---|---|---|",
+    ]
+    kinds = {s: k for k, ss in data["kinds"].items() for s in ss}
+    for source, info in sorted(data["sources"].items()):
+        f = info["files"]
+        lines.append(f"| {source} | {kinds.get(source, '?')} | {f['train'].get('docs', '?')} | {f['train']['bytes'] / 1e6:.2f} | {f['val'].get('docs', '?')} | {f['test'].get('docs', '?')} |")
+    lines += [
+        "",
+        "Domains of the adapters: L0_chat = movie dialogue (chat), L1_agent = Debian man pages of command-line tools (the closest honest offline stand-in for tool use: no registry ships agent transcripts), L2_code = Python standard library source, L3_design = CSS/SCSS/HTML of web-design npm packages.",
+        "",
+        "## Base perplexity per source (held-out documents)",
+        "",
+        "| source | val | test |",
+        "|---|---|---|",
+    ]
+    for source in sorted(ppl["base_by_source"]["val"]):
+        lines.append(f"| {source} | {ppl['base_by_source']['val'][source]:.1f} | {ppl['base_by_source']['test'][source]:.1f} |")
+    table = ppl["adapter_by_domain_test"]
+    domains = list(next(iter(table.values())).keys())
+    lines += [
+        "",
+        "## Adapters: test perplexity on every domain, next to the base",
+        "",
+        "| model | " + " | ".join(domains) + " | own-domain gain vs base |",
+        "|---|" + "---|" * (len(domains) + 1),
+    ]
+    for name, row in table.items():
+        own = DOMAIN_OF.get(name)
+        gain = f"{(1 - row[own] / table['BASE'][own]) * 100:.1f}% lower" if own else ""
+        cells = [f"**{row[d]:.1f}**" if d == own else f"{row[d]:.1f}" for d in domains]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {gain} |")
+    lines += ["", "Bold: the adapter's own domain. The goal is at least 10% lower perplexity than the base there; the other columns show the off-domain cost.", ""]
+    for name, info in m["adapters"].items():
+        lines.append(f"- `{name}`: rank {info['rank']}, alpha {info['alpha']}, {info['modules']} modules (layer-20 FFN + layers 21..39 in the release's numbering), path hash {info['hash']}.")
+    if m.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in m["notes"]]
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
