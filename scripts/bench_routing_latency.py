@@ -345,14 +345,15 @@ def render(args: argparse.Namespace, window: int, buckets: list[Bucket], routers
         "",
         "## Decision time by input length",
         "",
-        "| History tokens | " + " | ".join(f"{n} mean / median / p95" for n in names) + " | Contextual MoL / MoL2 | MoL / MoL2 |",
-        "|---|" + "---|" * (len(names) + 2),
+        "| History tokens | " + " | ".join(f"{n} mean / median / p95" for n in names) + " | Contextual MoL / MoL2 (means) | MoL / MoL2 (means) | Contextual MoL / MoL2 (medians) | MoL / MoL2 (medians) |",
+        "|---|" + "---|" * (len(names) + 4),
     ]
 
     def row(label: str, times: dict[str, list[float]]) -> str:
         cells = [f"{fmt_time(mean(times[n]))} / {fmt_time(statistics.median(times[n]) if times[n] else float('nan'))} / {fmt_time(p95(times[n]))}" for n in names]
         m2 = mean(times[mol2.name])
-        return f"| {label} | " + " | ".join(cells) + f" | {mean(times['Contextual MoL']) / m2:,.0f}x | {mean(times['MoL']) / m2:,.0f}x |"
+        med = {n: statistics.median(times[n]) for n in names}
+        return f"| {label} | " + " | ".join(cells) + f" | {mean(times['Contextual MoL']) / m2:,.0f}x | {mean(times['MoL']) / m2:,.0f}x | {med['Contextual MoL'] / med[mol2.name]:,.0f}x | {med['MoL'] / med[mol2.name]:,.0f}x |"
 
     for b in buckets:
         lines.append(row(f"{b.tokens:,}", b.times))

@@ -60,9 +60,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("docs/routing.md"))
     p.add_argument("--train-per-task", type=int, default=1500)
     p.add_argument("--test-per-task", type=int, default=300)
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--sweep", default="0,25,50,100,250,500,1000,4000")
+    p.add_argument("--sweep-seeds", type=int, default=1)
+    p.add_argument("--sweep", default="0,50,250,1000,4000")
     p.add_argument("--adapter-cap", type=int, default=100_000, help="at most this many adapter items per split (smoke runs)")
     args = p.parse_args()
     t_start = time.perf_counter()
@@ -124,7 +125,7 @@ def main() -> int:
     sweep: dict[int, list[float]] = {}
     for n in [int(x) for x in args.sweep.split(",") if x]:
         n = min(n, n_all)
-        sweep[n] = [run("B", n, seed)[0][ADAPTER_BENCH] for seed in range(args.seeds)]
+        sweep[n] = [run("B", n, seed)[0][ADAPTER_BENCH] for seed in range(args.sweep_seeds)]
     assert final_head is not None
     final_head.save(args.model / "router")
     register_router_files(args.model)
