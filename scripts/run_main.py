@@ -22,9 +22,9 @@ from tritonserver_backend.repository import build_repository
 ROOT = Path(__file__).resolve().parent.parent
 CONVERSATION = [
     (None, "hey, how are you doing tonight?"),
-    (None, "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\""),
+    (None, "import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n        yield from files"),
     (None, ".card { display: flex; justify-content: space-between; padding: 1rem; }"),
-    (None, "git rebase -i HEAD~3 says: cannot rebase, you have unstaged changes. what should I run?"),
+    (None, "tar -czvf backup.tar.gz --exclude='*.log' /home/user/docs"),
     ("L0_chat", "thanks a lot, you saved my evening!"),
 ]
 
@@ -33,7 +33,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "embedded" / "mol2-small")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "main")
-    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args()
     if not (args.model / "model.safetensors").exists():
         print(f"{args.model} has no model: build it with `python -m build_engines.build_default`", file=sys.stderr)
