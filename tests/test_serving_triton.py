@@ -121,18 +121,9 @@ def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, r
     for req, message in cases:
         reply = chat.turn(req)
         assert reply.error is not None and message in reply.error, (req, reply)
-    # a malformed tensor: max_tokens sent as FP32
-    import tritonclient.http as httpclient
-
-    client = httpclient.InferenceServerClient(server.http_url)
-    inputs = []
-    for name, arr, dtype in [("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"), ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")]:
-        inp = httpclient.InferInput(name, list(arr.shape), dtype)
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    with pytest.raises(Exception, match="(?i)data type|datatype|expected"):
-        client.infer("mol2", inputs)
-    client.close()
+    # a malformed tensor: max_tokens sent as FP32 (the ensemble is decoupled, so this goes over the gRPC stream)
+    error = _raw_stream_error(server, [("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"), ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")])
+    assert error is not None and "max_tokens" in error and ("FP32" in error or "INT32" in error), error
     after = TurnRequest("intact", "And now?", max_tokens=TOKENS)
     assert chat.turn(after).token_ids == _reference(reference, after).token_ids, "the session survived every error"
     chat.close()
@@ -162,6 +153,36 @@ def test_eight_concurrent_sessions_match_their_solo_runs(server, reference) -> N
         t.join(timeout=600)
     assert not errors
     assert [results[i] for i in range(8)] == solo
+
+
+def _raw_stream_error(server, tensors) -> str | None:  # type: ignore[no-untyped-def]
+    """Send hand-made tensors to the ensemble over a gRPC stream; the error message, or None."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put(error))
+    inputs = []
+    for name, arr, dtype in tensors:
+        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    client.async_stream_infer(c.ENSEMBLE_NAME, inputs)
+    error = results.get(timeout=120)
+    client.stop_stream()
+    client.close()
+    return None if error is None else str(error)
+
+
+def _metric_totals(server) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    totals: dict[str, float] = {}
+    for line in urllib.request.urlopen(server.metrics_url).read().decode().splitlines():
+        if line.startswith("mol2_"):
+            name = line.split("{")[0]
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def _admin(server, **inputs) -> str:  # type: ignore[no-untyped-def]
@@ -211,18 +232,17 @@ def _write_leaky_adapter(directory: Path) -> None:
 
 
 def test_metrics_count_every_decision_written_read_and_applied(server) -> None:  # type: ignore[no-untyped-def]
+    before = _metric_totals(server)
     chat = GrpcChat(server.grpc_url)
     for i, adapter in enumerate([None, "L2_code", None]):
         assert chat.turn(TurnRequest("metrics", f"turn {i}", new_session=i == 0, adapter=adapter, max_tokens=2)).error is None
     chat.close()
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("mol2_"):
-            name = line.split("{")[0]
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    assert totals["mol2_routing_decisions_written"] == totals["mol2_routing_decisions_read"] == totals["mol2_routing_decisions_applied"] > 0
-    assert totals["mol2_replays"] == totals["mol2_routing_decisions_applied"] and totals["mol2_replay_tokens"] > 0
+    after = _metric_totals(server)
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    assert delta["mol2_routing_decisions_written"] == delta["mol2_routing_decisions_read"] == delta["mol2_routing_decisions_applied"] == 3
+    assert delta["mol2_explicit_overrides"] == 1 and delta["mol2_replays"] == 3 and delta["mol2_replay_tokens"] > 0
+    # over the whole run so far every decision that reached the decoder was applied
+    assert after["mol2_routing_decisions_read"] == after["mol2_routing_decisions_applied"]
 
 
 def test_end_session_then_the_id_is_reported_ended(server) -> None:  # type: ignore[no-untyped-def]

@@ -53,6 +53,7 @@ FINISH_REASON = TensorSpec("finish_reason", "BYTES", (1,), doc='"" while streami
 TOKEN_IDS = TensorSpec("TOKEN_IDS", "INT64", (-1,), doc="the user turn rendered by the chat template (ends with the assistant prompt); H19 is pooled over it")
 PREFIX_IDS = TensorSpec("PREFIX_IDS", "INT64", (-1,), doc="what precedes TOKEN_IDS when a session (re)starts: <|bos|> and any history turns")
 START = TensorSpec("START", "BOOL", (1,), doc="the client asked for a new session")
+DROP_SESSION = TensorSpec("DROP_SESSION", "BOOL", (1,), True, "sent by the decoder (BLS) after a turn with end_session: drop the encoder state")
 H19 = TensorSpec("H19", "FP32", (1, -1), doc="last encoder layer's streams, mean over hc streams and the user turn: (1, dim)")
 ROUTER_H19 = TensorSpec("H19", "FP32", (-1, -1), doc="(B, dim): the router scores a batch of rows in one call")
 ROUTER_ADAPTER = TensorSpec("adapter", "BYTES", (-1,), True, "(B,) explicit adapter per row; empty = route that row")
@@ -87,8 +88,8 @@ class ModelSpec:
     max_batch_size: int = 0
 
 
-PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER), (TOKEN_IDS, PREFIX_IDS, START))
-ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, END_SESSION), (H19, *HANDOVER))
+PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP), (TOKEN_IDS, PREFIX_IDS, START))
+ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 DECODER = ModelSpec(
     "decoder",
@@ -110,6 +111,9 @@ def ensemble_steps() -> list[tuple[ModelSpec, dict[str, str], dict[str, str]]]:
     Ensemble tensor names equal the model tensor names, so the maps are identities over each model's I/O.
     """
     steps = []
+    available = {t.name for t in ENSEMBLE_INPUTS}
     for model in (PREPROCESS, ENCODER, ROUTER, DECODER, POSTPROCESS):
-        steps.append((model, {t.name: t.name for t in model.inputs}, {t.name: t.name for t in model.outputs}))
+        # inputs nobody in the ensemble produces (e.g. DROP_SESSION, sent only by the decoder's BLS) stay unmapped
+        steps.append((model, {t.name: t.name for t in model.inputs if t.name in available}, {t.name: t.name for t in model.outputs}))
+        available |= {t.name for t in model.outputs}
     return steps

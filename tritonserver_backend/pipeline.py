@@ -42,9 +42,7 @@ class InProcessPipeline:
 
     def chat(self, session_id: str, text: str, adapter: str | None = None, new_session: bool = False, history: str | None = None, params: SamplingParams | None = None, end_session: bool = False) -> TurnResult:
         params = params or SamplingParams()
-        if adapter and adapter != BASE_NAME:
-            self.registry.refresh()
-            self.registry.by_name(adapter)  # fail before anything is encoded
+        check_explicit(self.registry, adapter)  # fail before anything is encoded
         ids, prefix, start = self.text.preprocess(text, new_session, history)
         h19, handover = self.encoder.encode(session_id, ids, prefix, start)
         routed = self.router.route([h19], [adapter])[0]

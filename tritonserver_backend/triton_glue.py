@@ -78,6 +78,19 @@ def read(request: Any, spec: c.TensorSpec, default: Any = None) -> Any:
     return a
 
 
+def sampling_params(request: Any) -> "SamplingParams":
+    """The request's sampling inputs with their defaults (validated: a bad value is a BadRequest)."""
+    from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
+
+    return SamplingParams(
+        max_tokens=int(read(request, c.MAX_TOKENS, DEFAULT_MAX_TOKENS)),
+        temperature=float(read(request, c.TEMPERATURE, 0.0)),
+        top_p=float(read(request, c.TOP_P, 1.0)),
+        seed=int(read(request, c.SEED, 0)),
+        stop=tuple(read(request, c.STOP, [])),
+    )
+
+
 def tensor(spec: c.TensorSpec, value: Any) -> Any:
     if spec.dtype == "BYTES":
         arr = np.array([v.encode("utf-8") if isinstance(v, str) else v for v in (value if isinstance(value, list) else [value])], dtype=np.object_)

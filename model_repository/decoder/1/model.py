@@ -12,7 +12,6 @@ from tritonserver_backend.counters import Counters
 from tritonserver_backend.decoder_service import DecoderService
 from tritonserver_backend.handover_codec import from_arrays
 from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -44,19 +43,13 @@ class TritonPythonModel:
             session = glue.read(request, c.SESSION_ID)
             adapter_hash = int(glue.read(request, c.ADAPTER_HASH))
             handover = from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})
-            params = SamplingParams(
-                max_tokens=int(glue.read(request, c.MAX_TOKENS, DEFAULT_MAX_TOKENS)),
-                temperature=float(glue.read(request, c.TEMPERATURE, 0.0)),
-                top_p=float(glue.read(request, c.TOP_P, 1.0)),
-                seed=int(glue.read(request, c.SEED, 0)),
-                stop=tuple(glue.read(request, c.STOP, [])),
-            )
+            params = glue.sampling_params(request)
             for token, finish in self.service.generate(session, handover, adapter_hash, params, self._encode):
                 outputs = {c.TOKEN_ID: token, c.ADAPTER_HASH_APPLIED: adapter_hash, c.FINISH: finish}
                 sender.send(glue.response(outputs), flags=FINAL if token < 0 else 0)
             if glue.read(request, c.END_SESSION, False):
                 self.service.end(session)
-                glue.bls("encoder", {c.SESSION_ID: session, c.TOKEN_IDS: np.zeros(0, np.int64), c.PREFIX_IDS: np.zeros(0, np.int64), c.START: False, c.END_SESSION: True}, [])
+                glue.bls("encoder", {c.SESSION_ID: session, c.TOKEN_IDS: np.zeros(0, np.int64), c.PREFIX_IDS: np.zeros(0, np.int64), c.START: False, c.DROP_SESSION: True}, [])
         except Exception as exc:  # noqa: BLE001 - this request fails alone; other sessions go on
             sender.send(glue.error_response(exc), flags=FINAL)
         finally:

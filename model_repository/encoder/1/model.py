@@ -19,7 +19,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 session = glue.read(request, c.SESSION_ID)
-                if glue.read(request, c.END_SESSION, False):
+                if glue.read(request, c.DROP_SESSION, False):
                     self.service.end(session)
                     responses.append(glue.response({}))
                     continue

@@ -21,6 +21,7 @@ class TritonPythonModel:
         for request in requests:
             try:
                 check_explicit(self.registry, glue.read(request, c.ADAPTER, ""))
+                glue.sampling_params(request)  # bad sampling parameters fail here, before the turn is encoded
                 ids, prefix, start = self.text.preprocess(glue.read(request, c.TEXT), bool(glue.read(request, c.NEW_SESSION, False)), glue.read(request, c.HISTORY, None))
                 responses.append(glue.response({c.TOKEN_IDS: ids, c.PREFIX_IDS: prefix, c.START: start}))
             except Exception as exc:  # noqa: BLE001 - one request's error never fails the others
