@@ -162,3 +162,28 @@ def test_history_rebuilds_a_lost_session(pipeline) -> None:  # type: ignore[no-u
     with pytest.raises(BadRequest, match="history is not valid JSON"):
         pipeline.chat("other", "x", history="[not json")
     assert b.token_ids
+
+
+@needs_default
+def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """An adapter unloaded between the router's decision and the decoder: clear error, nothing lost."""
+    from tritonserver_backend.errors import TurnRejected
+    from tritonserver_backend.registry_init import description_of
+
+    params = SamplingParams(max_tokens=3)
+    pipeline.chat("race", "Hello there.", new_session=True, params=params)
+    before = (pipeline.encoder.sessions.get("race").position, pipeline.decoder.sessions.get("race").position)
+    ids, prefix, start = pipeline.text.preprocess("Style this button.", False, None)
+    h19, handover = pipeline.encoder.encode("race", ids, prefix, start)
+    decided = pipeline.router.route([h19], ["L3_design"])[0]
+    entry = pipeline.registry.by_name("L3_design")
+    pipeline.registry.remove("L3_design")
+    try:
+        with pytest.raises(TurnRejected, match=f"adapter hash {decided} is not loaded"):
+            next(iter(pipeline.decoder.generate("race", handover, decided, params, lambda s, t: pipeline.encoder.encode(s, t)[1])))
+        pipeline.encoder.rollback("race")
+        assert (pipeline.encoder.sessions.get("race").position, pipeline.decoder.sessions.get("race").position) == before
+        assert pipeline.chat("race", "Style this button.", params=params).token_ids, "the session goes on"
+    finally:
+        pipeline.registry.put("L3_design", entry.path, entry.description)
+    assert description_of(EMBEDDED / "adapters" / "L3_design")

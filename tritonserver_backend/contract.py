@@ -53,6 +53,7 @@ FINISH_REASON = TensorSpec("finish_reason", "BYTES", (1,), doc='"" while streami
 TOKEN_IDS = TensorSpec("TOKEN_IDS", "INT64", (-1,), doc="the user turn rendered by the chat template (ends with the assistant prompt); H19 is pooled over it")
 PREFIX_IDS = TensorSpec("PREFIX_IDS", "INT64", (-1,), doc="what precedes TOKEN_IDS when a session (re)starts: <|bos|> and any history turns")
 START = TensorSpec("START", "BOOL", (1,), doc="the client asked for a new session")
+ROLLBACK = TensorSpec("ROLLBACK", "BOOL", (1,), True, "sent by the decoder (BLS) when it rejects a turn: undo the turn's encoding")
 DROP_SESSION = TensorSpec("DROP_SESSION", "BOOL", (1,), True, "sent by the decoder (BLS) after a turn with end_session: drop the encoder state")
 H19 = TensorSpec("H19", "FP32", (1, -1), doc="last encoder layer's streams, mean over hc streams and the user turn: (1, dim)")
 ROUTER_H19 = TensorSpec("H19", "FP32", (-1, -1), doc="(B, dim): the router scores a batch of rows in one call")
@@ -89,7 +90,7 @@ class ModelSpec:
 
 
 PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP), (TOKEN_IDS, PREFIX_IDS, START))
-ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION), (H19, *HANDOVER))
+ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 DECODER = ModelSpec(
     "decoder",

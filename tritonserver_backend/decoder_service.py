@@ -24,7 +24,7 @@ from build_engines.tokenizer import ChatTokenizer
 
 from . import counters as k
 from .counters import Counters
-from .errors import BadRequest, UnknownAdapter
+from .errors import BadRequest, ServingError, TurnRejected, UnknownAdapter
 from .registry import BASE_NAME, Registry
 from .sampling import Sampler, SamplingParams
 from .session_store import SessionStore
@@ -106,18 +106,24 @@ class DecoderService:
         After the reply, its tokens and an end-of-turn token are in the history (encoded and absorbed), so the
         next user turn continues a well-formed conversation whatever stopped this one.
         """
-        if handover.positions.numel() == 0:
-            raise BadRequest("the hand-over has no rows")
-        adapter = self.resolve(adapter_hash)
+        try:
+            if handover.positions.numel() == 0:
+                raise BadRequest("the hand-over has no rows")
+            adapter = self.resolve(adapter_hash)
+        except ServingError as exc:
+            raise TurnRejected(str(exc)) from None
         name = BASE_NAME if adapter is None else adapter.name
         with self._lock(session_id):
             first = int(handover.positions[0])
             if first == 0:
                 session = DecoderSession(self.engine, self.replay_window)
             else:
-                session = self.sessions.get(session_id)
+                try:
+                    session = self.sessions.get(session_id)
+                except ServingError as exc:
+                    raise TurnRejected(str(exc)) from None
                 if session.position != first:
-                    raise BadRequest(f"session {session_id!r}: the hand-over starts at position {first} but the decoder is at {session.position}")
+                    raise TurnRejected(f"session {session_id!r}: the hand-over starts at position {first} but the decoder is at {session.position}")
             self.counters.add(k.READ, name)
             session.absorb(handover)
             out = session.replay(adapter)

@@ -26,6 +26,7 @@ class EncoderService:
         del net
         self.max_context = max_context
         self.sessions: SessionStore[SessionState] = SessionStore(budget_bytes, lambda s: s.nbytes())
+        self._turn_start: dict[str, SessionState | None] = {}  # state before the turn in flight (None: it started the session)
 
     @torch.no_grad()
     def encode(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None, start: bool = False) -> tuple[np.ndarray, HandOver]:
@@ -40,7 +41,8 @@ class EncoderService:
         prefix = _check_ids(prefix_ids, self.cfg.vocab_size, "PREFIX_IDS") if prefix_ids is not None else np.zeros(0, np.int64)
         if ids.size == 0:
             raise BadRequest("TOKEN_IDS is empty")
-        if start or (not self.sessions.contains(session_id) and prefix.size > 1):
+        existed = self.sessions.contains(session_id)
+        if start or (not existed and prefix.size > 1):
             state, ids_all = self.engine.new_state(), np.concatenate([prefix, ids])
         else:
             state, ids_all = self.sessions.get(session_id), ids
@@ -48,11 +50,26 @@ class EncoderService:
             raise BadRequest(f"session {session_id!r} would reach {state.position + ids_all.size} tokens, more than the {self.max_context}-token context limit")
         tokens = torch.from_numpy(ids_all).unsqueeze(0)
         handover, new_state = self.engine(tokens, state)
+        if prefix.size:  # a user turn (the ensemble always sends a prefix): remember where it started
+            self._turn_start[session_id] = self.sessions.get(session_id) if existed else None
+        else:  # generated tokens: the decoder accepted the turn
+            self._turn_start.pop(session_id, None)
         self.sessions.put(session_id, new_state)
         h19 = pool_h19(handover.encoder_out[:, -ids.size :])[0]
         return h19.numpy().astype(np.float32), handover
 
+    def rollback(self, session_id: str) -> None:
+        """Undo the last user turn's encoding (the decoder rejected the turn before absorbing it)."""
+        if session_id not in self._turn_start:
+            return
+        before = self._turn_start.pop(session_id)
+        if before is None:
+            self.sessions.end(session_id)
+        else:
+            self.sessions.put(session_id, before)
+
     def end(self, session_id: str) -> bool:
+        self._turn_start.pop(session_id, None)
         return self.sessions.end(session_id)
 
 

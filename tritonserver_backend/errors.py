@@ -17,3 +17,7 @@ class BadRequest(ServingError):
 
 class UnknownAdapter(ServingError):
     pass
+
+
+class TurnRejected(ServingError):
+    """The decoder refused a turn before absorbing it: the encoder must roll the turn back (nothing is lost)."""

@@ -15,7 +15,7 @@ import numpy as np
 from .counters import Counters
 from .decoder_service import DecoderService
 from .encoder_service import EncoderService
-from .errors import BadRequest
+from .errors import BadRequest, TurnRejected
 from .registry import BASE_NAME, Registry
 from .router_service import RouterService
 from .sampling import SamplingParams
@@ -49,11 +49,15 @@ class InProcessPipeline:
         if isinstance(routed, Exception):
             raise routed
         tokens, pieces, finish = [], [], ""
-        for tok, fin in self.decoder.generate(session_id, handover, routed, params, lambda s, t: self.encoder.encode(s, t)[1]):
-            if tok >= 0:
-                tokens.append(tok)
-                pieces.append(self.text.piece(tok))
-            finish = fin or finish
+        try:
+            for tok, fin in self.decoder.generate(session_id, handover, routed, params, lambda s, t: self.encoder.encode(s, t)[1]):
+                if tok >= 0:
+                    tokens.append(tok)
+                    pieces.append(self.text.piece(tok))
+                finish = fin or finish
+        except TurnRejected:
+            self.encoder.rollback(session_id)
+            raise
         if end_session:
             self.decoder.end(session_id)
             self.encoder.end(session_id)

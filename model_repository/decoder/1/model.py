@@ -10,6 +10,7 @@ from tritonserver_backend import counters as k
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.counters import Counters
 from tritonserver_backend.decoder_service import DecoderService
+from tritonserver_backend.errors import TurnRejected
 from tritonserver_backend.handover_codec import from_arrays
 from tritonserver_backend.registry_init import ensure_registry
 
@@ -50,6 +51,9 @@ class TritonPythonModel:
             if glue.read(request, c.END_SESSION, False):
                 self.service.end(session)
                 glue.bls("encoder", {c.SESSION_ID: session, c.TOKEN_IDS: np.zeros(0, np.int64), c.PREFIX_IDS: np.zeros(0, np.int64), c.START: False, c.DROP_SESSION: True}, [])
+        except TurnRejected as exc:  # nothing was absorbed: undo the turn's encoding so the session loses nothing
+            glue.bls("encoder", {c.SESSION_ID: session, c.TOKEN_IDS: np.zeros(0, np.int64), c.PREFIX_IDS: np.zeros(0, np.int64), c.START: False, c.ROLLBACK: True}, [])
+            sender.send(glue.error_response(exc), flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - this request fails alone; other sessions go on
             sender.send(glue.error_response(exc), flags=FINAL)
         finally:

@@ -19,8 +19,11 @@ class TritonPythonModel:
         for request in requests:
             try:
                 session = glue.read(request, c.SESSION_ID)
-                if glue.read(request, c.DROP_SESSION, False):
-                    self.service.end(session)
+                if glue.read(request, c.DROP_SESSION, False) or glue.read(request, c.ROLLBACK, False):
+                    if glue.read(request, c.ROLLBACK, False):
+                        self.service.rollback(session)
+                    else:
+                        self.service.end(session)
                     responses.append(glue.response({}))
                     continue
                 h19, handover = self.service.encode(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS), bool(glue.read(request, c.START)))
