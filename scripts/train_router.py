@@ -64,6 +64,7 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--sweep-seeds", type=int, default=1)
     p.add_argument("--sweep", default="0,50,250,1000,4000")
+    p.add_argument("--final-only", action="store_true", help="skip the study: train only the shipped head (recipe B, seed 0) for --steps")
     p.add_argument("--adapter-cap", type=int, default=100_000, help="at most this many adapter items per split (smoke runs)")
     args = p.parse_args()
     t_start = time.perf_counter()
@@ -113,6 +114,12 @@ def main() -> int:
         return res, head
 
     n_all = len(sets["train"][ADAPTER_TRAIN])
+    if args.final_only:
+        res, head = run("B", n_all, 0)
+        head.save(args.model / "router")
+        register_router_files(args.model)
+        print(f"final head (recipe B, seed 0, {args.steps} steps): adapter benchmark {100 * res[ADAPTER_BENCH]:.2f}%, generic mean {100 * res['generic_mean']:.2f}%; saved to {args.model / 'router'}")
+        return 0
     recipes: dict[str, list[dict[str, float]]] = {}
     final_head = None
     for recipe in ("A", "B", "C"):
