@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -138,6 +137,3 @@ def option_text(description: str) -> str:
     """What the option side reads: the route prompt followed by the adapter's description."""
     return f"{ROUTE_PROMPT} {description}"
 
-
-def route_probabilities(logits: torch.Tensor) -> torch.Tensor:
-    return F.softmax(logits, dim=-1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +157,3 @@ def write_json(path: Path, data: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 
-
-def elapsed(t0: float) -> float:
-    return time.perf_counter() - t0

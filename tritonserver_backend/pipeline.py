@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from .counters import Counters
 from .decoder_service import DecoderService
 from .encoder_service import EncoderService
-from .errors import BadRequest, TurnRejected
+from .errors import TurnRejected
 from .registry import BASE_NAME, Registry
 from .router_service import RouterService
 from .sampling import SamplingParams
@@ -70,13 +68,3 @@ def check_explicit(registry: Registry, adapter: str | None) -> None:
         registry.refresh()
         registry.by_name(adapter)
 
-
-def ensure_str(value: object, name: str) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadRequest(f"{name} is not valid UTF-8") from None
-    if isinstance(value, (str, np.str_)):
-        return str(value)
-    raise BadRequest(f"{name} must be a string")

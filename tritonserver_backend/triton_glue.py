@@ -41,6 +41,17 @@ def resolve(args: dict, value: str) -> Path:
     return p if p.is_absolute() else (Path(args["model_repository"]).resolve().parent.parent / p).resolve()
 
 
+def setup(args: dict) -> tuple[dict[str, str], Path, "Registry"]:
+    """What every model's initialize needs: its parameters, torch threads, the model folder, the adapter registry."""
+    from .registry_init import ensure_registry
+
+    params = parameters(args)
+    set_threads(params)
+    model_dir = resolve(args, params["model_dir"])
+    registry_root = params.get("registry_root")
+    return params, model_dir, ensure_registry(resolve(args, registry_root), model_dir) if registry_root else None  # type: ignore[return-value]
+
+
 def set_threads(params: dict[str, str]) -> None:
     import torch
 

@@ -5,14 +5,12 @@ import triton_python_backend_utils as pb_utils  # noqa: F401
 from tritonserver_backend import contract as c
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.admin_service import AdminService
-from tritonserver_backend.registry_init import ensure_registry
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = glue.parameters(args)
-        model_dir = glue.resolve(args, params["model_dir"])
-        self.service = AdminService(model_dir, ensure_registry(glue.resolve(args, params["registry_root"]), model_dir))
+        _, model_dir, registry = glue.setup(args)
+        self.service = AdminService(model_dir, registry)
 
     def execute(self, requests):
         responses = []

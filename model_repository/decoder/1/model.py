@@ -12,19 +12,15 @@ from tritonserver_backend.counters import Counters
 from tritonserver_backend.decoder_service import DecoderService
 from tritonserver_backend.errors import TurnRejected
 from tritonserver_backend.handover_codec import from_arrays
-from tritonserver_backend.registry_init import ensure_registry
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = glue.parameters(args)
-        glue.set_threads(params)
-        model_dir = glue.resolve(args, params["model_dir"])
+        params, model_dir, registry = glue.setup(args)
         counters = Counters()
         glue.export_counters(counters, [k.READ, k.APPLIED, k.REPLAYS, k.REPLAY_TOKENS])
-        registry = ensure_registry(glue.resolve(args, params["registry_root"]), model_dir)
         self.service = DecoderService(model_dir, registry, counters, int(params["session_budget_bytes"]), int(params["max_context"]))
         self.threads = set()
 

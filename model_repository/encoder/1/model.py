@@ -10,9 +10,8 @@ from tritonserver_backend.handover_codec import to_arrays
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = glue.parameters(args)
-        glue.set_threads(params)
-        self.service = EncoderService(glue.resolve(args, params["model_dir"]), int(params["session_budget_bytes"]), int(params["max_context"]))
+        params, model_dir, _ = glue.setup(args)
+        self.service = EncoderService(model_dir, int(params["session_budget_bytes"]), int(params["max_context"]))
 
     def execute(self, requests):
         responses = []

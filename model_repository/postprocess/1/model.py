@@ -4,16 +4,13 @@ import triton_python_backend_utils as pb_utils  # noqa: F401
 
 from tritonserver_backend import contract as c
 from tritonserver_backend import triton_glue as glue
-from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.text_service import TextService
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = glue.parameters(args)
-        model_dir = glue.resolve(args, params["model_dir"])
+        _, model_dir, self.registry = glue.setup(args)
         self.text = TextService(model_dir)
-        self.registry = ensure_registry(glue.resolve(args, params["registry_root"]), model_dir)
 
     def execute(self, requests):
         responses = []

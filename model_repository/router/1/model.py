@@ -8,18 +8,15 @@ from tritonserver_backend import counters as k
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.counters import Counters
 from tritonserver_backend.errors import BadRequest
-from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.router_service import RouterService
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = glue.parameters(args)
-        glue.set_threads(params)
-        model_dir = glue.resolve(args, params["model_dir"])
+        _, model_dir, registry = glue.setup(args)
         counters = Counters()
         glue.export_counters(counters, [k.WRITTEN, k.EXPLICIT])
-        self.service = RouterService(model_dir, ensure_registry(glue.resolve(args, params["registry_root"]), model_dir), counters)
+        self.service = RouterService(model_dir, registry, counters)
 
     def execute(self, requests):
         responses = []
