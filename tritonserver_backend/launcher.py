@@ -456,13 +456,20 @@ def mapped_shm_regions(pids: Iterable[int]) -> set[Path]:
     return found
 
 
-def _kill_leftovers(pgid: int) -> None:
-    """SIGKILL whatever is still alive in the server's process group (orphaned Python-backend stubs)."""
-    for member in group_members(pgid):
-        try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _kill_leftovers(pgid: int, wait: float = 10.0) -> None:
+    """SIGKILL whatever is still alive in the server's process group (orphaned Python-backend stubs), and wait
+    until the group is really empty: a killed process lingers a moment before the kernel removes it."""
+    deadline = time.monotonic() + wait
+    while True:
+        members = group_members(pgid)
+        if not members or time.monotonic() > deadline:
+            return
+        for member in members:
+            try:
+                os.kill(member, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
 
 
 def http_ready(http_port: int, host: str = HOST, timeout: float = 1.0) -> bool:
