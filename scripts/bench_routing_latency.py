@@ -383,7 +383,7 @@ def render(args: argparse.Namespace, window: int, buckets: list[Bucket], routers
             lines.append(f"| {b.tokens:,} | {n_dec:,}{' (extrapolated)' if extrapolated else ' (measured)'} | {fmt_time(base)} | " + " | ".join(shares) + " |")
     lines += [
         "",
-        f"Measured per bucket: " + "; ".join(f"{b.tokens:,} tokens: history prefill {fmt_time(b.prefill_s)}, replay {fmt_time(mean(b.replay_s))}, decode {fmt_time(mean(b.step_s))}/token" for b in buckets) + ".",
+        "Measured per bucket: " + "; ".join(f"{b.tokens:,} tokens: history prefill {fmt_time(b.prefill_s)}, replay {fmt_time(mean(b.replay_s))}, decode {fmt_time(mean(b.step_s))}/token" for b in buckets) + ".",
         "",
         "## Routing every k generated tokens",
         "",

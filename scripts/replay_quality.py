@@ -197,7 +197,6 @@ def write_report(args, model_desc, prompt_desc, turn_desc, names, pairs, per_tar
     n = len(pairs[0].path.per_position_top1)
     top1 = [statistics.mean(pp.path.per_position_top1[i] for pp in pairs) for i in range(n)]
     mae = [statistics.mean(pp.path.per_position_mae[i] for pp in pairs) for i in range(n)]
-    ctrl_positions = None
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.6))
     ax[0].plot(range(min(32, n)), top1[:32], marker="o", ms=3)
     ax[0].axvspan(0, 16, color="grey", alpha=0.15)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import json
 import random
 import struct
 import tarfile

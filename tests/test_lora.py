@@ -21,7 +21,6 @@ from build_engines.lora import (
 from build_engines.network import CEDNetwork
 from build_engines.replay_check import ReplayExperiment
 
-from .conftest import tiny_network
 
 
 def _adapter_dir(net: CEDNetwork, root: Path, name: str, select, rank: int = 4, include_20: bool = True) -> Path:  # type: ignore[no-untyped-def]

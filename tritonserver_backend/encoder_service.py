@@ -12,7 +12,7 @@ from build_engines.network import EncoderEngine
 from build_engines.router import pool_h19
 from build_engines.state import HandOver, SessionState
 
-from .errors import BadRequest, UnknownSession
+from .errors import BadRequest
 from .session_store import SessionStore
 
 DEFAULT_MAX_CONTEXT = 8192

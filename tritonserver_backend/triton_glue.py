@@ -12,13 +12,17 @@ import logging
 import os
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import contract as c
 from .counters import DESCRIPTIONS, Counters
 from .errors import BadRequest, ServingError
+
+if TYPE_CHECKING:
+    from .registry import Registry
+    from .sampling import SamplingParams
 
 LOG = logging.getLogger("mol2")
 
@@ -41,7 +45,7 @@ def resolve(args: dict, value: str) -> Path:
     return p if p.is_absolute() else (Path(args["model_repository"]).resolve().parent.parent / p).resolve()
 
 
-def setup(args: dict) -> tuple[dict[str, str], Path, "Registry"]:
+def setup(args: dict) -> tuple[dict[str, str], Path, "Registry | None"]:
     """What every model's initialize needs: its parameters, torch threads, the model folder, the adapter registry."""
     from .registry_init import ensure_registry
 
@@ -49,7 +53,7 @@ def setup(args: dict) -> tuple[dict[str, str], Path, "Registry"]:
     set_threads(params)
     model_dir = resolve(args, params["model_dir"])
     registry_root = params.get("registry_root")
-    return params, model_dir, ensure_registry(resolve(args, registry_root), model_dir) if registry_root else None  # type: ignore[return-value]
+    return params, model_dir, ensure_registry(resolve(args, registry_root), model_dir) if registry_root else None
 
 
 def set_threads(params: dict[str, str]) -> None:
