@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -52,11 +53,20 @@ class _OptionBlock(nn.Module):
 
 @dataclass
 class OptionCache:
-    """The option side for one option set: token states (n, T, w), padding (n, T), pooled keys (n, w)."""
+    """The option side for one option set, everything a request needs that does not depend on the request.
+
+    `tokens` (n, T, w) and `padding` (n, T) are the option states; `cross_k` / `cross_v` (heads, n*T, w/heads) are
+    the cross-attention keys and values already projected from them, `padding_bias` (n*T,) is 0 for real tokens and
+    -inf for padding, and `keys` (n, w) are the pointer keys. Caching the projections leaves a request with one
+    query projection, a (heads, n*T) softmax and two small products.
+    """
 
     tokens: torch.Tensor
     padding: torch.Tensor
     keys: torch.Tensor
+    cross_k: torch.Tensor
+    cross_v: torch.Tensor
+    padding_bias: torch.Tensor
 
 
 class PointerHead(nn.Module):
@@ -90,24 +100,38 @@ class PointerHead(nn.Module):
             h = block(h, pad)
         keep = (~pad).unsqueeze(-1).float()
         pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1)
-        return OptionCache(h, pad, self.wk(pooled))
+        n, w, heads = h.shape[0], self.cfg.width, self.cfg.heads
+        _, wk, wv = self.cross.in_proj_weight.split(w)
+        _, bk, bv = self.cross.in_proj_bias.split(w)
+        flat = h.reshape(n * T, w)
+        cross_k = F.linear(flat, wk, bk).reshape(n * T, heads, w // heads).transpose(0, 1)
+        cross_v = F.linear(flat, wv, bv).reshape(n * T, heads, w // heads).transpose(0, 1)
+        bias = torch.zeros(n * T, device=h.device).masked_fill(pad.reshape(-1), float("-inf"))
+        return OptionCache(h, pad, self.wk(pooled), cross_k, cross_v, bias)
 
     # ------------------------------------------------------------------ query side (per request)
     def score(self, h19_pooled: torch.Tensor, options: OptionCache, option_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, model_dim) pooled H19 -> (B, n) pointer logits over the cached options.
 
-        `option_mask` (B, n) restricts each row to its own candidate subset (cross-attention and scores alike),
-        so requests with different candidate sets can share one cached option side.
+        The cross-attention is `self.cross` (nn.MultiheadAttention, whose parameters it uses) computed against the
+        cached key/value projections, so a request pays only for its own query. `option_mask` (B, n) restricts each
+        row to its own candidate subset (cross-attention and scores alike), so requests with different candidate
+        sets share one cached option side.
         """
-        q = self.query_proj(self.query_norm(h19_pooled)).unsqueeze(1)  # (B, 1, w)
-        n, T, w = options.tokens.shape
-        B = q.shape[0]
-        mem = options.tokens.reshape(1, n * T, w).expand(B, -1, -1)
-        mask = options.padding.reshape(1, n * T).expand(B, -1)
+        w, heads = self.cfg.width, self.cfg.heads
+        n, T = options.padding.shape
+        B = h19_pooled.shape[0]
+        x = self.query_proj(self.query_norm(h19_pooled))  # (B, w)
+        wq, _, _ = self.cross.in_proj_weight.split(w)
+        bq, _, _ = self.cross.in_proj_bias.split(w)
+        q = F.linear(self.cross_norm(x), wq, bq).reshape(B, heads, 1, w // heads)
+        bias = options.padding_bias.expand(B, n * T)
         if option_mask is not None:
-            mask = mask | (~option_mask).unsqueeze(-1).expand(B, n, T).reshape(B, n * T)
-        q = q + self.cross(self.cross_norm(q), mem, mem, key_padding_mask=mask, need_weights=False)[0]
-        logits = (self.wq(q.squeeze(1)) @ options.keys.t()) / w ** 0.5
+            bias = bias.masked_fill((~option_mask).repeat_interleave(T, dim=1), float("-inf"))
+        attn = torch.softmax(q @ options.cross_k.transpose(1, 2).unsqueeze(0) * (w // heads) ** -0.5 + bias[:, None, None, :], dim=-1)
+        read = (attn @ options.cross_v.unsqueeze(0)).reshape(B, w)  # heads concatenated, as nn.MultiheadAttention
+        x = x + self.cross.out_proj(read)
+        logits = (self.wq(x) @ options.keys.t()) / w ** 0.5
         return logits if option_mask is None else logits.masked_fill(~option_mask, float("-inf"))
 
     def save(self, directory: str | Path) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,27 +26,54 @@ from .router import PointerHead, RouterConfig, option_text, pool_h19
 from .tokenizer import ChatTokenizer, Message
 
 MAX_QUERY_TOKENS = 192
+HISTORY_CHARS = 240  # each synthetic history message is cut to this many characters
 
 
-def query_ids(tok: ChatTokenizer, text: str) -> tuple[list[int], list[int]]:
-    """(prefix, turn): how serving encodes a fresh session's first turn; H19 is pooled over `turn`."""
+def query_ids(tok: ChatTokenizer, text: str, history: Sequence[Message] = ()) -> tuple[list[int], list[int]]:
+    """(prefix, turn): the ids serving has encoded before the turn (<|bos|> + earlier messages) and the turn itself
+    (user message + assistant prompt); H19 is pooled over `turn` only, as the router model does."""
     turn = tok.turn(Message("user", text), generation_prompt=True)
     if len(turn) > MAX_QUERY_TOKENS:  # keep the role marker and the end/assistant markers, trim the middle
         turn = turn[: MAX_QUERY_TOKENS - 3] + turn[-3:]
-    return [tok.bos_id], turn
+    prefix = tok.chat(list(history), add_generation_prompt=False) if history else [tok.bos_id]
+    return prefix, turn
+
+
+def synthetic_histories(n: int, pool: Sequence[str], seed: int, max_exchanges: int = 2) -> list[list[Message]]:
+    """One seeded conversation prefix per item: 1..`max_exchanges` (user, assistant) exchanges whose texts are drawn
+    from `pool` (other routing queries of the same split, any domain), each cut to HISTORY_CHARS.
+
+    Why: in serving, a later turn's H19 is computed with the earlier turns in the encoder's window and global KV,
+    so a router trained only on first turns sees a shifted query side mid-conversation. The history's domain is
+    drawn independently of the item's answer, so it carries no label and often differs from the current turn
+    (the domain switch the router must follow)."""
+    rng = random.Random(f"history:{seed}")
+    out = []
+    for _ in range(n):
+        messages = []
+        for _ in range(rng.randint(1, max_exchanges)):
+            for role in ("user", "assistant"):
+                messages.append(Message(role, pool[rng.randrange(len(pool))][:HISTORY_CHARS]))
+        out.append(messages)
+    return out
 
 
 @torch.no_grad()
-def extract_h19(encoder: EncoderEngine, tok: ChatTokenizer, queries: list[str], cache_dir: Path, model_digest: str, batch: int = 32) -> np.ndarray:
-    """(N, dim) pooled H19 per query, batched with right padding (causal: padding never reaches real positions)."""
-    key = hashlib.sha256((model_digest + "\x00" + "\x00".join(queries)).encode()).hexdigest()[:16]
+def extract_h19(encoder: EncoderEngine, tok: ChatTokenizer, queries: list[str], cache_dir: Path, model_digest: str, batch: int = 32, histories: Sequence[Sequence[Message]] | None = None) -> np.ndarray:
+    """(N, dim) pooled H19 per query, batched with right padding (causal: padding never reaches real positions).
+
+    With `histories`, query i is encoded after its conversation prefix, as a later turn is in serving."""
+    if histories is not None and len(histories) != len(queries):
+        raise ValueError(f"{len(histories)} histories for {len(queries)} queries")
+    hist_key = "" if histories is None else "\x01" + json.dumps([[(m.role, m.content) for m in h] for h in histories])
+    key = hashlib.sha256((model_digest + "\x00" + "\x00".join(queries) + hist_key).encode()).hexdigest()[:16]
     path = cache_dir / f"h19_{key}.npy"
     if path.exists():
         return np.load(path)
-    seqs = [query_ids(tok, q) for q in queries]
+    seqs = [query_ids(tok, q, histories[i] if histories is not None else ()) for i, q in enumerate(queries)]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
     out = np.zeros((len(queries), encoder.cfg.dim), dtype=np.float32)
-    for start in tqdm(range(0, len(order), batch), desc="H19 extraction", leave=False):
+    for start in tqdm(range(0, len(order), batch), desc="H19 extraction" + (" (with history)" if histories is not None else ""), leave=False):
         idx = order[start : start + batch]
         lengths = [len(seqs[i][0]) + len(seqs[i][1]) for i in idx]
         T = max(lengths)
@@ -139,13 +168,14 @@ def train_head(head: PointerHead, embed: torch.Tensor, stages: list[list[TaskSet
 
 
 @torch.no_grad()
-def accuracy(head: PointerHead, embed: torch.Tensor, ts: TaskSet, batch: int = 512) -> float:
+def predictions(head: PointerHead, embed: torch.Tensor, ts: TaskSet, batch: int = 512) -> torch.Tensor:
+    """(N,) chosen description index per item."""
     head.eval()
-    correct = 0
-    for start in range(0, len(ts), batch):
-        rows = torch.arange(start, min(start + batch, len(ts)))
-        correct += int((_logits(head, embed, ts, rows).argmax(-1) == ts.answers[rows]).sum())
-    return correct / max(1, len(ts))
+    return torch.cat([_logits(head, embed, ts, torch.arange(s, min(s + batch, len(ts)))).argmax(-1) for s in range(0, len(ts), batch)])
+
+
+def accuracy(head: PointerHead, embed: torch.Tensor, ts: TaskSet, batch: int = 512) -> float:
+    return float((predictions(head, embed, ts, batch) == ts.answers).float().mean()) if len(ts) else 0.0
 
 
 def new_head(model_dim: int, seed: int) -> PointerHead:

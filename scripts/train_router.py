@@ -1,11 +1,15 @@
 """Train and evaluate the MoL2 router on the embedded default; write docs/routing.md and the trained head.
 
-    .venv/bin/python scripts/train_router.py            # recipes A/B/C x 3 seeds, data-scaling sweep, final head
+    .venv/bin/python scripts/train_router.py            # recipes A/B/C/H x 3 seeds, data-scaling sweep, final head
+    .venv/bin/python scripts/train_router.py --final-only --steps 1200   # only the shipped head (recipe H, seed 0)
 
 The study follows the article: generic pick-one questions rewritten from labelled sets (each with its own candidate
 set) plus adapter-domain user turns; recipe A = generic only, B = mixed, C = staged (generic, then adapter); the
-held-out adapter benchmark and per-source generic test accuracy; a sweep over the amount of adapter data. The head
-of recipe B (seed 0) becomes the embedded default's router (`<model>/router/`).
+held-out adapter benchmark and per-source generic test accuracy; a sweep over the amount of adapter data. Recipe H
+is ours: B plus a copy of every training item encoded as a later turn (after a synthetic conversation prefix), since
+serving routes later turns on H19 computed with the history in the encoder. Every head is evaluated on first turns
+(the article's setting) and on the same test items as later turns. The head of recipe H (seed 0) becomes the
+embedded default's router (`<model>/router/`).
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ import torch  # noqa: E402
 
 from build_engines.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.network import EncoderEngine  # noqa: E402
-from build_engines.router_train import TaskSet, accuracy, build_task_sets, extract_h19, new_head, train_head, write_json  # noqa: E402
+from build_engines.router_train import TaskSet, accuracy, build_task_sets, extract_h19, new_head, predictions, synthetic_histories, train_head, write_json  # noqa: E402
 from build_engines.routing_data import load_items, write_routing_data  # noqa: E402
 from build_engines.tokenizer import ChatTokenizer  # noqa: E402
 
 ADAPTER_TRAIN, ADAPTER_BENCH = "adapter_routing", "adapter_benchmark"
+ADAPTER_BENCH_HIST = "adapter_benchmark_later_turn"
+RECIPE_NAMES = {"A": "generic only", "B": "mixed", "C": "staged", "H": "mixed + later-turn copies"}
+SHIPPED_RECIPE = "H"
+NOTES_HEADING = "## Reading the results"
 
 
 def cap(items: list[dict], per_task: int, seed: int) -> list[dict]:
@@ -61,10 +69,11 @@ def main() -> int:
     p.add_argument("--train-per-task", type=int, default=1500)
     p.add_argument("--test-per-task", type=int, default=300)
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=256, help="routing items per head step")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--sweep-seeds", type=int, default=1)
     p.add_argument("--sweep", default="0,50,250,1000,4000")
-    p.add_argument("--final-only", action="store_true", help="skip the study: train only the shipped head (recipe B, seed 0) for --steps")
+    p.add_argument("--final-only", action="store_true", help="skip the study: train only the shipped head (recipe H, seed 0) for --steps")
     p.add_argument("--adapter-cap", type=int, default=100_000, help="at most this many adapter items per split (smoke runs)")
     args = p.parse_args()
     t_start = time.perf_counter()
@@ -85,15 +94,26 @@ def main() -> int:
     }
     sets = {}
     for split, items in splits.items():
-        feats = extract_h19(encoder, tok, [i["query"] for i in items], args.cache, digest)
-        sets[split] = build_task_sets(items, feats, tok)
+        queries = [i["query"] for i in items]
+        sets[split] = build_task_sets(items, extract_h19(encoder, tok, queries, args.cache, digest), tok)
+        histories = synthetic_histories(len(items), queries, seed=0 if split == "train" else 1)
+        sets[split + "_hist"] = build_task_sets(items, extract_h19(encoder, tok, queries, args.cache, digest, histories=histories), tok)
     generic_tasks = sorted(t for t in sets["train"] if not t.startswith("adapter"))
     print(f"items: train {sum(len(s) for s in sets['train'].values())}, test {sum(len(s) for s in sets['test'].values())}; H19 ready after {time.perf_counter() - t_start:.0f} s")
+
+    bench_labels = [i["label"] for i in splits["test"] if i["task"] == ADAPTER_BENCH]
 
     def evaluate(head) -> dict[str, float]:  # type: ignore[no-untyped-def]
         res = {t: accuracy(head, embed, sets["test"][t]) for t in generic_tasks}
         res["generic_mean"] = statistics.mean(res[t] for t in generic_tasks)
-        res[ADAPTER_BENCH] = accuracy(head, embed, sets["test"][ADAPTER_BENCH])
+        res["generic_mean_later_turn"] = statistics.mean(accuracy(head, embed, sets["test_hist"][t]) for t in generic_tasks)
+        for name, split in ((ADAPTER_BENCH, "test"), (ADAPTER_BENCH_HIST, "test_hist")):
+            ts = sets[split][ADAPTER_BENCH]
+            right = (predictions(head, embed, ts) == ts.answers).tolist()
+            res[name] = sum(right) / len(right)
+            for label in sorted(set(bench_labels)):
+                rows = [r for r, lab in zip(right, bench_labels) if lab == label]
+                res[f"{name}:{label}"] = sum(rows) / len(rows)
         return res
 
     def run(recipe: str, n_adapter: int, seed: int) -> tuple[dict[str, float], object]:
@@ -104,30 +124,37 @@ def main() -> int:
             stages, steps = [gen], [args.steps]
         elif recipe == "B":
             stages, steps = [gen + [ad]], [args.steps]
+        elif recipe == "H":  # B plus every training item again as a later turn
+            gen_hist = [sets["train_hist"][t] for t in generic_tasks]
+            ad_hist = limit(sets["train_hist"][ADAPTER_TRAIN], n_adapter, seed)
+            stages, steps = [gen + [ad] + gen_hist + [ad_hist]], [args.steps]
         else:  # C: staged
             stages, steps = [gen, [ad]], [args.steps * 2 // 3, args.steps - args.steps * 2 // 3]
         t0 = time.perf_counter()
-        train_head(head, embed, stages, steps, seed=seed, progress=False)
+        train_head(head, embed, stages, steps, batch=args.batch, seed=seed, progress=False)
         res = evaluate(head)
         res["train_s"] = time.perf_counter() - t0
-        print(f"recipe {recipe} n_adapter {n_adapter} seed {seed}: adapter benchmark {res[ADAPTER_BENCH]:.4f}, generic mean {res['generic_mean']:.4f} ({res['train_s']:.0f} s)", flush=True)
+        print(f"recipe {recipe} n_adapter {n_adapter} seed {seed}: adapter benchmark {res[ADAPTER_BENCH]:.4f} (later turn {res[ADAPTER_BENCH_HIST]:.4f}), generic mean {res['generic_mean']:.4f} ({res['train_s']:.0f} s)", flush=True)
         return res, head
 
     n_all = len(sets["train"][ADAPTER_TRAIN])
     if args.final_only:
-        res, head = run("B", n_all, 0)
+        res, head = run(SHIPPED_RECIPE, n_all, 0)
         head.save(args.model / "router")
         register_router_files(args.model)
-        print(f"final head (recipe B, seed 0, {args.steps} steps): adapter benchmark {100 * res[ADAPTER_BENCH]:.2f}%, generic mean {100 * res['generic_mean']:.2f}%; saved to {args.model / 'router'}")
+        per_class = ", ".join(f"{k.split(':')[1]} {100 * v:.1f}%" for k, v in res.items() if k.startswith(ADAPTER_BENCH + ":"))
+        print(f"final head (recipe {SHIPPED_RECIPE}, seed 0, {args.steps} steps): adapter benchmark {100 * res[ADAPTER_BENCH]:.2f}% ({per_class}), "
+              f"as later turns {100 * res[ADAPTER_BENCH_HIST]:.2f}%, generic mean {100 * res['generic_mean']:.2f}% (later turns {100 * res['generic_mean_later_turn']:.2f}%); saved to {args.model / 'router'}")
+        write_json(args.out.parent / "figures" / "routing_final_head.json", {"recipe": SHIPPED_RECIPE, "steps": args.steps, "seed": 0, "results": res})
         return 0
     recipes: dict[str, list[dict[str, float]]] = {}
     final_head = None
-    for recipe in ("A", "B", "C"):
+    for recipe in RECIPE_NAMES:
         recipes[recipe] = []
         for seed in range(args.seeds):
             res, head = run(recipe, 0 if recipe == "A" else n_all, seed)
             recipes[recipe].append(res)
-            if recipe == "B" and seed == 0:
+            if recipe == SHIPPED_RECIPE and seed == 0:
                 final_head = head
     sweep: dict[int, list[float]] = {}
     for n in [int(x) for x in args.sweep.split(",") if x]:
@@ -164,10 +191,13 @@ def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> No
     fig_dir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
     names = list(recipes)
-    ax[0].bar(names, [100 * statistics.mean(r["adapter_benchmark"] for r in recipes[n]) for n in names], yerr=[100 * statistics.pstdev(r["adapter_benchmark"] for r in recipes[n]) for n in names], capsize=4)
-    ax[0].set(title="adapter benchmark accuracy by recipe", ylabel="%", ylim=(0, 100))
-    ax[1].bar(names, [100 * statistics.mean(r["generic_mean"] for r in recipes[n]) for n in names], yerr=[100 * statistics.pstdev(r["generic_mean"] for r in recipes[n]) for n in names], capsize=4, color="tab:orange")
-    ax[1].set(title="generic test accuracy (mean over sources)", ylabel="%", ylim=(0, 100))
+    x = list(range(len(names)))
+    for axis, (first, later, title) in zip(ax, (("adapter_benchmark", ADAPTER_BENCH_HIST, "adapter benchmark accuracy by recipe"), ("generic_mean", "generic_mean_later_turn", "generic test accuracy (mean over sources)"))):
+        for offset, key, label in ((-0.2, first, "first turn"), (0.2, later, "later turn")):
+            axis.bar([i + offset for i in x], [100 * statistics.mean(r[key] for r in recipes[n]) for n in names], width=0.4, label=label,
+                     yerr=[100 * statistics.pstdev(r[key] for r in recipes[n]) for n in names], capsize=4)
+        axis.set(title=title, ylabel="%", ylim=(0, 100), xticks=x, xticklabels=names)
+        axis.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(fig_dir / "routing_recipes.png", dpi=110)
     plt.close(fig)
@@ -186,15 +216,30 @@ def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> No
         "",
         "## Accuracy by recipe (analog of the article's Table 6/7 and Figure 11); mean ± std over seeds, %",
         "",
-        "| recipe | adapter benchmark | generic mean | " + " | ".join(tasks) + " |",
-        "|---|---|---|" + "---|" * len(tasks),
+        "| recipe | adapter benchmark | adapter benchmark, later turn | generic mean | generic mean, later turn | " + " | ".join(tasks) + " |",
+        "|---|---|---|---|---|" + "---|" * len(tasks),
     ]
     for n in names:
         rs = recipes[n]
-        lines.append(f"| {n} | {_ms([r['adapter_benchmark'] for r in rs])} | {_ms([r['generic_mean'] for r in rs])} | " + " | ".join(_ms([r[t] for r in rs]) for t in tasks) + " |")
+        lines.append(f"| {n} | {_ms([r['adapter_benchmark'] for r in rs])} | {_ms([r[ADAPTER_BENCH_HIST] for r in rs])} | {_ms([r['generic_mean'] for r in rs])} | "
+                     f"{_ms([r['generic_mean_later_turn'] for r in rs])} | " + " | ".join(_ms([r[t] for r in rs]) for t in tasks) + " |")
+    classes = sorted(k.split(":")[1] for k in recipes[names[0]][0] if k.startswith(ADAPTER_BENCH + ":"))
     lines += [
         "",
-        "A = generic only, B = mixed (generic + adapter-domain items), C = staged (generic, then adapter-domain items).",
+        "; ".join(f"{n} = {d}" for n, d in RECIPE_NAMES.items()) + " (H: every training item once as a first turn and once after a seeded synthetic "
+        "conversation prefix of 1-2 exchanges drawn from other items of the split). \"Later turn\": the same test items encoded after such a "
+        "prefix (test-split texts, seeded), which is how serving routes every turn after the first.",
+        "",
+        "Per class on the adapter benchmark (first turn / later turn), %:",
+        "",
+        "| recipe | " + " | ".join(classes) + " |",
+        "|---|" + "---|" * len(classes),
+    ]
+    for n in names:
+        rs = recipes[n]
+        lines.append(f"| {n} | " + " | ".join(f"{_ms([r[ADAPTER_BENCH + ':' + c] for r in rs])} / {_ms([r[ADAPTER_BENCH_HIST + ':' + c] for r in rs])}" for c in classes) + " |")
+    lines += [
+        "",
         "",
         "![recipes](figures/routing_recipes.png)",
         "",
@@ -207,7 +252,10 @@ def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> No
         "![scaling](figures/routing_scaling.png)",
         "",
     ]
-    args.out.write_text("\n".join(lines) + "\n")
+    notes = ""  # hand-written analysis below the generated part survives re-runs
+    if args.out.exists() and NOTES_HEADING in args.out.read_text():
+        notes = args.out.read_text()[args.out.read_text().index(NOTES_HEADING):]
+    args.out.write_text("\n".join(lines) + "\n" + notes)
     print("\n".join(lines))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from build_engines.conversation import Conversation
-from build_engines.router import PointerHead, RouterConfig, pool_h19
+from build_engines.router import OptionCache, PointerHead, RouterConfig, pool_h19
 from build_engines.router_train import TaskSet, accuracy, train_head
 
 from .conftest import tiny_network
@@ -25,6 +25,34 @@ def test_cached_option_side_equals_a_fresh_computation(seed: int) -> None:
     for _ in range(2):
         assert torch.equal(cached, head.score(q, head.encode_options(options)))
     assert cached.shape == (4, 3)
+
+
+def _score_with_module(head: PointerHead, q: torch.Tensor, cache: OptionCache, option_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The pointer score with the cross-attention run by nn.MultiheadAttention itself (the oracle for the cached path)."""
+    n, T, w = cache.tokens.shape
+    x = head.query_proj(head.query_norm(q)).unsqueeze(1)
+    mem = cache.tokens.reshape(1, n * T, w).expand(q.shape[0], -1, -1)
+    pad = cache.padding.reshape(1, n * T).expand(q.shape[0], -1)
+    if option_mask is not None:
+        pad = pad | (~option_mask).unsqueeze(-1).expand(-1, n, T).reshape(q.shape[0], n * T)
+    x = x + head.cross(head.cross_norm(x), mem, mem, key_padding_mask=pad, need_weights=False)[0]
+    logits = (head.wq(x.squeeze(1)) @ cache.keys.t()) / w ** 0.5
+    return logits if option_mask is None else logits.masked_fill(~option_mask, float("-inf"))
+
+
+@torch.no_grad()
+def test_cached_cross_attention_equals_the_attention_module(seed: int) -> None:
+    """The per-request path (keys/values projected once into the cache) computes what nn.MultiheadAttention does."""
+    head = _head()
+    for p in head.parameters():  # break LayerNorm's identity init so every parameter matters
+        p.add_(0.1 * torch.randn_like(p))
+    cache = head.encode_options([torch.randn(n, 64) for n in (3, 7, 5, 1)])
+    q = torch.randn(6, 64)
+    torch.testing.assert_close(head.score(q, cache), _score_with_module(head, q, cache), rtol=1e-5, atol=1e-5)
+    mask = torch.rand(6, 4) > 0.4
+    mask[:, 1] = True
+    torch.testing.assert_close(head.score(q, cache, mask), _score_with_module(head, q, cache, mask), rtol=1e-5, atol=1e-5)
+    assert cache.cross_k.shape == cache.cross_v.shape == (4, 4 * 7, 8)
 
 
 @torch.no_grad()

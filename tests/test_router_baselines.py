@@ -203,3 +203,29 @@ def test_contextual_fit_reduces_the_loss_on_a_separable_set(model, tokenizer: Ch
     assert after < 0.5 * before and history[-1] < history[0]
     accuracy = sum(int(router.head(e.query[None], e.keys).argmax()) == e.answer for e in data) / len(data)
     assert accuracy == 1.0
+
+
+def test_offline_h19_with_history_equals_the_serving_path(model, tokenizer: ChatTokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Router training features for a later turn (history prefix, one batched pass) are what serving pools from a
+    conversation absorbed message by message, so the head trains on the query side it will see."""
+    from build_engines.router_train import extract_h19, query_ids, synthetic_histories
+
+    _, enc, dec, _ = model
+    queries = ["list the files in this folder with ls -la", "def add(a, b): return a + b", "body { color: red; }"]
+    histories = synthetic_histories(len(queries), SENTENCES, seed=3)
+    assert histories != synthetic_histories(len(queries), SENTENCES, seed=4)
+    assert histories == synthetic_histories(len(queries), SENTENCES, seed=3)
+    offline = extract_h19(enc, tokenizer, queries, tmp_path, "digest", histories=histories)
+    fresh = extract_h19(enc, tokenizer, queries, tmp_path, "digest")
+    assert len(list(tmp_path.glob("h19_*.npy"))) == 2  # history and first-turn features cached under different keys
+    for i, (query, history) in enumerate(zip(queries, histories)):
+        conv = Conversation(enc, dec)
+        conv.extend(torch.tensor([[tokenizer.bos_id]]))
+        for message in history:
+            conv.extend(torch.tensor([tokenizer.turn(message)]))
+        prefix, turn = query_ids(tokenizer, query, history)
+        assert prefix == tokenizer.chat(history, add_generation_prompt=False)
+        handover = conv.extend(torch.tensor([turn]))
+        served = pool_h19(handover.encoder_out)[0]
+        torch.testing.assert_close(torch.from_numpy(offline[i]), served, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(torch.from_numpy(fresh[i]), served, atol=1e-3)  # the history does change H19
