@@ -214,7 +214,7 @@ def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> No
         f"Produced by `.venv/bin/python scripts/train_router.py {' '.join(argv)}` in {results['wall_s'] / 60:.1f} min on this machine (CPU). "
         f"Model: `{args.model}` (H19 = last encoder layer, pooled over the user turn). Items used (after a per-task cap): {results['items']}.",
         "",
-        "## Accuracy by recipe (analog of the article's Table 6/7 and Figure 11); mean ± std over seeds, %",
+        "## Accuracy by recipe (analog of the article's Figure 11); mean ± std over seeds, %",
         "",
         "| recipe | adapter benchmark | adapter benchmark, later turn | generic mean | generic mean, later turn | " + " | ".join(tasks) + " |",
         "|---|---|---|---|---|" + "---|" * len(tasks),
@@ -243,7 +243,7 @@ def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> No
         "",
         "![recipes](figures/routing_recipes.png)",
         "",
-        "## Data scaling: adapter-domain items added to the full generic set (analog of Table 8); recipe B, %",
+        "## Data scaling: adapter-domain items added to the full generic set (analog of the article's Figure 13, group B); recipe B, %",
         "",
         "| adapter items | " + " | ".join(str(n) for n in ns) + " |",
         "|---|" + "---|" * len(ns),
