@@ -53,20 +53,28 @@ class _OptionBlock(nn.Module):
 
 @dataclass
 class OptionCache:
-    """The option side for one option set, everything a request needs that does not depend on the request.
+    """The option side for one option set: everything a request needs that does not depend on the request.
 
-    `tokens` (n, T, w) and `padding` (n, T) are the option states; `cross_k` / `cross_v` (heads, n*T, w/heads) are
-    the cross-attention keys and values already projected from them, `padding_bias` (n*T,) is 0 for real tokens and
-    -inf for padding, and `keys` (n, w) are the pointer keys. Caching the projections leaves a request with one
-    query projection, a (heads, n*T) softmax and two small products.
+    `tokens` (n, T, w), `padding` (n, T) and `keys` (n, w) are the option states, their padding and the pointer
+    keys. Every linear map that follows the cross-attention's query is folded into them once (heads H, L = n*T):
+
+    - `attn_query` (w, H*L) and `attn_bias` (H*L,): per-head query projection times the projected keys, scaled,
+      so the attention scores are `cross_norm(x) @ attn_query + attn_bias` (-inf on padding);
+    - `point_query` (w, n), `point_read` (H*L, n) and `point_bias` (n,): the pointer `wq(x + out_proj(read)) . keys`
+      distributed over its terms, with each head's values already carried through `out_proj` and the pointer.
+
+    A request then costs two LayerNorms, one small projection, one (H, L) softmax and two products, whatever the
+    option side's depth; the fold is exact algebra (float rounding aside) and stays differentiable for training.
     """
 
     tokens: torch.Tensor
     padding: torch.Tensor
     keys: torch.Tensor
-    cross_k: torch.Tensor
-    cross_v: torch.Tensor
-    padding_bias: torch.Tensor
+    attn_query: torch.Tensor
+    attn_bias: torch.Tensor
+    point_query: torch.Tensor
+    point_read: torch.Tensor
+    point_bias: torch.Tensor
 
 
 class PointerHead(nn.Module):
@@ -100,38 +108,45 @@ class PointerHead(nn.Module):
             h = block(h, pad)
         keep = (~pad).unsqueeze(-1).float()
         pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1)
-        n, w, heads = h.shape[0], self.cfg.width, self.cfg.heads
-        _, wk, wv = self.cross.in_proj_weight.split(w)
-        _, bk, bv = self.cross.in_proj_bias.split(w)
+        return self._fold(h, pad, self.wk(pooled))
+
+    def _fold(self, h: torch.Tensor, pad: torch.Tensor, keys: torch.Tensor) -> OptionCache:
+        """Fold the cross-attention projections and the pointer into per-option-set tensors (see OptionCache)."""
+        n, T, w = h.shape
+        heads, dh = self.cfg.heads, self.cfg.width // self.cfg.heads
+        wq, wk, wv = self.cross.in_proj_weight.split(w)
+        bq, bk, bv = self.cross.in_proj_bias.split(w)
         flat = h.reshape(n * T, w)
-        cross_k = F.linear(flat, wk, bk).reshape(n * T, heads, w // heads).transpose(0, 1)
-        cross_v = F.linear(flat, wv, bv).reshape(n * T, heads, w // heads).transpose(0, 1)
-        bias = torch.zeros(n * T, device=h.device).masked_fill(pad.reshape(-1), float("-inf"))
-        return OptionCache(h, pad, self.wk(pooled), cross_k, cross_v, bias)
+        k = F.linear(flat, wk, bk).reshape(n * T, heads, dh).transpose(0, 1)  # (H, L, dh)
+        v = F.linear(flat, wv, bv).reshape(n * T, heads, dh).transpose(0, 1)
+        scale = dh ** -0.5
+        attn_query = torch.einsum("hdw,hld->whl", wq.reshape(heads, dh, w), k).reshape(w, heads * n * T) * scale
+        pad_bias = torch.zeros(n * T, device=h.device).masked_fill(pad.reshape(-1), float("-inf"))
+        attn_bias = ((k @ bq.reshape(heads, dh, 1)).squeeze(-1) * scale + pad_bias).reshape(heads * n * T)
+        pointer = self.wq.weight.t() @ keys.t() / w ** 0.5  # (w, n): x -> logits through wq and the keys
+        out_w = self.cross.out_proj.weight.t().reshape(heads, dh, w)  # rows of out_proj's input, per head
+        point_read = (v @ (out_w @ pointer)).reshape(heads * n * T, n)
+        point_bias = self.wq.bias @ keys.t() / w ** 0.5 + self.cross.out_proj.bias @ pointer
+        return OptionCache(h, pad, keys, attn_query, attn_bias, pointer, point_read, point_bias)
 
     # ------------------------------------------------------------------ query side (per request)
     def score(self, h19_pooled: torch.Tensor, options: OptionCache, option_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, model_dim) pooled H19 -> (B, n) pointer logits over the cached options.
 
-        The cross-attention is `self.cross` (nn.MultiheadAttention, whose parameters it uses) computed against the
-        cached key/value projections, so a request pays only for its own query. `option_mask` (B, n) restricts each
+        The cross-attention (`self.cross`'s parameters) and the pointer run against the option side folded in
+        `OptionCache`, so a request pays only for its own query. `option_mask` (B, n) restricts each
         row to its own candidate subset (cross-attention and scores alike), so requests with different candidate
         sets share one cached option side.
         """
-        w, heads = self.cfg.width, self.cfg.heads
         n, T = options.padding.shape
-        B = h19_pooled.shape[0]
+        heads, B = self.cfg.heads, h19_pooled.shape[0]
         x = self.query_proj(self.query_norm(h19_pooled))  # (B, w)
-        wq, _, _ = self.cross.in_proj_weight.split(w)
-        bq, _, _ = self.cross.in_proj_bias.split(w)
-        q = F.linear(self.cross_norm(x), wq, bq).reshape(B, heads, 1, w // heads)
-        bias = options.padding_bias.expand(B, n * T)
+        scores = torch.addmm(options.attn_bias, self.cross_norm(x), options.attn_query)  # (B, H*L)
         if option_mask is not None:
-            bias = bias.masked_fill((~option_mask).repeat_interleave(T, dim=1), float("-inf"))
-        attn = torch.softmax(q @ options.cross_k.transpose(1, 2).unsqueeze(0) * (w // heads) ** -0.5 + bias[:, None, None, :], dim=-1)
-        read = (attn @ options.cross_v.unsqueeze(0)).reshape(B, w)  # heads concatenated, as nn.MultiheadAttention
-        x = x + self.cross.out_proj(read)
-        logits = (self.wq(x) @ options.keys.t()) / w ** 0.5
+            hidden = (~option_mask)[:, None, :, None].expand(B, heads, n, T).reshape(B, heads * n * T)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        attn = torch.softmax(scores.view(B, heads, n * T), dim=-1).view(B, heads * n * T)
+        logits = torch.addmm(options.point_bias, x, options.point_query) + attn @ options.point_read
         return logits if option_mask is None else logits.masked_fill(~option_mask, float("-inf"))
 
     def save(self, directory: str | Path) -> None:

@@ -52,7 +52,7 @@ def test_cached_cross_attention_equals_the_attention_module(seed: int) -> None:
     mask = torch.rand(6, 4) > 0.4
     mask[:, 1] = True
     torch.testing.assert_close(head.score(q, cache, mask), _score_with_module(head, q, cache, mask), rtol=1e-5, atol=1e-5)
-    assert cache.cross_k.shape == cache.cross_v.shape == (4, 4 * 7, 8)
+    assert cache.attn_query.shape == (32, 4 * 4 * 7) and cache.point_read.shape == (4 * 4 * 7, 4)
 
 
 @torch.no_grad()
