@@ -41,7 +41,8 @@ def query_ids(tok: ChatTokenizer, text: str, history: Sequence[Message] = ()) ->
 
 def synthetic_histories(n: int, pool: Sequence[str], seed: int, max_exchanges: int = 2) -> list[list[Message]]:
     """One seeded conversation prefix per item: 1..`max_exchanges` (user, assistant) exchanges whose texts are drawn
-    from `pool` (other routing queries of the same split, any domain), each cut to HISTORY_CHARS.
+    from `pool` (the routing queries of the same split, any domain; test histories come from test texts only),
+    each cut to HISTORY_CHARS.
 
     Why: in serving, a later turn's H19 is computed with the earlier turns in the encoder's window and global KV,
     so a router trained only on first turns sees a shifted query side mid-conversation. The history's domain is
