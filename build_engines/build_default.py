@@ -186,8 +186,9 @@ def smoke_generation(model_dir: Path) -> dict[str, list[int]]:
     bank.attach(net)
     prompt = torch.tensor([tok.chat([{"role": "user", "content": SMOKE_PROMPT}])])
     out: dict[str, list[int]] = {}
-    for name in ["BASE"] + sorted(p.name for p in (model_dir / "adapters").iterdir()):
-        adapter = None if name == "BASE" else bank.load(model_dir / "adapters" / name, name=name, path_id=f"adapters/{name}")
+    adapters = bank.load_bundled(model_dir)
+    for name in ["BASE"] + sorted(adapters):
+        adapter = adapters.get(name)
         with AdapterBank.rows([adapter]):
             o = net(prompt)
             state, ids = o.state, [int(o.logits[0, -1].argmax())]

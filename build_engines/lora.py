@@ -252,6 +252,12 @@ class AdapterBank:
         self._by_hash[adapter.hash] = adapter
         return adapter
 
+    def load_bundled(self, model_dir: str | Path) -> dict[str, Adapter]:
+        """Load every adapter shipped with a model (`<model_dir>/adapters/<name>/` holding adapter weights), named
+        by its folder with path id `adapters/<name>`, as the embedded default lays them out."""
+        root = Path(model_dir) / "adapters"
+        return {d.name: self.load(d, name=d.name, path_id=f"adapters/{d.name}") for d in sorted(root.glob("*")) if (d / ADAPTER_WEIGHTS).exists()}
+
     def unload(self, name: str) -> Adapter:
         adapter = self.get(name)
         del self._by_name[adapter.name]

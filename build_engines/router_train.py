@@ -59,6 +59,11 @@ def synthetic_histories(n: int, pool: Sequence[str], seed: int, max_exchanges: i
     return out
 
 
+def model_digest(model_dir: str | Path) -> str:
+    """The key that ties cached H19 features to one set of base weights (first 16 hex digits of their sha256)."""
+    return hashlib.sha256((Path(model_dir) / "model.safetensors").read_bytes()).hexdigest()[:16]
+
+
 @torch.no_grad()
 def extract_h19(encoder: EncoderEngine, tok: ChatTokenizer, queries: list[str], cache_dir: Path, model_digest: str, batch: int = 32, histories: Sequence[Sequence[Message]] | None = None) -> np.ndarray:
     """(N, dim) pooled H19 per query, batched with right padding (causal: padding never reaches real positions).

@@ -38,7 +38,7 @@ from tqdm import tqdm  # noqa: E402
 
 from build_engines.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.conversation import Conversation  # noqa: E402
-from build_engines.lora import Adapter, AdapterBank  # noqa: E402
+from build_engines.lora import AdapterBank  # noqa: E402
 from build_engines.router_baselines import ContextualMoLRouter, MoL2Router, MoLRouter, Router  # noqa: E402
 from build_engines.routing_data import ADAPTER_DESCRIPTIONS, BENCHMARK_TASK, load_items  # noqa: E402
 from build_engines.state import HandOver  # noqa: E402
@@ -216,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     enc.eval(), dec.eval()
     bank = AdapterBank(net.cfg, dec)
     bank.attach(dec)
-    adapters: dict[str, Adapter] = {}
-    for d in sorted((model / "adapters").glob("*")):
-        if (d / "adapter_model.safetensors").exists():
-            adapters[d.name] = bank.load(d, name=d.name, path_id=f"adapters/{d.name}")
+    adapters = bank.load_bundled(model)
     tok = ChatTokenizer.load(model)
     names = list(ADAPTER_DESCRIPTIONS)
     options = [ADAPTER_DESCRIPTIONS[n] for n in names]  # the deployed set, in a fixed order

@@ -29,10 +29,12 @@ from tqdm import tqdm
 
 from build_engines.checkpoint import load_checkpoint
 from build_engines.conversation import Conversation
-from build_engines.lora import Adapter, AdapterBank
+from build_engines.lora import AdapterBank
 from build_engines.router_baselines import ContextualMoLRouter, MoL2Router, MoLRouter, Router
 from build_engines.routing_data import ADAPTER_DESCRIPTIONS, ADAPTER_TASK, BENCHMARK_TASK, load_items
 from build_engines.tokenizer import ChatTokenizer, Message
+
+from bench_routing_latency import fmt_time  # the sibling benchmark's time format (scripts/ is on sys.path when run)
 
 L0 = "L0_chat"
 
@@ -70,10 +72,6 @@ def run_router(router: Router, items: list[dict], conversation) -> dict[str, obj
             "mean_s": statistics.fmean(times), "median_s": statistics.median(times)}
 
 
-def fmt_time(seconds: float) -> str:
-    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} µs"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=Path("embedded/mol2-small"))
@@ -90,7 +88,7 @@ def main() -> int:
     enc.eval(), dec.eval()
     bank = AdapterBank(net.cfg, dec)
     bank.attach(dec)
-    adapters: dict[str, Adapter] = {d.name: bank.load(d, name=d.name, path_id=f"adapters/{d.name}") for d in sorted((args.model / "adapters").glob("*")) if (d / "adapter_model.safetensors").exists()}
+    adapters = bank.load_bundled(args.model)
     tok = ChatTokenizer.load(args.model)
     items = load_items(args.routing, "adapter")
     bench = [it for it in items if it["task"] == BENCHMARK_TASK]

@@ -20,7 +20,6 @@ that fits no description better than another) and the encoder bound the benchmar
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 import zlib
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 from build_engines.checkpoint import load_checkpoint
 from build_engines.network import EncoderEngine
 from build_engines.router import PointerHead, option_text
-from build_engines.router_train import extract_h19
+from build_engines.router_train import extract_h19, model_digest
 from build_engines.routing_data import ADAPTER_DESCRIPTIONS, load_items
 from build_engines.tokenizer import ChatTokenizer
 
@@ -95,7 +94,7 @@ def main() -> int:
     net = load_checkpoint(args.model)
     encoder = EncoderEngine.from_state_dict(net.cfg, net.state_dict()).eval()
     embed = net.embed.weight.detach().float()
-    digest = hashlib.sha256((args.model / "model.safetensors").read_bytes()).hexdigest()[:16]
+    digest = model_digest(args.model)
     items = load_items(args.routing, "adapter")
     train = [i for i in items if i["split"] == "train"]
     bench = [i for i in items if i["split"] == "test"]

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from build_engines.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.network import EncoderEngine  # noqa: E402
-from build_engines.router_train import TaskSet, accuracy, build_task_sets, extract_h19, new_head, predictions, synthetic_histories, train_head, write_json  # noqa: E402
+from build_engines.router_train import TaskSet, accuracy, build_task_sets, extract_h19, model_digest, new_head, predictions, synthetic_histories, train_head, write_json  # noqa: E402
 from build_engines.routing_data import load_items, write_routing_data  # noqa: E402
 from build_engines.tokenizer import ChatTokenizer  # noqa: E402
 
@@ -83,7 +83,7 @@ def main() -> int:
     net = load_checkpoint(args.model)
     encoder = EncoderEngine.from_state_dict(net.cfg, net.state_dict()).eval()
     embed = net.embed.weight.detach().float()
-    digest = hashlib.sha256((args.model / "model.safetensors").read_bytes()).hexdigest()[:16]
+    digest = model_digest(args.model)
     del net
 
     generic = load_items(args.routing, "generic")

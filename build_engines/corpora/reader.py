@@ -52,17 +52,22 @@ def _file(data_dir: Path, manifest: dict[str, Any], relative: str) -> Path:
     return path
 
 
+def _prepared_entry(data_dir: Path, manifest: dict, section: str, name: str, what: str) -> dict:
+    """The manifest entry of one prepared source or labelled set; an unknown name gets an error listing what is."""
+    if name not in manifest[section]:
+        prepared = ", ".join(sorted(manifest[section])) or "none"
+        raise DataNotPrepared(f"{what} {name!r} is not prepared in {data_dir} (prepared: {prepared}): {_prepare_hint(data_dir)}")
+    return manifest[section][name]
+
+
 def iter_records(data_dir: str | Path, source: str, split: str) -> Iterator[dict[str, str]]:
     """The {"doc_id", "text"} records of one source and split, in file order."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
-    if source not in manifest["sources"]:
-        prepared = ", ".join(sorted(manifest["sources"])) or "none"
-        raise DataNotPrepared(f"source {source!r} is not prepared in {data_dir} (prepared: {prepared}): "
-                              f"{_prepare_hint(data_dir)}")
-    path = _file(data_dir, manifest, manifest["sources"][source]["files"][split]["path"])
+    entry = _prepared_entry(data_dir, manifest, "sources", source, "source")
+    path = _file(data_dir, manifest, entry["files"][split]["path"])
     with open(path, encoding="utf-8") as handle:
         for line in handle:
             yield json.loads(line)
@@ -78,11 +83,8 @@ def load_labelled(data_dir: str | Path, name: str) -> list[dict[str, str]]:
     """All rows {"text", "label", "split"} of one labelled set."""
     data_dir = Path(data_dir)
     manifest = load_manifest(data_dir)
-    if name not in manifest["labelled"]:
-        prepared = ", ".join(sorted(manifest["labelled"])) or "none"
-        raise DataNotPrepared(f"labelled set {name!r} is not prepared in {data_dir} (prepared: {prepared}): "
-                              f"{_prepare_hint(data_dir)}")
-    path = _file(data_dir, manifest, manifest["labelled"][name]["file"]["path"])
+    entry = _prepared_entry(data_dir, manifest, "labelled", name, "labelled set")
+    path = _file(data_dir, manifest, entry["file"]["path"])
     with open(path, encoding="utf-8") as handle:
         return [json.loads(line) for line in handle]
 
