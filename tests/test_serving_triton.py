@@ -250,3 +250,33 @@ def test_end_session_then_the_id_is_reported_ended(server) -> None:  # type: ign
     reply = chat.turn(TurnRequest("bye", "Still there?", max_tokens=2))
     assert reply.error is not None and "session 'bye' was ended" in reply.error
     chat.close()
+
+
+def test_many_concurrent_short_turns_keep_the_server_alive(server) -> None:  # type: ignore[no-untyped-def]
+    """The load that killed the server before the decoder's pb_utils calls moved to one thread (docs/load.md):
+    24 gRPC streams, each starting, continuing and ending three sessions of two short turns, all at once."""
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        chat = GrpcChat(server.grpc_url)
+        try:
+            for r in range(3):
+                for t in range(2):
+                    req = TurnRequest(f"burst{i}-{r}", f"turn {t} from client {i}", new_session=t == 0, max_tokens=4, end_session=t == 1)
+                    reply = chat.turn(req, timeout=300)
+                    if reply.error or len(reply.token_ids) == 0:
+                        errors.append(reply.error or f"{req.session_id}: empty reply")
+        except Exception as exc:  # noqa: BLE001 - a dead stream is exactly what this test looks for
+            errors.append(repr(exc))
+        finally:
+            chat.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    log = Path(server.log_file).read_text(errors="replace")
+    assert server.is_running(), "tritonserver died under concurrent short turns"
+    assert "lock_exception" not in log and "Signal (11)" not in log
+    assert not errors, errors[:5]

@@ -1,6 +1,7 @@
-"""decoder (decoupled): applies ADAPTER_HASH, bounded replay, then streams tokens, calling the encoder per token."""
+"""decoder (decoupled): applies ADAPTER_HASH, bounded replay, then streams tokens, calling the encoder per token.
 
-import threading
+Every `pb_utils` call (inputs, BLS, responses, metrics) runs on one worker thread: see turn_worker.py.
+"""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -12,6 +13,7 @@ from tritonserver_backend.counters import Counters
 from tritonserver_backend.decoder_service import DecoderService
 from tritonserver_backend.errors import TurnRejected
 from tritonserver_backend.handover_codec import from_arrays
+from tritonserver_backend.turn_worker import TurnWorker
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -22,20 +24,18 @@ class TritonPythonModel:
         counters = Counters()
         glue.export_counters(counters, [k.READ, k.APPLIED, k.REPLAYS, k.REPLAY_TOKENS])
         self.service = DecoderService(model_dir, registry, counters, int(params["session_budget_bytes"]), int(params["max_context"]))
-        self.threads = set()
+        self.worker = TurnWorker(self._serve)
 
     def execute(self, requests):
-        for request in requests:  # one thread per request: sessions stream concurrently
-            thread = threading.Thread(target=self._serve, args=(request, request.get_response_sender()), daemon=True)
-            self.threads.add(thread)
-            thread.start()
+        self.worker.submit(requests)  # the worker thread reads, runs and answers them; nothing else here
         return None
 
     def _encode(self, session_id, ids):
         out = glue.bls("encoder", {c.SESSION_ID: session_id, c.TOKEN_IDS: ids, c.PREFIX_IDS: np.zeros(0, np.int64), c.START: False}, list(c.HANDOVER))
         return from_arrays(out)
 
-    def _serve(self, request, sender):
+    def _serve(self, request):
+        sender = request.get_response_sender()
         try:
             session = glue.read(request, c.SESSION_ID)
             adapter_hash = int(glue.read(request, c.ADAPTER_HASH))
@@ -52,9 +52,6 @@ class TritonPythonModel:
             sender.send(glue.error_response(exc), flags=FINAL)
         except Exception as exc:  # noqa: BLE001 - this request fails alone; other sessions go on
             sender.send(glue.error_response(exc), flags=FINAL)
-        finally:
-            self.threads.discard(threading.current_thread())
 
     def finalize(self):
-        for thread in list(self.threads):
-            thread.join(timeout=30)
+        self.worker.stop()
