@@ -36,13 +36,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from build_engines.checkpoint import load_checkpoint  # noqa: E402
-from build_engines.conversation import Conversation  # noqa: E402
+from build_engines.data.tokenizer import ASSISTANT, USER, ChatTokenizer, Message  # noqa: E402
+from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.lora import AdapterBank  # noqa: E402
-from build_engines.router_baselines import ContextualMoLRouter, MoL2Router, MoLRouter, Router  # noqa: E402
-from build_engines.routing_data import ADAPTER_DESCRIPTIONS, BENCHMARK_TASK, load_items  # noqa: E402
-from build_engines.state import HandOver  # noqa: E402
-from build_engines.tokenizer import ASSISTANT, USER, ChatTokenizer, Message  # noqa: E402
+from build_engines.model.conversation import Conversation  # noqa: E402
+from build_engines.model.state import HandOver  # noqa: E402
+from build_engines.routing.baselines import ContextualMoLRouter, MoL2Router, MoLRouter, Router  # noqa: E402
+from build_engines.routing.data import ADAPTER_DESCRIPTIONS, BENCHMARK_TASK, load_items  # noqa: E402
 
 L0 = "L0_chat"
 DECODE_POINTS = (1, 256, 4096)
@@ -104,7 +104,7 @@ def held_out_tokens(tok: ChatTokenizer, data: Path, routing: Path, needed: int) 
     """At least `needed` token ids of held-out text: base `test` documents, else generic test queries."""
     pieces: list[int] = []
     try:
-        from build_engines.corpora.reader import iter_documents, sources
+        from build_engines.data.corpora.reader import iter_documents, sources
 
         names = sources(data, "base")
         docs = [iter_documents(data, s, "test") for s in names]
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = args.model
     if not (model / "model.safetensors").exists():
-        print(f"error: no model at {model} (model.safetensors missing); build it with python -m build_engines.build_default", file=sys.stderr)
+        print(f"error: no model at {model} (model.safetensors missing); build it with python -m build_engines.training.build_default", file=sys.stderr)
         return 1
     net = load_checkpoint(model)
     enc, dec = net.split()

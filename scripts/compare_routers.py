@@ -25,16 +25,15 @@ import time
 from pathlib import Path
 
 import torch
+from bench_routing_latency import fmt_time  # the sibling benchmark's time format (scripts/ is on sys.path when run)
 from tqdm import tqdm
 
-from build_engines.checkpoint import load_checkpoint
-from build_engines.conversation import Conversation
+from build_engines.data.tokenizer import ChatTokenizer, Message
+from build_engines.formats.checkpoint import load_checkpoint
 from build_engines.lora import AdapterBank
-from build_engines.router_baselines import ContextualMoLRouter, MoL2Router, MoLRouter, Router
-from build_engines.routing_data import ADAPTER_DESCRIPTIONS, ADAPTER_TASK, BENCHMARK_TASK, load_items
-from build_engines.tokenizer import ChatTokenizer, Message
-
-from bench_routing_latency import fmt_time  # the sibling benchmark's time format (scripts/ is on sys.path when run)
+from build_engines.model.conversation import Conversation
+from build_engines.routing.baselines import ContextualMoLRouter, MoL2Router, MoLRouter, Router
+from build_engines.routing.data import ADAPTER_DESCRIPTIONS, ADAPTER_TASK, BENCHMARK_TASK, load_items
 
 L0 = "L0_chat"
 

@@ -1,7 +1,7 @@
 """Write docs/model_card.md from the embedded default's manifest and the data manifest (no recomputation).
 
     .venv/bin/python scripts/model_card.py
-Every figure comes from `embedded/mol2-small/manifest.json`, written by `python -m build_engines.build_default`.
+Every figure comes from `embedded/mol2-small/manifest.json`, written by `python -m build_engines.training.build_default`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
         + ", ".join(f"{k.removeprefix('adapter_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items() if k.startswith("adapter_"))
         + f", evaluation {t.get('evaluation_s', 0) / 60:.1f} min; whole build {m['wall_s'] / 60:.1f} min.",
         "",
-        "## Training data (from `python -m build_engines.corpora prepare`; registry packages only)",
+        "## Training data (from `python -m build_engines.data.corpora prepare`; registry packages only)",
         "",
         "| source | kind | train docs | train MB | val docs | test docs |",
         "|---|---|---|---|---|---|",

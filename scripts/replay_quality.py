@@ -24,11 +24,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from build_engines.checkpoint import load_checkpoint  # noqa: E402
-from build_engines.config import get_preset  # noqa: E402
+from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.lora import Adapter, AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter  # noqa: E402
-from build_engines.network import CEDNetwork, init_weights  # noqa: E402
-from build_engines.replay_check import BASE, ReplayExperiment  # noqa: E402
+from build_engines.model.config import get_preset  # noqa: E402
+from build_engines.model.network import CEDNetwork, init_weights  # noqa: E402
+from build_engines.verify.replay_check import BASE, ReplayExperiment  # noqa: E402
 
 
 def load_model(model: Path | None, work: Path) -> tuple[CEDNetwork, dict[str, Adapter | None], str]:
@@ -71,8 +71,8 @@ def random_adapter(net: CEDNetwork, work: Path, enforce: bool = True, leaky: boo
 def text_tokens(model: Path | None, data: Path, length: int, source_kind: str, offset: int) -> torch.Tensor | None:
     """Held-out text (test split) as token ids, or None when no tokenizer/data is available."""
     try:
-        from build_engines.corpora.reader import iter_documents, sources
-        from build_engines.tokenizer import ChatTokenizer
+        from build_engines.data.corpora.reader import iter_documents, sources
+        from build_engines.data.tokenizer import ChatTokenizer
 
         tok = ChatTokenizer.load(model / "tokenizer.json")  # type: ignore[operator]
         ids: list[int] = []

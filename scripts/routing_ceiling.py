@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from build_engines.checkpoint import load_checkpoint
-from build_engines.network import EncoderEngine
-from build_engines.router import PointerHead, option_text
-from build_engines.router_train import extract_h19, model_digest
-from build_engines.routing_data import ADAPTER_DESCRIPTIONS, load_items
-from build_engines.tokenizer import ChatTokenizer
+from build_engines.data.tokenizer import ChatTokenizer
+from build_engines.formats.checkpoint import load_checkpoint
+from build_engines.model.network import EncoderEngine
+from build_engines.routing.data import ADAPTER_DESCRIPTIONS, load_items
+from build_engines.routing.pointer_head import PointerHead, option_text
+from build_engines.routing.train import extract_h19, model_digest
 
 LABELS = list(ADAPTER_DESCRIPTIONS)
 HASH_DIM = 2**15
@@ -87,7 +87,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=Path("docs/routing_ceiling.md"))
     args = p.parse_args()
     if not (args.routing / "adapter.jsonl").exists():
-        raise SystemExit(f"no routing items in {args.routing}: run `python -m build_engines.routing_data --data artifacts/data --out {args.routing}`")
+        raise SystemExit(f"no routing items in {args.routing}: run `python -m build_engines.routing.data --data artifacts/data --out {args.routing}`")
     t_start = time.perf_counter()
     torch.manual_seed(0)
     tok = ChatTokenizer.load(args.model)

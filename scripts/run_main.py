@@ -36,7 +36,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args()
     if not (args.model / "model.safetensors").exists():
-        print(f"{args.model} has no model: build it with `python -m build_engines.build_default`", file=sys.stderr)
+        print(f"{args.model} has no model: build it with `python -m build_engines.training.build_default`", file=sys.stderr)
         return 2
     if args.work.exists():
         shutil.rmtree(args.work)

@@ -28,11 +28,22 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from build_engines.checkpoint import load_checkpoint  # noqa: E402
-from build_engines.network import EncoderEngine  # noqa: E402
-from build_engines.router_train import TaskSet, accuracy, build_task_sets, extract_h19, model_digest, new_head, predictions, synthetic_histories, train_head, write_json  # noqa: E402
-from build_engines.routing_data import load_items, write_routing_data  # noqa: E402
-from build_engines.tokenizer import ChatTokenizer  # noqa: E402
+from build_engines.data.tokenizer import ChatTokenizer  # noqa: E402
+from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
+from build_engines.model.network import EncoderEngine  # noqa: E402
+from build_engines.routing.data import load_items, write_routing_data  # noqa: E402
+from build_engines.routing.train import (  # noqa: E402
+    TaskSet,
+    accuracy,
+    build_task_sets,
+    extract_h19,
+    model_digest,
+    new_head,
+    predictions,
+    synthetic_histories,
+    train_head,
+    write_json,
+)
 
 ADAPTER_TRAIN, ADAPTER_BENCH = "adapter_routing", "adapter_benchmark"
 ADAPTER_BENCH_HIST = "adapter_benchmark_later_turn"

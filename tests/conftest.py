@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny-width config that keeps every layer role, and a fresh random seed per test."""
+"""Shared fixtures: a fresh random seed per test, and a tiny network drawn with it."""
 
 from __future__ import annotations
 
@@ -7,21 +7,8 @@ import random
 import pytest
 import torch
 
-from build_engines.config import CEDConfig, get_preset
-from build_engines.network import CEDNetwork, init_weights
-
-
-def tiny_config(**overrides: object) -> CEDConfig:
-    """The small preset's 8-layer role layout at a width where a 500-token forward takes well under a second."""
-    fields = dict(vocab_size=512, dim=64, q_lora_rank=32, o_lora_rank=32, moe_inter_dim=32, index_head_dim=32)
-    fields.update(overrides)
-    return get_preset("mol2-small", **fields)
-
-
-def tiny_network(cfg: CEDConfig | None = None) -> CEDNetwork:
-    net = CEDNetwork(cfg or tiny_config())
-    init_weights(net)
-    return net.eval()
+from build_engines.model.network import CEDNetwork
+from tests.tiny import tiny_network
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from build_engines.checkpoint import load_config
+from build_engines.formats.checkpoint import load_config
 from build_engines.lora import AdapterError, read_adapter
-from build_engines.network import CEDNetwork
+from build_engines.model.network import CEDNetwork
 
 from .errors import BadRequest
 from .registry import Registry

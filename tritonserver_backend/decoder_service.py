@@ -15,12 +15,12 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from build_engines.checkpoint import load_checkpoint
-from build_engines.conversation import DecoderSession
+from build_engines.data.tokenizer import ChatTokenizer
+from build_engines.formats.checkpoint import load_checkpoint
 from build_engines.lora import Adapter, AdapterBank, AdapterError
-from build_engines.network import DecoderEngine
-from build_engines.state import HandOver
-from build_engines.tokenizer import ChatTokenizer
+from build_engines.model.conversation import DecoderSession
+from build_engines.model.network import DecoderEngine
+from build_engines.model.state import HandOver
 
 from . import counters as k
 from .counters import Counters

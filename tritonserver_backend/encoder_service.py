@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from build_engines.checkpoint import load_checkpoint
-from build_engines.network import EncoderEngine
-from build_engines.router import pool_h19
-from build_engines.state import HandOver, SessionState
+from build_engines.formats.checkpoint import load_checkpoint
+from build_engines.model.network import EncoderEngine
+from build_engines.model.state import HandOver, SessionState
+from build_engines.routing.pointer_head import pool_h19
 
 from .errors import BadRequest
 from .session_store import SessionStore

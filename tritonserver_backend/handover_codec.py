@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from build_engines.state import HandOver
+from build_engines.model.state import HandOver
 
 from . import contract as c
 from .errors import BadRequest

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from build_engines.router import OptionCache, PointerHead, RouterConfig, option_text
-from build_engines.tokenizer import ChatTokenizer
+from build_engines.data.tokenizer import ChatTokenizer
+from build_engines.routing.pointer_head import OptionCache, PointerHead, RouterConfig, option_text
 
 from . import counters as k
 from .counters import Counters

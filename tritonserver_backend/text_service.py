@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from build_engines.tokenizer import ChatTokenizer, Message, TokenizerError
+from build_engines.data.tokenizer import ChatTokenizer, Message, TokenizerError
 
 from .errors import BadRequest
 

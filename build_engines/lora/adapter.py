@@ -1,0 +1,51 @@
+"""One loaded adapter and its identity: the 31-bit FNV-1a hash of its path that travels as ADAPTER_HASH."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be loaded or used; the message names the adapter and the offending modules."""
+
+
+def adapter_hash(path: str) -> int:
+    """31-bit FNV-1a of the adapter path (UTF-8); 0 is reserved for the base model.
+
+    This is the identity that travels as the INT32 `ADAPTER_HASH` tensor from router to decoder.
+    """
+    h = 0x811C9DC5
+    for byte in path.encode("utf-8"):
+        h ^= byte
+        h = (h * 0x01000193) & 0xFFFFFFFF
+    h &= 0x7FFFFFFF
+    return h or 1
+
+
+@dataclass
+class Adapter:
+    """One loaded adapter version: name, path, identity hash and per-module (A, B) factors."""
+
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # module -> (A (r, in), B (out, r))
+    version: str  # sha256 of the weights file: distinguishes an update of the same path
+    hash: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hash = adapter_hash(self.path)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted(self.weights)
+
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())

@@ -1,0 +1,558 @@
+"""tritonserver_backend.launcher: finding the binary, preparing backends, and a real server over HTTP and gRPC.
+
+The server tests (marked slow) build a tiny model repository in tmp_path: `add_one` (FP32 in, x + 1 out, plus the
+stub's sys.prefix and numpy version, so a stub running the wrong Python or numpy 2's corruption both show) and the
+decoupled `stream_n` (N responses, then the final flag). Every server started here is stopped by a finalizer.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny import PROJECT_ROOT
+from tritonserver_backend.launcher import (
+    HOST,
+    STUB_NAME,
+    TritonInstall,
+    TritonNotFoundError,
+    TritonServer,
+    TritonServerError,
+    check_numpy,
+    error_lines,
+    find_tritonserver,
+    free_port,
+    group_members,
+    http_ready,
+    mapped_shm_regions,
+    pid_alive,
+    prepare_backend_dir,
+    server_env,
+    stop_pid,
+    tail,
+)
+
+ROOT = PROJECT_ROOT
+PY_VERSION = f"{sys.version_info.major}.{sys.version_info.minor}"
+READY_TIMEOUT = 120.0
+
+# --------------------------------------------------------------------------------------------------------------------
+# model repository built by the tests
+# --------------------------------------------------------------------------------------------------------------------
+
+ADD_ONE_CONFIG = """\
+name: "add_one"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] },
+  { name: "PYTHON_PREFIX" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "NUMPY_VERSION" data_type: TYPE_STRING dims: [ 1 ] }
+]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+ADD_ONE_MODEL = """\
+import sys
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUTPUT0", (x + np.float32(1)).astype(np.float32)),
+                pb_utils.Tensor("PYTHON_PREFIX", np.array([sys.prefix.encode()], dtype=np.object_)),
+                pb_utils.Tensor("NUMPY_VERSION", np.array([np.__version__.encode()], dtype=np.object_)),
+            ]))
+        return responses
+"""
+
+STREAM_CONFIG = """\
+name: "stream_n"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU count: 1 } ]
+"""
+
+STREAM_MODEL = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(n):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i * i], dtype=np.int32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+BROKEN_MESSAGE = "deliberately broken model for test_launcher"
+BROKEN_MODEL = f"""\
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("{BROKEN_MESSAGE}")
+
+    def execute(self, requests):
+        return []
+"""
+
+
+def _write_model(repo: Path, name: str, config: str, model_py: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    (repo / name / "1" / "model.py").write_text(model_py)
+
+
+def make_model_repository(root: Path, broken: bool = False) -> Path:
+    repo = root / "model_repository"
+    _write_model(repo, "add_one", ADD_ONE_CONFIG, ADD_ONE_MODEL)
+    _write_model(repo, "stream_n", STREAM_CONFIG, STREAM_MODEL)
+    if broken:
+        _write_model(repo, "broken", ADD_ONE_CONFIG.replace('"add_one"', '"broken"'), BROKEN_MODEL)
+    return repo
+
+
+def _need_server() -> TritonInstall:
+    pytest.importorskip("tritonclient.http", reason="tritonclient not installed (pip install -e '.[serve]')")
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] not installed (pip install -e '.[serve]')")
+    try:
+        return find_tritonserver()
+    except TritonNotFoundError as exc:
+        pytest.skip(f"no tritonserver: {exc}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# fast unit tests
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_free_port_is_bindable_on_loopback() -> None:
+    ports = {free_port() for _ in range(5)}
+    for port in ports:
+        assert 1024 <= port <= 65535
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((HOST, port))
+
+
+def test_find_tritonserver_error_names_what_was_searched(tmp_path: Path) -> None:
+    empty_bin, no_wheel = tmp_path / "empty-bin", tmp_path / "no-wheel" / "tritonserver"
+    empty_bin.mkdir()
+    with pytest.raises(TritonNotFoundError) as info:
+        find_tritonserver(search_path=str(empty_bin), wheel_dir=no_wheel)
+    message = str(info.value)
+    assert str(empty_bin) in message
+    assert str(no_wheel / "bin" / "tritonserver") in message
+    assert "nvidia-pytriton" in message
+    with pytest.raises(TritonNotFoundError, match="on PATH"):
+        find_tritonserver("system", search_path="")
+    with pytest.raises(ValueError):
+        find_tritonserver("somewhere")
+
+
+def test_find_tritonserver_prefers_system_binary_on_path(tmp_path: Path) -> None:
+    prefix = tmp_path / "opt" / "tritonserver"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "backends" / "python").mkdir(parents=True)
+    binary = prefix / "bin" / "tritonserver"
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    binary.chmod(0o755)
+    install = find_tritonserver(search_path=str(prefix / "bin"), wheel_dir=tmp_path / "no-wheel")
+    assert install.source == "system" and not install.is_wheel
+    assert install.binary == binary.resolve()
+    assert install.backend_dir == prefix / "backends"
+    assert prepare_backend_dir(install, tmp_path / "work") == prefix / "backends"  # used as is, nothing copied
+    assert not (tmp_path / "work").exists()
+    env = server_env(install, base={"PATH": "/usr/bin"})
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert "LD_LIBRARY_PATH" not in env
+
+
+def _fake_wheel(root: Path) -> TritonInstall:
+    wheel = root / "site-packages" / "pytriton" / "tritonserver"
+    (wheel / "bin").mkdir(parents=True)
+    (wheel / "bin" / "tritonserver").write_text("#!/bin/sh\n")
+    (wheel / "bin" / "tritonserver").chmod(0o755)
+    (wheel / "backends" / "python" / "__pycache__").mkdir(parents=True)
+    (wheel / "backends" / "python" / "libtriton_python.so").write_bytes(b"\x7fELF backend")
+    (wheel / "backends" / "python" / "triton_python_backend_utils.py").write_text("# utils\n")
+    (wheel / "backends" / "python" / "__pycache__" / "x.pyc").write_bytes(b"pyc")
+    for version in ("3.10", PY_VERSION):
+        stub = wheel / "python_backend_stubs" / version / STUB_NAME
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_bytes(f"stub for {version}".encode())
+        stub.chmod(0o755)
+    (root / "site-packages" / "nvidia_pytriton.libs").mkdir()
+    install = find_tritonserver("wheel", wheel_dir=wheel)
+    assert install.is_wheel and install.libs_dir == root / "site-packages" / "nvidia_pytriton.libs"
+    return install
+
+
+def test_prepare_backend_dir_is_idempotent(tmp_path: Path) -> None:
+    install = _fake_wheel(tmp_path)
+    work = tmp_path / "work"
+    target = prepare_backend_dir(install, work)
+    assert target == work / "backends"
+    stub = target / "python" / STUB_NAME
+    assert stub.read_bytes() == f"stub for {PY_VERSION}".encode()
+    assert os.access(stub, os.X_OK)
+    assert (target / "python" / "libtriton_python.so").read_bytes() == b"\x7fELF backend"
+    assert not (target / "python" / "__pycache__").exists()
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in target.rglob("*") if p.is_file()}
+
+    assert prepare_backend_dir(install, work) == target  # second call: nothing rewritten
+    after = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in target.rglob("*") if p.is_file()}
+    assert after == before
+
+    # a changed source file (an upgraded wheel) is copied again; the rest stays untouched
+    utils = install.backend_dir / "python" / "triton_python_backend_utils.py"
+    utils.write_text("# utils, new version\n")
+    prepare_backend_dir(install, work)
+    assert (target / "python" / "triton_python_backend_utils.py").read_text() == "# utils, new version\n"
+    assert stub.stat().st_ino == before[stub][0]
+
+    with pytest.raises(TritonNotFoundError, match=r"no Python-backend stub for Python 3\.99.*3\.10"):
+        prepare_backend_dir(install, tmp_path / "other", python_version="3.99")
+
+
+def test_server_env_for_the_wheel(tmp_path: Path) -> None:
+    install = _fake_wheel(tmp_path)
+    env = server_env(install, base={"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/x"})
+    path = env["PATH"].split(os.pathsep)
+    assert path[0] == str(Path(sys.executable).parent) and path[1:] == ["/usr/bin", "/bin"]
+    libs = env["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert str(install.libs_dir) in libs and libs[-1] == "/opt/x"
+
+
+def test_log_helpers_read_only_this_runs_part(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_text("E1129 09:00:00.1 1 old.cc:1] an error of an earlier run\nold line\n")
+    offset = log.stat().st_size
+    with open(log, "a") as fh:
+        fh.write("I1129 info\n| broken | 1 | UNAVAILABLE: Internal: boom |\n" + "".join(f"line {i}\n" for i in range(50)))
+    assert error_lines(log, offset=offset) == ["| broken | 1 | UNAVAILABLE: Internal: boom |"]
+    assert len(error_lines(log)) == 2
+    assert tail(log, 3, offset) == "line 47\nline 48\nline 49\n"
+    assert tail(log, 100, offset).startswith("I1129 info")
+    assert tail(tmp_path / "missing.log") == "" and error_lines(tmp_path / "missing.log") == []
+
+
+def test_numpy_is_below_2_for_the_python_backend() -> None:
+    version = check_numpy()
+    assert version is not None and version.startswith("1."), version
+
+
+def test_build_command_is_loopback_only(tmp_path: Path) -> None:
+    install = _fake_wheel(tmp_path)
+    server = TritonServer(install, work_dir=tmp_path / "work")
+    server.http_port, server.grpc_port, server.metrics_port = 18000, 18001, 18002
+    cmd = server.build_command(tmp_path, tmp_path / "b", ["--log-verbose=1"], "explicit", ["a", "b"])
+    for flag in ("--http-address", "--grpc-address", "--metrics-address"):
+        assert f"{flag}={HOST}" in cmd
+    assert "--model-control-mode=explicit" in cmd and cmd.count("--load-model=a") == 1
+    assert cmd[-1] == "--log-verbose=1"
+    with pytest.raises(ValueError, match="explicit"):
+        server.build_command(tmp_path, tmp_path / "b", load_models=["a"])
+    with pytest.raises(ValueError):
+        server.build_command(tmp_path, tmp_path / "b", model_control_mode="poll")
+    with pytest.raises(ValueError, match="127.0.0.1 only"):
+        server.build_command(tmp_path, tmp_path / "b", ["--http-address=0.0.0.0"])
+    assert server.stop() is None  # never started: nothing to do
+
+
+def _spawn(code: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def test_stop_pid_terms_then_kills() -> None:
+    polite = _spawn("import time; print('up', flush=True); time.sleep(60)")
+    assert stop_pid(polite.pid, grace=10, popen=polite) == "terminated"
+    assert polite.returncode == -signal.SIGTERM and not pid_alive(polite.pid)
+
+    stubborn = _spawn("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+                      "time.sleep(60)")
+    started = time.monotonic()
+    assert stop_pid(stubborn.pid, grace=0.5, popen=stubborn) == "killed"
+    assert time.monotonic() - started < 10
+    assert stubborn.returncode == -signal.SIGKILL
+    assert stop_pid(stubborn.pid, popen=stubborn) == "not running"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# a real server (slow)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> TritonServer:
+    install = _need_server()
+    root = tmp_path_factory.mktemp("triton")
+    srv = TritonServer(install, work_dir=root / "work")
+    request.addfinalizer(srv.stop)
+    srv.start(make_model_repository(root))
+    seconds = srv.wait_ready(READY_TIMEOUT)
+    print(f"tritonserver ({install.source}) ready after {seconds:.2f} s")
+    return srv
+
+
+def _add_one_inputs(module, values: np.ndarray):  # noqa: ANN001, ANN202 - http and grpc share the call shape
+    inp = module.InferInput("INPUT0", list(values.shape), "FP32")
+    inp.set_data_from_numpy(values)
+    return [inp], [module.InferRequestedOutput(n) for n in ("OUTPUT0", "PYTHON_PREFIX", "NUMPY_VERSION")]
+
+
+def _check_add_one(result, values: np.ndarray) -> None:  # noqa: ANN001
+    out = result.as_numpy("OUTPUT0")
+    assert out.dtype == np.float32 and out.shape == values.shape
+    np.testing.assert_array_equal(out, values + np.float32(1))
+    # the stub ran model.py with this very environment (venv first on PATH) and numpy 1.x
+    assert result.as_numpy("PYTHON_PREFIX")[0].decode() == sys.prefix
+    assert result.as_numpy("NUMPY_VERSION")[0].decode().startswith("1.")
+
+
+@pytest.mark.slow
+def test_http_add_one(server: TritonServer, seed: int) -> None:
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        assert client.is_server_ready() and client.is_model_ready("add_one") and client.is_model_ready("stream_n")
+        for values in (np.array([1.5, 2.5, 3.5], dtype=np.float32),  # the numpy-2 stub reads [1.5, 1.5, 1.5]
+                       np.random.default_rng(seed).standard_normal(4097).astype(np.float32)):
+            inputs, outputs = _add_one_inputs(httpclient, values)
+            _check_add_one(client.infer("add_one", inputs, outputs=outputs), values)
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_grpc_add_one(server: TritonServer, seed: int) -> None:
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        assert client.is_server_live() and client.is_model_ready("add_one")
+        for values in (np.array([1.5, 2.5, 3.5], dtype=np.float32),
+                       np.random.default_rng(seed + 1).standard_normal(4097).astype(np.float32)):
+            inputs, outputs = _add_one_inputs(grpcclient, values)
+            _check_add_one(client.infer("add_one", inputs, outputs=outputs), values)
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_grpc_decoupled_stream_delivers_every_response(server: TritonServer) -> None:
+    import tritonclient.grpc as grpcclient
+
+    n = 25
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        inp = grpcclient.InferInput("N", [1], "INT32")
+        inp.set_data_from_numpy(np.array([n], dtype=np.int32))
+        client.async_stream_infer("stream_n", [inp], request_id="stream-1", enable_empty_final_response=True)
+        values, final = [], False
+        deadline = time.monotonic() + 60
+        while not final:
+            result, error = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert error is None, error
+            response = result.get_response()
+            assert response.id == "stream-1"
+            final = response.parameters["triton_final_response"].bool_param
+            out = result.as_numpy("OUT")
+            if out is not None:
+                values.append(int(out[0]))
+        client.stop_stream()
+    finally:
+        client.close()
+    assert values == [i * i for i in range(n)]
+    assert results.empty()
+
+
+@pytest.mark.slow
+def test_explicit_mode_loads_only_the_named_models(tmp_path: Path) -> None:
+    import tritonclient.http as httpclient
+
+    install = _need_server()
+    with TritonServer(install, work_dir=tmp_path / "work") as srv:
+        srv.start(make_model_repository(tmp_path), model_control_mode="explicit", load_models=["add_one"])
+        srv.wait_ready(READY_TIMEOUT)
+        client = httpclient.InferenceServerClient(srv.http_url)
+        try:
+            assert client.is_model_ready("add_one")
+            assert not client.is_model_ready("stream_n")
+            client.load_model("stream_n")
+            assert client.is_model_ready("stream_n")
+        finally:
+            client.close()
+    assert not pid_alive(srv.process.pid)
+
+
+@pytest.mark.slow
+def test_stop_ends_the_server_process(tmp_path: Path) -> None:
+    install = _need_server()
+    srv = TritonServer(install, work_dir=tmp_path / "work")
+    try:
+        srv.start(make_model_repository(tmp_path), pid_file=tmp_path / "server.pid")
+        srv.wait_ready(READY_TIMEOUT)
+        pid = srv.pid
+        assert int((tmp_path / "server.pid").read_text()) == pid
+        assert http_ready(srv.http_port)
+        # the Python-backend stubs run in the server's process group, which stop() ends as a whole
+        assert len(group_members(pid)) >= 3  # server + one stub per model
+        regions = mapped_shm_regions(group_members(pid))
+        assert regions and all(r.exists() for r in regions)
+        started = time.monotonic()
+        assert srv.stop() == "terminated"
+        print(f"clean stop took {time.monotonic() - started:.2f} s")
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert group_members(pid) == []
+        assert not any(r.exists() for r in regions)
+        assert not (tmp_path / "server.pid").exists()
+        assert not http_ready(srv.http_port)
+        assert srv.stop() == "not running"  # safe to call twice
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_broken_model_repository_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
+    install = _need_server()
+    srv = TritonServer(install, work_dir=tmp_path / "work")
+    try:
+        srv.start(make_model_repository(tmp_path, broken=True))
+        started = time.monotonic()
+        with pytest.raises(TritonServerError) as info:
+            srv.wait_ready(READY_TIMEOUT)
+        assert time.monotonic() - started < READY_TIMEOUT / 2  # it noticed the exit, not the timeout
+        message = str(info.value)
+        assert "exited with code" in message and "before it was ready" in message
+        assert "last 40 lines of the server log" in message
+        assert BROKEN_MESSAGE in message  # the model's own error reached the caller
+        assert str(srv.log_file) in message
+        assert not srv.is_running()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_wait_ready_times_out_and_stops_the_server(tmp_path: Path) -> None:
+    install = _need_server()
+    srv = TritonServer(install, work_dir=tmp_path / "work")
+    try:
+        # a model whose initialize() sleeps keeps the server not-ready past the short timeout
+        repo = tmp_path / "slow_repo"
+        _write_model(repo, "sleepy", ADD_ONE_CONFIG.replace('"add_one"', '"sleepy"'),
+                     "import time\n\nclass TritonPythonModel:\n    def initialize(self, args):\n        time.sleep(60)\n"
+                     "\n    def execute(self, requests):\n        return []\n")
+        srv.start(repo, exit_timeout=1)
+        deadline = time.monotonic() + 30
+        while not mapped_shm_regions(group_members(srv.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the stub is up (and sleeping in initialize) once it maps its shared memory
+        regions = mapped_shm_regions(group_members(srv.pid))
+        assert regions
+        with pytest.raises(TritonServerError, match=r"not ready after 3 s[\s\S]*last 40 lines"):
+            srv.wait_ready(3)
+        assert not srv.is_running()
+        assert group_members(srv.pid) == []  # the stub stuck in initialize() is gone too
+        assert not any(r.exists() for r in regions)  # and so is the shared memory a killed stub would leak
+    finally:
+        srv.stop(grace=5)
+
+
+@pytest.mark.slow
+def test_cli_start_status_stop(tmp_path: Path) -> None:
+    _need_server()
+    repo = make_model_repository(tmp_path)
+    pid_file = tmp_path / "cli.pid"
+    script = [sys.executable, str(ROOT / "scripts" / "tritonserver.py")]
+    common = ["--work-dir", str(tmp_path / "work"), "--pid-file", str(pid_file)]
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(script + list(args), capture_output=True, text=True, timeout=READY_TIMEOUT + 30)
+
+    try:
+        started = cli("start", *common, "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0",
+                      "--metrics-port", "0")
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert "binary: " in started.stdout and "ready after" in started.stdout and "gRPC 127.0.0.1:" in started.stdout
+        pid = int(pid_file.read_text())
+        assert pid_alive(pid)
+
+        status = cli("status", *common)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert f"PID {pid}" in status.stdout and "ready: yes" in status.stdout
+
+        again = cli("start", *common, "--model-repository", str(repo), "--http-port", "0")
+        assert again.returncode == 2 and "already running" in again.stderr
+
+        stopped = cli("stop", *common)
+        assert stopped.returncode == 0 and "terminated" in stopped.stdout, stopped.stdout + stopped.stderr
+        deadline = time.monotonic() + 10
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pid_alive(pid)
+        assert not pid_file.exists()
+
+        status = cli("status", *common)
+        assert status.returncode == 3 and "none" in status.stdout
+    finally:
+        if pid_file.exists():
+            stop_pid(int(pid_file.read_text()), grace=5)
+
+
+@pytest.mark.slow
+def test_cli_foreground_stops_the_server_on_sigterm(tmp_path: Path) -> None:
+    _need_server()
+    pid_file = tmp_path / "fg.pid"
+    cmd = [sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "start", "--foreground",
+           "--work-dir", str(tmp_path / "work"), "--pid-file", str(pid_file),
+           "--model-repository", str(make_model_repository(tmp_path)),
+           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+    cli = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server_pid = None
+    try:
+        assert cli.stdout is not None
+        for line in cli.stdout:
+            if line.startswith("ready after"):
+                break
+        else:
+            pytest.fail(f"CLI ended before the server was ready (code {cli.wait()})")
+        server_pid = int(pid_file.read_text())
+        assert pid_alive(server_pid)
+        cli.send_signal(signal.SIGTERM)
+        rest = cli.communicate(timeout=60)[0]
+        assert cli.returncode == 0, rest
+        assert "terminated" in rest
+        assert not pid_alive(server_pid)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.wait()
+        if server_pid is not None:
+            stop_pid(server_pid, grace=5)

@@ -1,0 +1,189 @@
+"""The Triton-free serving library: session store, sampling, registry, hand-over codec, router, pipeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.tiny import PROJECT_ROOT
+from tritonserver_backend import contract as c
+from tritonserver_backend import counters as k
+from tritonserver_backend.errors import BadRequest, UnknownAdapter, UnknownSession
+from tritonserver_backend.handover_codec import from_arrays, to_arrays
+from tritonserver_backend.registry import Registry
+from tritonserver_backend.repository import render
+from tritonserver_backend.sampling import Sampler, SamplingParams
+from tritonserver_backend.session_store import SessionStore
+
+EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
+needs_default = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built (python -m build_engines.training.build_default)")
+
+
+def test_session_store_evicts_least_recently_used_over_budget() -> None:
+    store: SessionStore[bytes] = SessionStore(budget_bytes=10, size_of=len)
+    store.put("a", b"xxxx")
+    store.put("b", b"xxxx")
+    store.get("a")  # a is now the most recent
+    assert store.put("c", b"xxxx") == ["b"]
+    with pytest.raises(UnknownSession, match="session 'b' was evicted"):
+        store.get("b")
+    store.end("a")
+    with pytest.raises(UnknownSession, match="session 'a' was ended"):
+        store.get("a")
+    with pytest.raises(UnknownSession, match="unknown session 'zz'.*history"):
+        store.get("zz")
+
+
+def test_sampling_is_greedy_at_zero_temperature_and_seeded_otherwise() -> None:
+    logits = torch.randn(50)
+    assert Sampler(SamplingParams())(logits) == int(logits.argmax())
+    draws = [Sampler(SamplingParams(temperature=1.0, seed=s))(logits) for s in range(20)]
+    again = [Sampler(SamplingParams(temperature=1.0, seed=s))(logits) for s in range(20)]
+    assert draws == again and len(set(draws)) > 1
+    top = int(logits.argmax())
+    assert all(Sampler(SamplingParams(temperature=1.0, top_p=1e-6, seed=s))(logits) == top for s in range(10))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(max_tokens=0), "max_tokens must lie in"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(stop=("",)), "stop strings")],
+)
+def test_bad_sampling_parameters(kwargs: dict, message: str) -> None:
+    with pytest.raises(BadRequest, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_registry_round_trip_and_errors(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    entry = reg.put("L2_code", "adapters/L2_code", "writes Python")
+    assert reg.by_hash(entry.hash) == entry and reg.by_hash(0) is None and reg.name_of(0) == "base"
+    other = Registry(tmp_path)  # another process sees the change
+    assert other.by_name("L2_code").path == "adapters/L2_code"
+    with pytest.raises(BadRequest, match="already registered as 'L2_code'"):
+        reg.put("copy", "adapters/L2_code", "")
+    reg.remove("L2_code")
+    other.refresh()
+    with pytest.raises(UnknownAdapter, match="unknown adapter 'L2_code'"):
+        other.by_name("L2_code")
+    with pytest.raises(UnknownAdapter, match=f"adapter hash {entry.hash} is not loaded"):
+        other.by_hash(entry.hash)
+
+
+def test_handover_codec_round_trip_and_malformed_tensors(net) -> None:  # type: ignore[no-untyped-def]
+    enc, _ = net.split()
+    handover, _ = enc(torch.randint(0, net.cfg.vocab_size, (1, 20)), enc.new_state())
+    arrays = to_arrays(handover)
+    back = from_arrays(arrays)
+    for field in ("positions", "streams", "ffn_pre", "topk", "candidates", "global_kv", "index_k"):
+        assert torch.equal(getattr(back, field), getattr(handover, field))
+    bad = dict(arrays)
+    bad[c.HANDOVER_STREAMS.name] = arrays[c.HANDOVER_STREAMS.name][:3]
+    with pytest.raises(BadRequest, match="HANDOVER_STREAMS has shape"):
+        from_arrays(bad)
+    bad = dict(arrays)
+    bad[c.HANDOVER_TOPK.name] = arrays[c.HANDOVER_TOPK.name].astype(np.float32)
+    with pytest.raises(BadRequest, match="HANDOVER_TOPK"):
+        from_arrays(bad)
+    del bad[c.HANDOVER_TOPK.name]
+    with pytest.raises(BadRequest, match="lacks tensors"):
+        from_arrays(bad)
+
+
+def test_serving_doc_carries_the_current_contract() -> None:
+    from tritonserver_backend.repository import contract_markdown
+
+    doc = (PROJECT_ROOT / "docs" / "serving.md").read_text()
+    assert contract_markdown() in doc, "docs/serving.md is stale: paste contract_markdown() again"
+
+
+def test_committed_configs_match_the_contract() -> None:
+    root = PROJECT_ROOT / "model_repository"
+    for path, text in render(root).items():
+        assert path.read_text() == text, f"{path} is stale: run python -m tritonserver_backend.repository"
+        assert (path.parent / "1").is_dir()
+    for model in c.MODELS:
+        assert (root / model.name / "1" / "model.py").exists()
+
+
+# ------------------------------------------------------------------------------------- on the embedded default
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from tritonserver_backend.pipeline import InProcessPipeline
+    from tritonserver_backend.registry_init import ensure_registry
+
+    root = tmp_path_factory.mktemp("registry")
+    ensure_registry(root, EMBEDDED)
+    return InProcessPipeline(EMBEDDED, root)
+
+
+@needs_default
+def test_router_explicit_adapter_wins_in_a_mixed_batch(pipeline) -> None:  # type: ignore[no-untyped-def]
+    router = pipeline.router
+    rows = [np.random.randn(router.embed.shape[1]).astype(np.float32) for _ in range(4)]
+    routed = router.route(rows, [None] * 4)
+    names = router.registry.entries()
+    explicit = ["", names[0].name, "", "base"]
+    mixed = router.route(rows, [e or None for e in explicit])
+    assert mixed[0] == routed[0] and mixed[2] == routed[2]
+    assert mixed[1] == names[0].hash and mixed[3] == 0
+    bad = router.route(rows[:1], ["L9"])
+    assert isinstance(bad[0], UnknownAdapter)
+
+
+@needs_default
+def test_pipeline_errors_lose_nothing(pipeline) -> None:  # type: ignore[no-untyped-def]
+    counts = [pipeline.counters.get(name) for name in (k.WRITTEN, k.READ, k.APPLIED)]
+    first = pipeline.chat("keep", "Hello, how are you?", new_session=True, params=SamplingParams(max_tokens=4))
+    before = (pipeline.encoder.sessions.get("keep").position, pipeline.decoder.sessions.get("keep").position)
+    with pytest.raises(UnknownAdapter):
+        pipeline.chat("keep", "x", adapter="no_such_adapter")
+    with pytest.raises(UnknownSession):
+        pipeline.chat("never_started", "x")
+    with pytest.raises(BadRequest, match="context limit"):
+        pipeline.chat("keep", "word " * 9000)
+    assert (pipeline.encoder.sessions.get("keep").position, pipeline.decoder.sessions.get("keep").position) == before
+    assert first.finish_reason in ("length", "end_of_turn", "stop")
+    written, read, applied = (pipeline.counters.get(name) - n for name, n in zip((k.WRITTEN, k.READ, k.APPLIED), counts))
+    assert written == read == applied == 1, "only the successful turn reached the router and the decoder"
+
+
+@needs_default
+def test_history_rebuilds_a_lost_session(pipeline) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=5)
+    a = pipeline.chat("orig", "Tell me about ships.", new_session=True, params=params)
+    history = json.dumps([{"role": "user", "content": "Tell me about ships."}, {"role": "assistant", "content": a.text}])
+    b = pipeline.chat("orig", "And the sea?", params=params, adapter="base")
+    rebuilt = pipeline.chat("rebuilt", "And the sea?", history=history, params=params, adapter="base")
+    assert rebuilt.finish_reason and rebuilt.token_ids  # a fresh id with history works where a bare id fails
+    with pytest.raises(BadRequest, match="history is not valid JSON"):
+        pipeline.chat("other", "x", history="[not json")
+    assert b.token_ids
+
+
+@needs_default
+def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """An adapter unloaded between the router's decision and the decoder: clear error, nothing lost."""
+    from tritonserver_backend.errors import TurnRejected
+    from tritonserver_backend.registry_init import description_of
+
+    params = SamplingParams(max_tokens=3)
+    pipeline.chat("race", "Hello there.", new_session=True, params=params)
+    before = (pipeline.encoder.sessions.get("race").position, pipeline.decoder.sessions.get("race").position)
+    ids, prefix, start = pipeline.text.preprocess("Style this button.", False, None)
+    h19, handover = pipeline.encoder.encode("race", ids, prefix, start)
+    decided = pipeline.router.route([h19], ["L3_design"])[0]
+    entry = pipeline.registry.by_name("L3_design")
+    pipeline.registry.remove("L3_design")
+    try:
+        with pytest.raises(TurnRejected, match=f"adapter hash {decided} is not loaded"):
+            next(iter(pipeline.decoder.generate("race", handover, decided, params, lambda s, t: pipeline.encoder.encode(s, t)[1])))
+        pipeline.encoder.rollback("race")
+        assert (pipeline.encoder.sessions.get("race").position, pipeline.decoder.sessions.get("race").position) == before
+        assert pipeline.chat("race", "Style this button.", params=params).token_ids, "the session goes on"
+    finally:
+        pipeline.registry.put("L3_design", entry.path, entry.description)
+    assert description_of(EMBEDDED / "adapters" / "L3_design")

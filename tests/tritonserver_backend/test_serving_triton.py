@@ -1,0 +1,283 @@
+"""The model repository on a real tritonserver (loopback ports), over gRPC and HTTP, against the in-process pipeline."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.tiny import PROJECT_ROOT
+from tritonserver_backend import contract as c
+from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest
+from tritonserver_backend.pipeline import InProcessPipeline
+from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.sampling import SamplingParams
+
+ROOT = PROJECT_ROOT
+EMBEDDED = ROOT / "embedded" / "mol2-small"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built"),
+]
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):  # type: ignore[no-untyped-def]
+    pytest.importorskip("tritonclient.grpc", reason="install the serve extra: pip install -e '.[serve]'")
+    from tritonserver_backend.launcher import TritonNotFoundError, TritonServer
+    from tritonserver_backend.repository import build_repository
+
+    work = tmp_path_factory.mktemp("triton")
+    repo = build_repository(work / "repo", {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048"})
+    try:
+        srv = TritonServer(work_dir=work / "server")
+    except TritonNotFoundError as exc:
+        pytest.fail(f"tritonserver not found although the serve extra is installed: {exc}")
+    srv.start(repo)
+    try:
+        srv.wait_ready(240)
+        srv.registry_root = work / "registry"
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("reference_registry")
+    ensure_registry(root, EMBEDDED)
+    return InProcessPipeline(EMBEDDED, root, max_context=2048)
+
+
+def _params(r: TurnRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=r.max_tokens or 64, temperature=r.temperature or 0.0, top_p=r.top_p or 1.0, seed=r.seed or 0, stop=tuple(r.stop or ()))
+
+
+def _reference(pipe: InProcessPipeline, r: TurnRequest):  # type: ignore[no-untyped-def]
+    return pipe.chat(r.session_id, r.text, r.adapter, r.new_session, r.history, _params(r), r.end_session)
+
+
+CONVERSATION = [
+    ("Hi! How was your day?", None, True),
+    ("def mean(xs):\n    return sum(xs) / len(xs)", None, False),
+    ("Make the header sticky with a shadow.", "L3_design", False),
+    ("git log --oneline shows nothing, why?", None, False),
+    ("Thanks, that helps.", "base", False),
+]
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_multi_turn_session_matches_in_process_reference(server, reference, transport: str) -> None:  # type: ignore[no-untyped-def]
+    chat = GrpcChat(server.grpc_url) if transport == "grpc" else HttpChat(server.http_url)
+    sid = f"conv-{transport}"
+    adapters = []
+    for text, adapter, new in CONVERSATION:
+        req = TurnRequest(sid, text, new_session=new, adapter=adapter, max_tokens=TOKENS)
+        got = chat.turn(req)
+        want = _reference(reference, req)
+        assert got.error is None, got.error
+        assert got.token_ids == want.token_ids, (text, got, want)
+        assert got.adapter == want.adapter and got.finish_reason == want.finish_reason
+        adapters.append(got.adapter)
+    assert adapters[2] == "L3_design" and adapters[4] == "base", "explicit adapters win"
+    if transport == "grpc":
+        chat.close()
+
+
+def test_explicit_adapter_wins_in_a_batch_mixing_routed_rows(server, reference) -> None:  # type: ignore[no-untyped-def]
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    dim = reference.router.embed.shape[1]
+    rows = np.random.default_rng(0).standard_normal((4, dim)).astype(np.float32)
+    names = [e.name for e in reference.registry.entries()]
+    explicit = np.array([b"", names[1].encode(), b"", b"base"], dtype=np.object_)
+    inputs = [httpclient.InferInput("H19", list(rows.shape), "FP32"), httpclient.InferInput("adapter", [4], "BYTES")]
+    inputs[0].set_data_from_numpy(rows)
+    inputs[1].set_data_from_numpy(explicit)
+    got = client.infer("router", inputs).as_numpy("ADAPTER_HASH").tolist()
+    routed = reference.router.route(list(rows), [None] * 4)
+    assert got[0] == routed[0] and got[2] == routed[2]
+    assert got[1] == reference.registry.by_name(names[1]).hash and got[3] == 0
+    client.close()
+
+
+def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, reference) -> None:  # type: ignore[no-untyped-def]
+    chat = GrpcChat(server.grpc_url)
+    keep = TurnRequest("intact", "Hello there.", new_session=True, max_tokens=TOKENS)
+    assert chat.turn(keep).token_ids == _reference(reference, keep).token_ids
+    cases = [
+        (TurnRequest("intact", "x", adapter="L9_nope", max_tokens=3), "unknown adapter 'L9_nope'"),
+        (TurnRequest("nobody", "x", max_tokens=3), "unknown session 'nobody'"),
+        (TurnRequest("intact", "word " * 2100, max_tokens=3), "context limit"),
+        (TurnRequest("intact", "x", max_tokens=0), "max_tokens must lie in"),
+        (TurnRequest("intact", "x", history="{not json", max_tokens=3), "history is not valid JSON"),
+    ]
+    for req, message in cases:
+        reply = chat.turn(req)
+        assert reply.error is not None and message in reply.error, (req, reply)
+    # a malformed tensor: max_tokens sent as FP32 (the ensemble is decoupled, so this goes over the gRPC stream)
+    error = _raw_stream_error(server, [("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"), ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")])
+    assert error is not None and "max_tokens" in error and ("FP32" in error or "INT32" in error), error
+    after = TurnRequest("intact", "And now?", max_tokens=TOKENS)
+    assert chat.turn(after).token_ids == _reference(reference, after).token_ids, "the session survived every error"
+    chat.close()
+
+
+def test_eight_concurrent_sessions_match_their_solo_runs(server, reference) -> None:  # type: ignore[no-untyped-def]
+    adapters = ["L0_chat", "L1_agent", "L2_code", "L3_design", "base", None, "L2_code", None]
+    requests = [TurnRequest(f"par{i}", f"Question number {i}: what should I do next?", new_session=True, adapter=a, max_tokens=TOKENS) for i, a in enumerate(adapters)]
+    solo = [_reference(reference, r).token_ids for r in requests]
+    results: dict[int, list[int]] = {}
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        chat = GrpcChat(server.grpc_url)
+        try:
+            reply = chat.turn(requests[i])
+            if reply.error:
+                errors.append(reply.error)
+            results[i] = reply.token_ids
+        finally:
+            chat.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors
+    assert [results[i] for i in range(8)] == solo
+
+
+def _raw_stream_error(server, tensors) -> str | None:  # type: ignore[no-untyped-def]
+    """Send hand-made tensors to the ensemble over a gRPC stream; the error message, or None."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put(error))
+    inputs = []
+    for name, arr, dtype in tensors:
+        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    client.async_stream_infer(c.ENSEMBLE_NAME, inputs)
+    error = results.get(timeout=120)
+    client.stop_stream()
+    client.close()
+    return None if error is None else str(error)
+
+
+def _metric_totals(server) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    totals: dict[str, float] = {}
+    for line in urllib.request.urlopen(server.metrics_url).read().decode().splitlines():
+        if line.startswith("mol2_"):
+            name = line.split("{")[0]
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _admin(server, **inputs) -> str:  # type: ignore[no-untyped-def]
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url)
+    tensors = []
+    for name, value in inputs.items():
+        inp = httpclient.InferInput(name, [1], "BYTES")
+        inp.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
+        tensors.append(inp)
+    try:
+        return client.infer("adapter_admin", tensors).as_numpy("result")[0].decode()
+    finally:
+        client.close()
+
+
+def test_unloading_mid_conversation_gives_a_clear_error_then_reload_works(server, reference) -> None:  # type: ignore[no-untyped-def]
+    chat = GrpcChat(server.grpc_url)
+    assert chat.turn(TurnRequest("unload", "Write a CSS grid.", new_session=True, adapter="L3_design", max_tokens=3)).error is None
+    listed = json.loads(_admin(server, action="list"))
+    entry = next(a for a in listed["adapters"] if a["name"] == "L3_design")
+    json.loads(_admin(server, action="unload", adapter="L3_design"))
+    reply = chat.turn(TurnRequest("unload", "Now a flexbox.", adapter="L3_design", max_tokens=3))
+    assert reply.error is not None and "unknown adapter 'L3_design'" in reply.error
+    routed = chat.turn(TurnRequest("unload", "Now a flexbox.", max_tokens=3))
+    assert routed.error is None and routed.adapter != "L3_design", "the router no longer offers it"
+    loaded = json.loads(_admin(server, action="load", adapter="L3_design", path=entry["path"], description=entry["description"]))
+    assert loaded["hash"] == entry["hash"]
+    assert chat.turn(TurnRequest("unload", "Back again.", adapter="L3_design", max_tokens=3)).adapter == "L3_design"
+    # an adapter that touches the encoder side is refused at load, naming its modules
+    bad_dir = Path(server.registry_root) / "adapters" / "leaky"
+    _write_leaky_adapter(bad_dir)
+    with pytest.raises(Exception, match="layers.4.attn"):
+        _admin(server, action="load", adapter="leaky", path="adapters/leaky")
+    chat.close()
+
+
+def _write_leaky_adapter(directory: Path) -> None:
+    import torch
+
+    from build_engines.lora import save_adapter
+
+    cfg = json.loads((EMBEDDED / "config.json").read_text())
+    dim, E = cfg["dim"], cfg["n_encoder_layers"]
+    save_adapter(directory, {f"layers.{E}.attn.wq_a": (torch.zeros(4, dim), torch.zeros(cfg["q_lora_rank"], 4))}, 4, 8.0, "mol2-small")
+
+
+def test_metrics_count_every_decision_written_read_and_applied(server) -> None:  # type: ignore[no-untyped-def]
+    before = _metric_totals(server)
+    chat = GrpcChat(server.grpc_url)
+    for i, adapter in enumerate([None, "L2_code", None]):
+        assert chat.turn(TurnRequest("metrics", f"turn {i}", new_session=i == 0, adapter=adapter, max_tokens=2)).error is None
+    chat.close()
+    after = _metric_totals(server)
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    assert delta["mol2_routing_decisions_written"] == delta["mol2_routing_decisions_read"] == delta["mol2_routing_decisions_applied"] == 3
+    assert delta["mol2_explicit_overrides"] == 1 and delta["mol2_replays"] == 3 and delta["mol2_replay_tokens"] > 0
+    # over the whole run so far every decision that reached the decoder was applied
+    assert after["mol2_routing_decisions_read"] == after["mol2_routing_decisions_applied"]
+
+
+def test_end_session_then_the_id_is_reported_ended(server) -> None:  # type: ignore[no-untyped-def]
+    chat = GrpcChat(server.grpc_url)
+    assert chat.turn(TurnRequest("bye", "Hello.", new_session=True, max_tokens=2, end_session=True)).error is None
+    reply = chat.turn(TurnRequest("bye", "Still there?", max_tokens=2))
+    assert reply.error is not None and "session 'bye' was ended" in reply.error
+    chat.close()
+
+
+def test_many_concurrent_short_turns_keep_the_server_alive(server) -> None:  # type: ignore[no-untyped-def]
+    """The load that killed the server before the decoder's pb_utils calls moved to one thread (docs/load.md):
+    24 gRPC streams, each starting, continuing and ending three sessions of two short turns, all at once."""
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        chat = GrpcChat(server.grpc_url)
+        try:
+            for r in range(3):
+                for t in range(2):
+                    req = TurnRequest(f"burst{i}-{r}", f"turn {t} from client {i}", new_session=t == 0, max_tokens=4, end_session=t == 1)
+                    reply = chat.turn(req, timeout=300)
+                    if reply.error or len(reply.token_ids) == 0:
+                        errors.append(reply.error or f"{req.session_id}: empty reply")
+        except Exception as exc:  # noqa: BLE001 - a dead stream is exactly what this test looks for
+            errors.append(repr(exc))
+        finally:
+            chat.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    log = Path(server.log_file).read_text(errors="replace")
+    assert server.is_running(), "tritonserver died under concurrent short turns"
+    assert "lock_exception" not in log and "Signal (11)" not in log
+    assert not errors, errors[:5]
