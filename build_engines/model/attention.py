@@ -15,8 +15,10 @@ from torch import nn
 
 from build_engines.formats.quant_formats import fp4_qdq_e4m3, fp4_qdq_ue8m0, fp8_qdq
 from build_engines.model.config import CEDConfig
-from build_engines.model.primitives import RMSNorm, apply_rope_tail, rope_angles, rope_inv_freq, sink_attention
+from build_engines.model.primitives import RMSNorm, apply_rope_tail, rope_angles, rope_inv_freq
 from build_engines.model.state import SourceCache, WindowRing
+from plugins.sparse_global_attention import sparse_global_attention
+from plugins.swa_replay_attention import swa_replay_attention
 
 
 @dataclass
@@ -55,6 +57,23 @@ def selection_mask(idx: torch.Tensor, n: int) -> torch.Tensor:
     mask = torch.zeros(*idx.shape[:-1], n + 1, dtype=torch.bool, device=idx.device)
     mask.scatter_(-1, safe, True)
     return mask[..., :n]
+
+
+def window_rows(ring_pos: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Each query's sliding window as rows of the local table [ring (W slots) ; this chunk (S rows)].
+
+    ring_pos (B, W) int64 is the position each ring slot holds (-1 = empty); positions (B, S) are the chunk's
+    positions, consecutive from its start. Returns (B, S, W) int64: for the query at p, entry j names the row of
+    position p - W + 1 + j (oldest first): a chunk row when that position is in this chunk, its ring slot
+    (position % W) when the ring holds exactly that position, -1 otherwise.
+    """
+    B, S = positions.shape
+    start = positions[:, :1].unsqueeze(-1)  # (B, 1, 1)
+    want = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)  # (B, S, W)
+    slot = want.remainder(window)
+    held = torch.gather(ring_pos, 1, slot.reshape(B, S * window)).view(B, S, window)
+    from_ring = torch.where((held == want) & (want >= 0), slot, torch.full_like(slot, -1))
+    return torch.where(want >= start, want - start + window, from_ring)
 
 
 def visible_entries(positions: torch.Tensor, n: int, ratio: int) -> torch.Tensor:
@@ -229,25 +248,23 @@ class Attention(nn.Module):
         if cfg.runtime_fake_quant:
             kv = fp8_qdq(kv)
 
-        # local part: the ring's earlier positions plus this chunk, causal within the window
-        key_pos = torch.cat((window.pos, pos.unsqueeze(0).expand(B, S)), 1)  # (B, W+S)
-        qp = pos.view(1, S, 1)
-        kp = key_pos.unsqueeze(1)
-        mask = (kp >= 0) & (kp <= qp) & (kp > qp - cfg.window_size)
-        keys = torch.cat((window.kv, kv.to(window.kv.dtype)), 1)
+        # local table: the ring's earlier positions, then this chunk; each query lists its window rows in position order
+        local = torch.cat((window.kv, kv.to(window.kv.dtype)), 1)  # (B, W+S, D)
+        rows = window_rows(window.pos, pos.unsqueeze(0).expand(B, S), cfg.window_size)  # (B, S, W)
         new_window = window.write(kv, pos)
 
-        if self.ratio > 0:
+        if self.ratio == 0:
+            o = swa_replay_attention(q, local, rows, self.attn_sink, D ** -0.5)  # (B, S, H, D)
+        else:
             if self.is_source:
                 self._write_source(x, ctx)
             if self.is_index:
                 self._select(x, qr, ctx, cos, sin)
             assert ctx.topk is not None, f"layer {self.layer} reuses an index selection that no layer made"
             cache = ctx.sources[cfg.kv_source_of(self.layer)]
-            keys = torch.cat((keys, cache.kv), 1)
-            mask = torch.cat((mask, selection_mask(ctx.topk, cache.n_entries)), -1)
-
-        o = sink_attention(q, keys, mask, self.attn_sink, D ** -0.5)  # (B, S, H, D)
+            global_rows = torch.where(ctx.topk >= 0, ctx.topk + local.shape[1], ctx.topk)  # rows of [local ; global]
+            rows = torch.cat((rows, global_rows), -1)
+            o = sparse_global_attention(q, local, cache.kv, rows, self.attn_sink, D ** -0.5)
         o = apply_rope_tail(o, cos.unsqueeze(1), sin.unsqueeze(1), rd, inverse=True)
         G = cfg.o_groups
         o = o.reshape(B, S, G, H * D // G)

@@ -1,7 +1,7 @@
-"""Small numerical building blocks of the CED network: RMSNorm, interleaved (YaRN) RoPE, sink attention.
+"""Small numerical building blocks of the CED network: RMSNorm, interleaved (YaRN) RoPE.
 
-They are pure functions of tensors so that the reference network, the ONNX export and the kernels in `plugins/`
-share one definition of each operation.
+They are pure functions of tensors so that the reference network and the engine steps share one definition of each
+operation; attention itself is one of the `plugins/` ops.
 """
 
 from __future__ import annotations
@@ -74,21 +74,3 @@ def apply_rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_
     s = -sin if inverse else sin
     rotated = torch.stack((a * cos - b * s, a * s + b * cos), dim=-1).flatten(-2)
     return torch.cat((head, rotated.to(x.dtype)), dim=-1)
-
-
-def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Attention where K = V = one shared latent and a per-head sink logit enters only the denominator.
-
-    q: (B, S, H, D); kv: (B, N, D); mask: (B, S, N) bool, True = visible; sink: (H,). Returns (B, S, H, D).
-    A row with nothing visible returns zeros (the sink absorbs all the mass), as the released kernel does.
-    """
-    scores = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale
-    scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    sink_b = sink.float().view(1, 1, -1, 1)
-    peak = torch.maximum(scores.amax(-1, keepdim=True), sink_b).detach()  # any shift is exact; no gradient needed
-    weights = torch.exp(scores - peak)
-    denom = weights.sum(-1, keepdim=True) + torch.exp(sink_b - peak)
-    out = torch.einsum("bshn,bnd->bshd", weights / denom, kv.float())
-    return out.to(q.dtype)

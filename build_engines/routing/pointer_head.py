@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from plugins.pointer_score import pointer_score
+
 ROUTE_PROMPT = "Route this request to the assistant whose description fits best:"
 HEAD_FILE, HEAD_CONFIG = "router.safetensors", "router_config.json"
 
@@ -131,23 +133,18 @@ class PointerHead(nn.Module):
 
     # ------------------------------------------------------------------ query side (per request)
     def score(self, h19_pooled: torch.Tensor, options: OptionCache, option_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, model_dim) pooled H19 -> (B, n) pointer logits over the cached options.
+        """(B, model_dim) pooled H19 -> (B, n) pointer logits over the cached options (the `mol2` PointerScore op).
 
         The cross-attention (`self.cross`'s parameters) and the pointer run against the option side folded in
         `OptionCache`, so a request pays only for its own query. `option_mask` (B, n) restricts each
         row to its own candidate subset (cross-attention and scores alike), so requests with different candidate
         sets share one cached option side.
         """
-        n, T = options.padding.shape
-        heads, B = self.cfg.heads, h19_pooled.shape[0]
         x = self.query_proj(self.query_norm(h19_pooled))  # (B, w)
-        scores = torch.addmm(options.attn_bias, self.cross_norm(x), options.attn_query)  # (B, H*L)
-        if option_mask is not None:
-            hidden = (~option_mask)[:, None, :, None].expand(B, heads, n, T).reshape(B, heads * n * T)
-            scores = scores.masked_fill(hidden, float("-inf"))
-        attn = torch.softmax(scores.view(B, heads, n * T), dim=-1).view(B, heads * n * T)
-        logits = torch.addmm(options.point_bias, x, options.point_query) + attn @ options.point_read
-        return logits if option_mask is None else logits.masked_fill(~option_mask, float("-inf"))
+        if option_mask is None:
+            option_mask = torch.ones(x.shape[0], options.padding.shape[0], dtype=torch.bool, device=x.device)
+        return pointer_score(x, self.cross_norm(x), options.attn_query, options.attn_bias, options.point_query,
+                             options.point_read, options.point_bias, option_mask, self.cfg.heads)
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
