@@ -9,12 +9,15 @@ The binary is a system `tritonserver` on PATH (an NGC container) or the one bund
 Without --foreground, `start` returns once the server is ready and leaves it running (PID in the PID file). A port
 of 0 means "pick a free one". Exit codes: 0 success (status: ready), 1 failure (status: running, not ready),
 2 bad use or a PID file pointing at something that is not tritonserver, 3 (status/stop) not running.
+
+`stop` leaves nothing behind: the server's process group (its Python-backend stubs) and the shared-memory regions
+they had in /dev/shm go with it. When the PID file names a server that died without a stop (killed, crashed), `start`
+and `stop` first clean up after it (left-over stubs, regions nobody uses) and say what they removed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 from pathlib import Path
@@ -34,6 +37,7 @@ from tritonserver_backend.launcher import (  # noqa: E402
     pid_alive,
     stop_pid,
 )
+from tritonserver_backend.launcher.record import clean_up_after, read_record, remove_record  # noqa: E402
 
 DEFAULT_WORK_DIR = ROOT / "build" / "tritonserver"
 
@@ -42,30 +46,22 @@ def _pid_file(args: argparse.Namespace) -> Path:
     return Path(args.pid_file) if args.pid_file else Path(args.work_dir) / "tritonserver.pid"
 
 
-def _read_pid(pid_file: Path) -> int | None:
-    try:
-        return int(pid_file.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _read_info(pid_file: Path) -> dict:
-    try:
-        return json.loads(pid_file.with_name(pid_file.name + ".json").read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
-
-
-def _remove_pid_file(pid_file: Path) -> None:
-    pid_file.unlink(missing_ok=True)
-    pid_file.with_name(pid_file.name + ".json").unlink(missing_ok=True)
+def _clean_up_stale(pid_file: Path) -> None:
+    """Clean up after a dead server that the PID file names, say what was removed, and remove the PID file."""
+    record = read_record(pid_file)
+    if record is None or record.server_alive():
+        return
+    cleaned = clean_up_after(record)
+    remove_record(pid_file, record.pid)
+    print(f"cleaned up {cleaned.summary()}", flush=True)
 
 
 def cmd_start(args: argparse.Namespace) -> int:
     pid_file = _pid_file(args)
-    old = _read_pid(pid_file)
-    if old is not None and pid_alive(old) and is_tritonserver(old):
-        print(f"tritonserver already running with PID {old} (PID file {pid_file}); stop it first", file=sys.stderr)
+    old = read_record(pid_file)
+    if old is not None and old.server_alive():
+        print(f"tritonserver already running with PID {old.pid} (PID file {pid_file}); stop it first",
+              file=sys.stderr)
         return 2
     try:
         install = find_tritonserver(args.prefer)
@@ -93,6 +89,8 @@ def cmd_start(args: argparse.Namespace) -> int:
                 pid_file=pid_file,
                 exit_timeout=args.exit_timeout,
             )
+            if server.cleaned is not None:  # the PID file named a server that died without a stop
+                print(f"cleaned up {server.cleaned.summary()}", flush=True)
             print(f"started PID {server.pid}; log {server.log_file}; PID file {pid_file}", flush=True)
             seconds = server.wait_ready(args.timeout)
         except (TritonServerError, ValueError) as exc:
@@ -121,19 +119,27 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     pid_file = _pid_file(args)
-    pid = _read_pid(pid_file)
-    if pid is None:
+    record = read_record(pid_file)
+    if record is None:
         print(f"not running (no PID in {pid_file})")
         return 3
-    if not pid_alive(pid):
-        print(f"not running (PID {pid} from {pid_file} is gone; removed the stale PID file)")
-        _remove_pid_file(pid_file)
-        return 3
-    if not is_tritonserver(pid):
-        print(f"PID {pid} from {pid_file} is not a tritonserver process; not touching it", file=sys.stderr)
-        return 2
-    outcome = stop_pid(pid, grace=args.grace)
-    _remove_pid_file(pid_file)
+    pid = record.pid
+    if not record.server_alive():
+        reused = pid_alive(pid)  # by another program, or by another tritonserver started since
+        if reused:
+            what = "a different tritonserver" if is_tritonserver(pid) else "not a tritonserver process"
+            print(f"PID {pid} from {pid_file} is {what}; not touching it", file=sys.stderr)
+        else:
+            print(f"not running (PID {pid} from {pid_file} is gone; removed the stale PID file)")
+        _clean_up_stale(pid_file)
+        return 2 if reused else 3
+    record.observe()  # the stubs and regions it has now, for the clean-up after the stop
+    outcome = stop_pid(pid, grace=args.grace, regions=record.regions())
+    if not record.server_alive():
+        cleaned = clean_up_after(record)
+        if cleaned.did_something:
+            print(f"also removed {cleaned.summary()}")
+    remove_record(pid_file, pid)
     print(f"tritonserver PID {pid}: {outcome}")
     return 0
 
@@ -144,12 +150,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     except TritonNotFoundError as exc:
         print(f"binary: none ({exc})")
     pid_file = _pid_file(args)
-    pid = _read_pid(pid_file)
-    info = _read_info(pid_file)
+    record = read_record(pid_file)
+    pid = record.pid if record is not None else None
+    info = record.to_json() if record is not None and record.info else {}
     http_port = args.http_port or info.get("http_port")
-    running = pid is not None and pid_alive(pid) and is_tritonserver(pid)
+    running = record is not None and record.server_alive()
     if pid is not None:
-        print(f"PID {pid} (from {pid_file}): {'running' if running else 'not running'}")
+        state = "running" if running else "not running (a stale record: `start` or `stop` cleans up after it)"
+        print(f"PID {pid} (from {pid_file}): {state}")
     else:
         print(f"PID file {pid_file}: none")
     if info and running:

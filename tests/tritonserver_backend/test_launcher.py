@@ -3,10 +3,14 @@
 The server tests (marked slow) build a tiny model repository in tmp_path: `add_one` (FP32 in, x + 1 out, plus the
 stub's sys.prefix and numpy version, so a stub running the wrong Python or numpy 2's corruption both show) and the
 decoupled `stream_n` (N responses, then the final flag). Every server started here is stopped by a finalizer.
+
+Leaving nothing behind: a stopped stub (SIGSTOP) stands for a wedged one, which never notices that its server died;
+a stub SIGKILLed with its server stands for one that died without unlinking its /dev/shm region.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -14,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +27,6 @@ import pytest
 from tests.tiny import PROJECT_ROOT
 from tritonserver_backend.launcher import (
     HOST,
-    STUB_NAME,
     TritonInstall,
     TritonNotFoundError,
     TritonServer,
@@ -39,6 +43,17 @@ from tritonserver_backend.launcher import (
     server_env,
     stop_pid,
     tail,
+)
+from tritonserver_backend.launcher.install import STUB_NAME
+from tritonserver_backend.launcher.logs import logged_shm_regions
+from tritonserver_backend.launcher.process import SHM_DIR, SHM_REGION_NAME, proc_info, regions_in_use
+from tritonserver_backend.launcher.record import (
+    ServerRecord,
+    StubSeen,
+    clean_up_after,
+    read_record,
+    record_path,
+    write_record,
 )
 
 ROOT = PROJECT_ROOT
@@ -301,6 +316,103 @@ def test_stop_pid_terms_then_kills() -> None:
     assert stop_pid(stubborn.pid, popen=stubborn) == "not running"
 
 
+def test_logged_shm_regions_reads_verbose_stub_start_lines(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    region = f"{SHM_REGION_NAME}_5778d28b-954e-4ce0-a843-22ccf3e698b6"
+    log.write_text(f'I1130 1 stub_launcher.cc:385] "Starting Python backend stub:  exec /w/{STUB_NAME} '
+                   f'/m/add_one/1/model.py {SHM_REGION_NAME}_old 1048576 1048576 7 /w 336 add_one DEFAULT"\n')
+    offset = log.stat().st_size
+    with open(log, "a") as fh:
+        fh.write(f'I1130 2 stub_launcher.cc:385] "Starting Python backend stub:  exec /w/{STUB_NAME} '
+                 f'/m/add_one/1/model.py {region} 1048576 1048576 8 /w 336 add_one_0_0 DEFAULT"\nI1130 other\n')
+    assert logged_shm_regions(log, offset) == [region]
+    assert len(logged_shm_regions(log)) == 2
+    assert logged_shm_regions(tmp_path / "missing.log") == [] and logged_shm_regions(None) == []
+
+
+def test_record_round_trip_and_bare_pid_file(tmp_path: Path) -> None:
+    pid_file = tmp_path / "x.pid"
+    assert read_record(pid_file) is None
+    record = ServerRecord(pid=4242, pgid=4242, start_ticks=7, boot_id="b", started_at=1.5, log_file="/l",
+                          log_offset=3, stubs=[StubSeen(4243, 8, f"{SHM_DIR}/{SHM_REGION_NAME}_a", "m.py")],
+                          shm_regions=[f"{SHM_DIR}/{SHM_REGION_NAME}_a"], info={"http_port": 8000, "pid": 4242})
+    write_record(pid_file, record)
+    assert pid_file.read_text() == "4242\n"
+    data = json.loads(record_path(pid_file).read_text())
+    assert data["http_port"] == 8000 and data["stubs"][0]["pid"] == 4243  # flat: the ports sit next to the rest
+    assert read_record(pid_file) == record
+    pid_file.write_text("4244\n")  # a PID file that no longer matches its JSON: the PID file wins
+    assert read_record(pid_file) == ServerRecord(pid=4244)
+
+
+_HOLD_REGION = """\
+import mmap, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 4096)
+region = mmap.mmap(fd, 4096)
+os.close(fd)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+_LEADER = """\
+import subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "up"
+print(child.pid, flush=True)
+"""
+
+
+def test_clean_up_after_touches_only_what_is_provably_ours(tmp_path: Path) -> None:
+    """No tritonserver needed: plain Python processes mapping fake region files stand for the server and stubs."""
+    tag = f"{SHM_REGION_NAME}_launcher-test-{uuid.uuid4()}"
+    orphan, held, left = (SHM_DIR / f"{tag}-{name}" for name in ("orphan", "held", "left"))
+    not_a_region = SHM_DIR / f"launcher-test-{uuid.uuid4()}"
+    precious = tmp_path / f"{SHM_REGION_NAME}_precious"  # the right name, but not in /dev/shm
+    orphan.write_bytes(b"x")
+    for path in (not_a_region, precious):
+        path.write_bytes(b"keep")
+    procs: list[int] = []
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_REGION, str(held)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    procs.append(holder.pid)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "up"
+        ticks = proc_info(holder.pid).start_ticks
+        # a record whose PID (and group) now belong to another process, and which names a "stub" that is no stub
+        record = ServerRecord(pid=holder.pid, pgid=holder.pid, start_ticks=ticks + 1,
+                              stubs=[StubSeen(holder.pid, ticks, str(held))],
+                              shm_regions=[str(orphan), str(held), str(not_a_region), str(precious)])
+        assert not record.server_alive()
+        done = clean_up_after(record)
+        assert done.killed == [] and pid_alive(holder.pid)
+        assert done.unlinked == [orphan] and done.in_use == [held] and holder.pid in done.not_ours
+        assert held.exists() and not_a_region.exists() and precious.exists()
+
+        # a dead leader's group: what it left behind is killed, then its region (no longer mapped) is unlinked
+        leader = subprocess.Popen([sys.executable, "-c", _LEADER, _HOLD_REGION, str(left)], stdout=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        procs.append(child)
+        assert leader.wait(timeout=30) == 0
+        assert pid_alive(child) and proc_info(child).pgid == leader.pid  # the child outlived its group's leader
+        assert regions_in_use([left]) == {left}
+        done = clean_up_after(ServerRecord(pid=leader.pid, pgid=leader.pid, shm_regions=[str(left)]))
+        assert done.killed == [child] and done.unlinked == [left]
+        assert not pid_alive(child) and not left.exists()
+        assert pid_alive(holder.pid) and held.exists()  # still untouched
+    finally:
+        for pid in procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        holder.wait()
+        for path in (orphan, held, left, not_a_region):
+            path.unlink(missing_ok=True)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # a real server (slow)
 # --------------------------------------------------------------------------------------------------------------------
@@ -426,18 +538,166 @@ def test_stop_ends_the_server_process(tmp_path: Path) -> None:
         assert len(group_members(pid)) >= 3  # server + one stub per model
         regions = mapped_shm_regions(group_members(pid))
         assert regions and all(r.exists() for r in regions)
+        # the record next to the PID file names the stubs and regions it saw by the time the server was ready
+        stubs = _stubs_of(pid)
+        record = json.loads((tmp_path / "server.pid.json").read_text())
+        assert record["pid"] == pid and record["pgid"] == pid
+        assert record["start_ticks"] == proc_info(pid).start_ticks
+        assert record["http_port"] == srv.http_port and record["command"] == srv.command
+        assert {s["pid"] for s in record["stubs"]} == set(stubs)
+        assert set(record["shm_regions"]) == {str(r) for r in regions}
         started = time.monotonic()
         assert srv.stop() == "terminated"
         print(f"clean stop took {time.monotonic() - started:.2f} s")
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
         assert group_members(pid) == []
+        assert not any(pid_alive(stub) for stub in stubs)
         assert not any(r.exists() for r in regions)
-        assert not (tmp_path / "server.pid").exists()
+        assert not (tmp_path / "server.pid").exists() and not (tmp_path / "server.pid.json").exists()
         assert not http_ready(srv.http_port)
         assert srv.stop() == "not running"  # safe to call twice
     finally:
         srv.stop()
+
+
+def _stubs_of(pid: int) -> list[int]:
+    return sorted(m for m in group_members(pid) if m != pid)
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(pid_alive(p) for p in pids), [p for p in pids if pid_alive(p)]
+
+
+def _kill_quietly(pids: list[int]) -> None:
+    """Test clean-up of the processes a test stopped or orphaned itself."""
+    for pid in pids:
+        if pid_alive(pid) and proc_info(pid) is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _serves_add_one(srv: TritonServer) -> None:
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(srv.http_url)
+    try:
+        values = np.array([1.5, 2.5, 3.5], dtype=np.float32)
+        inputs, outputs = _add_one_inputs(httpclient, values)
+        _check_add_one(client.infer("add_one", inputs, outputs=outputs), values)
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_stop_leaves_no_stub_and_no_shm_region_behind(tmp_path: Path) -> None:
+    """A wedged stub outlives the server's own orderly exit; stop() kills it and unlinks what the group had."""
+    install = _need_server()
+    srv = TritonServer(install, work_dir=tmp_path / "work")
+    stubs: list[int] = []
+    try:
+        srv.start(make_model_repository(tmp_path), exit_timeout=1)
+        srv.wait_ready(READY_TIMEOUT)
+        pid, stubs = srv.pid, _stubs_of(srv.pid)
+        regions = mapped_shm_regions(stubs)
+        assert len(stubs) == 2 and len(regions) == 2
+        os.kill(stubs[0], signal.SIGSTOP)
+        assert srv.stop(grace=10) == "terminated"  # the server itself exits after its 1 s exit timeout
+        assert group_members(pid) == [] and not any(pid_alive(stub) for stub in stubs)
+        assert not any(r.exists() for r in regions) and regions_in_use(regions) == set()
+        assert not srv.pid_file.exists() and not record_path(srv.pid_file).exists()
+    finally:
+        _kill_quietly(stubs)
+        srv.stop(grace=5)
+
+
+@pytest.mark.slow
+def test_start_cleans_up_after_a_killed_server(tmp_path: Path, server: TritonServer) -> None:
+    """SIGKILL the server only: a wedged stub lives on holding its region, a stub that died with the server left its
+    region; the next start in the same work dir removes both, and then serves."""
+    install = _need_server()
+    repo, work = make_model_repository(tmp_path), tmp_path / "work"
+    old = TritonServer(install, work_dir=work)
+    stubs: list[int] = []
+    try:
+        old.start(repo)
+        old.wait_ready(READY_TIMEOUT)
+        old_pid, stubs = old.pid, _stubs_of(old.pid)
+        regions = mapped_shm_regions(stubs)
+        assert len(stubs) == 2 and len(regions) == 2
+        wedged, died = stubs
+        for stub in stubs:
+            os.kill(stub, signal.SIGSTOP)  # stopped stubs cannot notice their server's death
+        os.kill(old_pid, signal.SIGKILL)
+        old.process.wait(timeout=10)
+        os.kill(died, signal.SIGKILL)
+        _wait_gone([died])
+        assert pid_alive(wedged) and all(r.exists() for r in regions)  # what a crashed server leaves behind
+
+        new = TritonServer(install, work_dir=work)
+        try:
+            new.start(repo)
+            cleaned = new.cleaned
+            assert cleaned is not None and cleaned.pid == old_pid, cleaned
+            assert cleaned.killed == [wedged] and sorted(cleaned.unlinked) == sorted(regions), cleaned
+            assert not pid_alive(wedged) and not any(r.exists() for r in regions)
+            line = f"cleaned up after tritonserver PID {old_pid}: killed left-over PIDs {wedged}; unlinked 2 shm"
+            assert line in new.log_file.read_text()
+            assert read_record(new.pid_file).pid == new.pid  # the stale record is replaced by the new server's
+            new.wait_ready(READY_TIMEOUT)
+            _serves_add_one(new)
+            assert http_ready(server.http_port)  # another server, in another work dir, was not disturbed
+        finally:
+            new.stop()
+    finally:
+        _kill_quietly(stubs)
+        old.stop(grace=5)
+
+
+@pytest.mark.slow
+def test_clean_up_spares_another_running_server(tmp_path: Path, server: TritonServer) -> None:
+    """Kill one of two servers, give its record the other's stubs and regions (as after PID reuse), restart it: the
+    other server keeps its stubs and regions and still serves."""
+    install = _need_server()
+    other_stubs = _stubs_of(server.pid)
+    other_regions = mapped_shm_regions(other_stubs)
+    assert len(other_stubs) == 2 and len(other_regions) == 2
+    repo, work = make_model_repository(tmp_path), tmp_path / "work"
+    victim = TritonServer(install, work_dir=work)
+    try:
+        victim.start(repo)
+        victim.wait_ready(READY_TIMEOUT)
+        victim_pid, victim_stubs = victim.pid, _stubs_of(victim.pid)
+        victim_regions = mapped_shm_regions(victim_stubs)
+        os.kill(victim_pid, signal.SIGKILL)
+        victim.process.wait(timeout=10)
+        record = read_record(victim.pid_file)
+        record.stubs += [StubSeen(pid, proc_info(pid).start_ticks - 1) for pid in other_stubs]  # reused PIDs
+        record.shm_regions += [str(r) for r in other_regions]
+        write_record(victim.pid_file, record)
+
+        restarted = TritonServer(install, work_dir=work)
+        try:
+            restarted.start(repo)
+            cleaned = restarted.cleaned
+            assert cleaned is not None and not set(other_stubs) & set(cleaned.killed), cleaned
+            assert set(other_stubs) <= set(cleaned.not_ours) and other_regions <= set(cleaned.in_use), cleaned
+            assert all(pid_alive(p) for p in other_stubs) and _stubs_of(server.pid) == other_stubs
+            assert all(r.exists() for r in other_regions)
+            _wait_gone(victim_stubs)
+            assert not any(r.exists() for r in victim_regions)
+            restarted.wait_ready(READY_TIMEOUT)
+            _serves_add_one(restarted)
+            _serves_add_one(server)
+        finally:
+            restarted.stop()
+    finally:
+        victim.stop(grace=5)
 
 
 @pytest.mark.slow
@@ -496,6 +756,7 @@ def test_cli_start_status_stop(tmp_path: Path) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(script + list(args), capture_output=True, text=True, timeout=READY_TIMEOUT + 30)
 
+    stubs: list[int] = []
     try:
         started = cli("start", *common, "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0",
                       "--metrics-port", "0")
@@ -511,6 +772,27 @@ def test_cli_start_status_stop(tmp_path: Path) -> None:
         again = cli("start", *common, "--model-repository", str(repo), "--http-port", "0")
         assert again.returncode == 2 and "already running" in again.stderr
 
+        # the server dies behind the CLI's back, leaving a wedged stub and its region: the next start cleans up
+        stubs = _stubs_of(pid)
+        regions = mapped_shm_regions(stubs)
+        recorded = json.loads(record_path(pid_file).read_text())
+        assert len(stubs) == 2 and {s["pid"] for s in recorded["stubs"]} == set(stubs)
+        os.kill(stubs[0], signal.SIGSTOP)
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone([pid])
+        status = cli("status", *common)
+        assert status.returncode == 3 and "stale record" in status.stdout, status.stdout + status.stderr
+        restarted = cli("start", *common, "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0",
+                        "--metrics-port", "0")
+        assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+        cleaned_line = f"cleaned up after tritonserver PID {pid}: killed left-over PIDs {stubs[0]}"
+        assert cleaned_line in restarted.stdout and cleaned_line in (tmp_path / "work" / "tritonserver.log").read_text()
+        assert not any(pid_alive(stub) for stub in stubs) and not any(r.exists() for r in regions)
+        pid = int(pid_file.read_text())
+        stubs = _stubs_of(pid)
+        regions = mapped_shm_regions(stubs)
+        assert pid_alive(pid) and len(stubs) == 2 and len(regions) == 2
+
         stopped = cli("stop", *common)
         assert stopped.returncode == 0 and "terminated" in stopped.stdout, stopped.stdout + stopped.stderr
         deadline = time.monotonic() + 10
@@ -518,10 +800,13 @@ def test_cli_start_status_stop(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert not pid_alive(pid)
         assert not pid_file.exists()
+        assert group_members(pid) == [] and not any(pid_alive(stub) for stub in stubs)  # stop left nothing behind
+        assert not any(r.exists() for r in regions)
 
         status = cli("status", *common)
         assert status.returncode == 3 and "none" in status.stdout
     finally:
+        _kill_quietly(stubs)
         if pid_file.exists():
             stop_pid(int(pid_file.read_text()), grace=5)
 

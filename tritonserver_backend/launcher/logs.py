@@ -1,0 +1,76 @@
+"""Reading the server log: its tail, Triton's error lines, and the shared-memory regions it named for its stubs.
+
+The log is appended to across runs; every reader takes a byte ``offset`` so it sees one run's part only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from pathlib import Path
+from typing import Iterator
+
+from .process import SHM_REGION_NAME
+
+LOG_TAIL_LINES = 40
+
+
+def _read_lines(path: Path | str, offset: int = 0) -> Iterator[str]:
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        for raw in fh:
+            yield raw.decode("utf-8", errors="replace")
+
+
+def tail(path: Path | str | None, lines: int = LOG_TAIL_LINES, offset: int = 0) -> str:
+    """The last ``lines`` lines of a text file from byte ``offset`` on ('' when it does not exist)."""
+    if path is None:
+        return ""
+    try:
+        return "".join(deque(_read_lines(path, offset), maxlen=lines))
+    except FileNotFoundError:
+        return ""
+
+
+_ERROR_LINE = re.compile(r"^E\d{4} |UNAVAILABLE: ")
+
+
+def error_lines(path: Path | str | None, limit: int = 20, offset: int = 0) -> list[str]:
+    """Triton's error lines (``E1129 ...`` log lines, ``UNAVAILABLE:`` model-status rows) from byte ``offset`` of a
+    log on, the first ``limit``."""
+    if path is None:
+        return []
+    found: list[str] = []
+    try:
+        for line in _read_lines(path, offset):
+            if _ERROR_LINE.search(line):
+                found.append(line.rstrip("\n"))
+                if len(found) >= limit:
+                    break
+    except FileNotFoundError:
+        pass
+    return found
+
+
+_STUB_START_REGION = re.compile(rf"Starting Python backend stub:.*?\s({SHM_REGION_NAME}[\w.-]*)")
+
+
+def logged_shm_regions(path: Path | str | None, offset: int = 0) -> list[str]:
+    """Shared-memory region names from the log's ``Starting Python backend stub: exec ...`` lines (byte ``offset`` on).
+
+    Triton logs those lines at ``--log-verbose=1`` and above only; at the default level this finds nothing and the
+    regions come from /proc instead (see :mod:`.process`). It still catches a region whose stub started after the
+    launcher last looked (a model loaded later in explicit mode) when the log is verbose.
+    """
+    if path is None:
+        return []
+    found: dict[str, None] = {}
+    try:
+        for line in _read_lines(path, offset):
+            if "Starting Python backend stub" in line:
+                match = _STUB_START_REGION.search(line)
+                if match:
+                    found[match.group(1)] = None
+    except FileNotFoundError:
+        pass
+    return list(found)
