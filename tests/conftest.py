@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from build_engines.model.network import CEDNetwork
-from tests.tiny import tiny_network
+from tests.tiny import PROJECT_ROOT, tiny_network
+
+EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
+DEFAULT_ENGINES = PROJECT_ROOT / "artifacts" / "engines" / "mol2-small"
 
 
 @pytest.fixture
@@ -23,3 +26,15 @@ def seed() -> int:
 @pytest.fixture
 def net(seed: int) -> CEDNetwork:
     return tiny_network()
+
+
+@pytest.fixture(scope="session")
+def default_engines():  # type: ignore[no-untyped-def]
+    """The embedded default's ONNX engines, built (about a minute) or reused when current, as `scripts/main.sh` does."""
+    if not (EMBEDDED / "model.safetensors").exists():
+        pytest.skip("the embedded default is not built")
+    from build_engines.build.cli import main as build
+
+    code = build(["--model", str(EMBEDDED), "--out", str(DEFAULT_ENGINES)])
+    assert code == 0, f"python -m build_engines build exited {code}"
+    return DEFAULT_ENGINES

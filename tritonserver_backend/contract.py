@@ -55,6 +55,9 @@ PREFIX_IDS = TensorSpec("PREFIX_IDS", "INT64", (-1,), doc="what precedes TOKEN_I
 START = TensorSpec("START", "BOOL", (1,), doc="the client asked for a new session")
 ROLLBACK = TensorSpec("ROLLBACK", "BOOL", (1,), True, "sent by the decoder (BLS) when it rejects a turn: undo the turn's encoding")
 DROP_SESSION = TensorSpec("DROP_SESSION", "BOOL", (1,), True, "sent by the decoder (BLS) after a turn with end_session: drop the encoder state")
+STEP_SESSION_IDS = TensorSpec("STEP_SESSION_IDS", "BYTES", (-1,), True, "sent by the decoder (BLS): the sessions of one batched step")
+STEP_TOKEN_IDS = TensorSpec("STEP_TOKEN_IDS", "INT64", (-1, -1), True, "(B, S) each step session's next tokens; hand-over rows come back session after session")
+TURN_DONE = TensorSpec("TURN_DONE", "BOOL", (1,), True, "with STEP_*: the last tokens of these sessions' turns (their next user turn is welcome)")
 H19 = TensorSpec("H19", "FP32", (1, -1), doc="last encoder layer's streams, mean over hc streams and the user turn: (1, dim)")
 ROUTER_H19 = TensorSpec("H19", "FP32", (-1, -1), doc="(B, dim): the router scores a batch of rows in one call")
 ROUTER_ADAPTER = TensorSpec("adapter", "BYTES", (-1,), True, "(B,) explicit adapter per row; empty = route that row")
@@ -90,7 +93,7 @@ class ModelSpec:
 
 
 PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP), (TOKEN_IDS, PREFIX_IDS, START))
-ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK), (H19, *HANDOVER))
+ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 DECODER = ModelSpec(
     "decoder",

@@ -1,157 +1,167 @@
-"""The decoder model's logic: apply ADAPTER_HASH, bounded replay, then the token loop.
+"""The decoder model's logic: apply ADAPTER_HASH, bounded replay, then batched decode steps across sessions.
 
-Sessions here hold only the decoder side (`DecoderSession`): layer 20's global-KV mirror and the last W hand-over
-rows, shared by every adapter, plus the rings of the adapter that answered last. Every turn replays the last W
-rows under the adapter the router (or the client) chose; each generated token goes back through the encoder
-(`encode` callback: a BLS call in Triton, a function call in-process) and its hand-over row comes back.
+Sessions here hold only the decoder side (`DecoderRow`): layer 20's global-KV mirror and the last W hand-over rows,
+shared by every adapter, plus the rings of the adapter that answered last. A turn (`begin`) absorbs its hand-over
+and replays the last W rows under the chosen adapter (its own step, one row); afterwards every active turn advances
+in one batched decoder step per token (`advance`), each row with its own adapter slot, position, rings and store
+length. Rows of one batch never influence each other: the engine computes each row as it would alone.
 """
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from build_engines.data.tokenizer import ChatTokenizer
-from build_engines.formats.checkpoint import load_checkpoint
-from build_engines.lora import Adapter, AdapterBank, AdapterError
-from build_engines.model.conversation import DecoderSession
-from build_engines.model.network import DecoderEngine
-from build_engines.model.state import HandOver
+from build_engines.export.rows import DecoderRow, absorb_decoder, decoder_inputs
+from build_engines.lora import Adapter
+from build_engines.model.network import CEDNetwork
 
 from . import counters as k
+from .adapter_slots import AdapterSlots
 from .counters import Counters
-from .errors import BadRequest, ServingError, TurnRejected, UnknownAdapter
+from .encoder_service import HANDOVER_KEYS, Handover
+from .engines import StepEngine
+from .errors import BadRequest, ServingError, TurnRejected
 from .registry import BASE_NAME, Registry
 from .sampling import Sampler, SamplingParams
 from .session_store import SessionStore
 
-EncodeFn = Callable[[str, np.ndarray], HandOver]
-FINISH_EOT, FINISH_LENGTH, FINISH_STOP = "end_of_turn", "length", "stop"
+FINISH_EOT, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED = "end_of_turn", "length", "stop", "cancelled"
+STEP_KEYS = ("streams", "ffn_pre", "topk", "candidates")
+
+
+@dataclass
+class Turn:
+    """One turn being answered: its session's decoder row, adapter slot, sampler and what it generated so far."""
+
+    session_id: str
+    row: DecoderRow
+    slot: int
+    adapter: Adapter | None
+    params: SamplingParams
+    sampler: Sampler
+    limit: int
+    logits: np.ndarray | None = None  # next-token logits (vocab,)
+    generated: list[int] = field(default_factory=list)
+    finish: str = ""
+    end_session: bool = False
+    context: object = None  # what the caller needs to answer (a response sender)
+
+    @property
+    def adapter_name(self) -> str:
+        return BASE_NAME if self.adapter is None else self.adapter.name
+
+    def trailing(self, eot: int) -> list[int]:
+        """What the encoder still has to see when the turn ends: the last token (never fed back) and end-of-turn."""
+        return [eot] if self.finish == FINISH_EOT or not self.generated else [self.generated[-1], eot]
 
 
 class DecoderService:
-    def __init__(self, model_dir: str | Path, registry: Registry, counters: Counters | None = None, budget_bytes: int = 2 << 30, max_context: int = 8192, replay_window: int | None = None) -> None:
-        net = load_checkpoint(model_dir)
-        self.cfg = net.cfg
-        self.engine = DecoderEngine.from_state_dict(net.cfg, net.state_dict()).eval()
-        del net
-        self.tokenizer = ChatTokenizer.load(Path(model_dir))
-        self.registry, self.counters = registry, counters or Counters()
-        self.bank = AdapterBank(self.cfg, self.engine)
-        self.bank.attach(self.engine)
-        self._loaded: dict[str, tuple[str, int, int]] = {}  # name -> (path, mtime_ns, size) of the loaded version
-        self._bank_lock = threading.Lock()
+    def __init__(self, engine: StepEngine, registry: Registry, tokenizer, counters: Counters | None = None,  # type: ignore[no-untyped-def]
+                 budget_bytes: int = 2 << 30, max_context: int = 8192) -> None:
+        self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
+        self.tokenizer, self.registry = tokenizer, registry
+        self.counters = counters or Counters()
+        with torch.device("meta"):
+            shapes_only = CEDNetwork(self.cfg)
+        self.slots = AdapterSlots(engine, registry, shapes_only)
         self.max_context = max_context
-        self.replay_window = replay_window or self.cfg.window_size
-        self.sessions: SessionStore[DecoderSession] = SessionStore(budget_bytes, lambda s: s.nbytes())
-        self._session_locks: dict[str, threading.Lock] = {}
-        self._locks_lock = threading.Lock()
-        self.sync_adapters()
+        self.sessions: SessionStore[DecoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
+        self.busy: set[str] = set()
 
-    # ------------------------------------------------------------------ adapters
-    def sync_adapters(self) -> None:
-        """Bring the bank in line with the registry: load new or changed versions, unload removed ones.
-
-        A request that already resolved its `Adapter` keeps it, so in-flight turns finish on their version.
-        """
-        with self._bank_lock:
-            self.registry.refresh()
-            wanted = {e.name: e for e in self.registry.entries()}
-            for name in [n for n in self._loaded if n not in wanted]:
-                self.bank.unload(name)
-                del self._loaded[name]
-            for name, entry in wanted.items():
-                weights = self.registry.resolve_path(entry) / "adapter_model.safetensors"
-                try:
-                    st = weights.stat()
-                except FileNotFoundError:
-                    continue
-                stamp = (entry.path, st.st_mtime_ns, st.st_size)
-                if self._loaded.get(name) == stamp:
-                    continue
-                if name in self._loaded:
-                    self.bank.unload(name)
-                    del self._loaded[name]
-                self.bank.load(self.registry.resolve_path(entry), name=name, path_id=entry.path)
-                self._loaded[name] = stamp
-
-    def resolve(self, adapter_hash: int) -> Adapter | None:
-        self.sync_adapters()
-        if adapter_hash == 0:
-            return None
+    # ------------------------------------------------------------------ a turn starts: absorb + bounded replay
+    def begin(self, session_id: str, handover: Handover, adapter_hash: int, params: SamplingParams) -> Turn:
+        """Check everything before any state moves (errors: TurnRejected, the encoder then rolls the turn back)."""
         try:
-            return self.bank.get(int(adapter_hash))
-        except AdapterError:
-            raise UnknownAdapter(f"adapter hash {adapter_hash} is not loaded (unloaded meanwhile?); loaded adapters: {self.bank.names()}") from None
-
-    # ------------------------------------------------------------------ sessions
-    def _lock(self, session_id: str) -> threading.Lock:
-        with self._locks_lock:
-            return self._session_locks.setdefault(session_id, threading.Lock())
-
-    def end(self, session_id: str) -> None:
-        self.sessions.end(session_id)
-        with self._locks_lock:
-            self._session_locks.pop(session_id, None)
-
-    # ------------------------------------------------------------------ generation
-    @torch.no_grad()
-    def generate(self, session_id: str, handover: HandOver, adapter_hash: int, params: SamplingParams, encode: EncodeFn) -> Iterator[tuple[int, str]]:
-        """Yield (token, "") per generated token, then (-1, finish reason). Checks happen before any state moves.
-
-        After the reply, its tokens and an end-of-turn token are in the history (encoded and absorbed), so the
-        next user turn continues a well-formed conversation whatever stopped this one.
-        """
-        try:
-            if handover.positions.numel() == 0:
+            positions = handover["positions"]
+            if positions.size == 0:
                 raise BadRequest("the hand-over has no rows")
-            adapter = self.resolve(adapter_hash)
+            self._check_rows(handover)
+            if session_id in self.busy:
+                raise BadRequest(f"session {session_id!r} is still answering its previous turn")
+            first = int(positions[0])
+            if first == 0:
+                row = DecoderRow.empty(self.layout)
+            else:
+                row = self.sessions.get(session_id).clone()
+                if row.position != first:
+                    raise BadRequest(f"session {session_id!r}: the hand-over starts at position {first} but the decoder is at {row.position}")
+            slot, adapter = self.slots.acquire(int(adapter_hash))
         except ServingError as exc:
             raise TurnRejected(str(exc)) from None
         name = BASE_NAME if adapter is None else adapter.name
-        with self._lock(session_id):
-            first = int(handover.positions[0])
-            if first == 0:
-                session = DecoderSession(self.engine, self.replay_window)
-            else:
-                try:
-                    session = self.sessions.get(session_id)
-                except ServingError as exc:
-                    raise TurnRejected(str(exc)) from None
-                if session.position != first:
-                    raise TurnRejected(f"session {session_id!r}: the hand-over starts at position {first} but the decoder is at {session.position}")
-            self.counters.add(k.READ, name)
-            session.absorb(handover)
-            out = session.replay(adapter)
-            self.counters.add(k.APPLIED, name)
-            self.counters.add(k.REPLAYS, name)
-            self.counters.add(k.REPLAY_TOKENS, name, int(session.recent.positions.shape[0]) if session.recent is not None else 0)
-            room = self.max_context - session.position - 2  # keep room for the last token and the end-of-turn
-            limit = max(1, min(params.max_tokens, room))
-            sampler = Sampler(params)
-            generated: list[int] = []
-            finish = FINISH_LENGTH
-            eot = self.tokenizer.end_of_turn_id
-            try:
-                while True:
-                    tok = sampler(out.logits[0, -1])
-                    if tok == eot:
-                        finish = FINISH_EOT
-                        break
-                    generated.append(tok)
-                    yield tok, ""
-                    if params.stop and any(s in self.tokenizer.decode(generated) for s in params.stop):
-                        finish = FINISH_STOP
-                        break
-                    if len(generated) >= limit:
-                        break
-                    out = session.step(encode(session_id, np.asarray([tok], dtype=np.int64)))
-            finally:
-                trailing = [eot] if finish == FINISH_EOT or not generated else [generated[-1], eot]
-                session.absorb(encode(session_id, np.asarray(trailing, dtype=np.int64)))
-                self.sessions.put(session_id, session)
-            yield -1, finish
+        self.counters.add(k.READ, name)
+        row.absorb(self.layout, handover)
+        feed = decoder_inputs(self.layout, [row], None, [slot])
+        out = self.engine.decoder(feed)
+        absorb_decoder([row], out, feed, True, [slot])
+        self.counters.add(k.APPLIED, name)
+        self.counters.add(k.REPLAYS, name)
+        self.counters.add(k.REPLAY_TOKENS, name, int(feed["streams"].shape[1]))
+        room = self.max_context - row.position - 2  # keep room for the last token and the end-of-turn
+        self.busy.add(session_id)
+        return Turn(session_id, row, slot, adapter, params, Sampler(params), max(1, min(params.max_tokens, room)), out["logits"][0])
+
+    def _check_rows(self, handover: Handover) -> None:
+        """Inner shapes against this model, positions consecutive: a malformed hand-over never reaches the engine."""
+        cfg = self.cfg
+        want = {"streams": (cfg.hc_mult, cfg.dim), "ffn_pre": (cfg.hc_mult,), "topk": (cfg.index_topk,),
+                "candidates": (cfg.candidate_topk_blocks,), "global_kv": (cfg.head_dim,), "index_k": (cfg.index_head_dim,)}
+        for key, inner in want.items():
+            if handover[key].shape[1:] != inner:
+                raise BadRequest(f"hand-over {key} has rows of shape {handover[key].shape[1:]}, this model needs {inner}")
+        positions = handover["positions"]
+        if not np.array_equal(positions, np.arange(positions[0], positions[0] + positions.size)) or positions[0] < 0:
+            raise BadRequest("hand-over positions must be consecutive and non-negative")
+
+    # ------------------------------------------------------------------ sampling and stopping
+    def choose(self, turn: Turn) -> int | None:
+        """Sample the turn's next token; None when the turn ends here (end-of-turn sampled)."""
+        assert turn.logits is not None
+        token = turn.sampler(torch.from_numpy(turn.logits))
+        if token == self.tokenizer.end_of_turn_id:
+            turn.finish = FINISH_EOT
+            return None
+        turn.generated.append(token)
+        if turn.params.stop and any(s in self.tokenizer.decode(turn.generated) for s in turn.params.stop):
+            turn.finish = FINISH_STOP
+        elif len(turn.generated) >= turn.limit:
+            turn.finish = FINISH_LENGTH
+        return token
+
+    # ------------------------------------------------------------------ batched decode
+    def advance(self, turns: list[Turn], handovers: list[Handover]) -> None:
+        """One decoder step for every turn: absorb each one's new encoder row, run all rows in one batch."""
+        for turn, h in zip(turns, handovers):
+            turn.row.absorb(self.layout, h)
+        slots = [t.slot for t in turns]
+        feed = decoder_inputs(self.layout, [t.row for t in turns], [{f: h[f] for f in STEP_KEYS} for h in handovers], slots)
+        out = self.engine.decoder(feed)
+        absorb_decoder([t.row for t in turns], out, feed, False, slots)
+        for b, turn in enumerate(turns):
+            turn.logits = out["logits"][b]
+
+    def finish(self, turn: Turn, trailing: Handover) -> None:
+        """The turn is over: absorb its trailing rows (so the next turn continues a well-formed conversation) and
+        store the session."""
+        turn.row.absorb(self.layout, trailing)
+        self.sessions.put(turn.session_id, turn.row)
+        self.release(turn)
+
+    def release(self, turn: Turn) -> None:
+        self.busy.discard(turn.session_id)
+        self.slots.release(turn.slot)
+
+    def end(self, session_id: str) -> None:
+        self.sessions.end(session_id)
+
+
+def split_rows(handover: Handover, counts: list[int]) -> list[Handover]:
+    """Rows of several sessions stacked along the first axis -> one hand-over per session."""
+    out, start = [], 0
+    for n in counts:
+        out.append({f: handover[f][start:start + n] for f in HANDOVER_KEYS + ("positions",)})
+        start += n
+    return out

@@ -21,3 +21,7 @@ class UnknownAdapter(ServingError):
 
 class TurnRejected(ServingError):
     """The decoder refused a turn before absorbing it: the encoder must roll the turn back (nothing is lost)."""
+
+
+class ServerBusy(ServingError):
+    """Admission control refused the request at once (too many turns in flight); the client should retry later."""

@@ -1,16 +1,19 @@
-"""HandOver <-> named numpy arrays: how the hand-over travels between the encoder and decoder models."""
+"""Hand-over rows <-> the HANDOVER_* tensors they travel as between the encoder and decoder models.
+
+A hand-over is a dict of numpy arrays with one row per position (see `encoder_service.Handover`); several
+sessions' rows travel stacked, session after session, and `rows_from_arrays` splits them again. Shapes and dtypes
+are checked so a malformed tensor is a clear error, never a crash or a wrong answer.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-import torch
-
-from build_engines.model.state import HandOver
 
 from . import contract as c
+from .encoder_service import Handover
 from .errors import BadRequest
 
-_FIELDS = {
+FIELDS = {
     c.HANDOVER_POSITIONS.name: "positions",
     c.HANDOVER_STREAMS.name: "streams",
     c.HANDOVER_FFN_PRE.name: "ffn_pre",
@@ -19,31 +22,33 @@ _FIELDS = {
     c.HANDOVER_GLOBAL_KV.name: "global_kv",
     c.HANDOVER_INDEX_K.name: "index_k",
 }
-_RANKS = {spec.name: len(spec.dims) for spec in c.HANDOVER}
+_SPECS = {spec.name: spec for spec in c.HANDOVER}
 
 
-def to_arrays(h: HandOver) -> dict[str, np.ndarray]:
-    """Batch-1 hand-over -> arrays without the batch dim (the contract's shapes)."""
-    out = {}
-    for name, field in _FIELDS.items():
-        t = getattr(h, field)
-        t = t if field == "positions" else t[0]
-        out[name] = t.detach().cpu().numpy()
-    return out
+def to_arrays(parts: list[Handover]) -> dict[str, np.ndarray]:
+    """One or more sessions' rows -> the HANDOVER_* tensors (rows stacked in order)."""
+    return {name: np.concatenate([p[field] for p in parts]) for name, field in FIELDS.items()}
 
 
-def from_arrays(arrays: dict[str, np.ndarray]) -> HandOver:
-    """Arrays -> batch-1 HandOver; shapes and dtypes are checked so a malformed tensor is a clear error."""
-    missing = [n for n in _FIELDS if n not in arrays]
+def rows_from_arrays(arrays: dict[str, np.ndarray], counts: list[int] | None = None) -> list[Handover]:
+    """HANDOVER_* tensors -> one hand-over per session (`counts` rows each; all rows as one session when None)."""
+    missing = [n for n in FIELDS if n not in arrays]
     if missing:
         raise BadRequest(f"hand-over lacks tensors {missing}")
-    S = arrays[c.HANDOVER_POSITIONS.name].shape[0] if arrays[c.HANDOVER_POSITIONS.name].ndim == 1 else -1
-    values = {}
-    for name, field in _FIELDS.items():
-        a = arrays[name]
-        spec_dtype = next(s for s in c.HANDOVER if s.name == name).numpy_dtype
-        if a.ndim != _RANKS[name] or a.dtype != spec_dtype or (a.shape[0] != S):
-            raise BadRequest(f"hand-over tensor {name} has shape {a.shape} dtype {a.dtype}; expected rank {_RANKS[name]}, {np.dtype(spec_dtype)}, {S} rows")
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        values[field] = t if field == "positions" else t.unsqueeze(0)
-    return HandOver(encoder_out=torch.zeros(1, S, 0, 0), **values)  # H19 travels separately, to the router
+    positions = arrays[c.HANDOVER_POSITIONS.name]
+    S = positions.shape[0] if positions.ndim == 1 else -1
+    checked = {}
+    for name, field in FIELDS.items():
+        a, spec = arrays[name], _SPECS[name]
+        if a.ndim != len(spec.dims) or a.dtype != spec.numpy_dtype or a.shape[0] != S:
+            raise BadRequest(f"hand-over tensor {name} has shape {a.shape} dtype {a.dtype}; expected rank {len(spec.dims)}, "
+                             f"{np.dtype(spec.numpy_dtype)}, {S} rows")
+        checked[field] = np.ascontiguousarray(a)
+    counts = [S] if counts is None else counts
+    if sum(counts) != S:
+        raise BadRequest(f"hand-over has {S} rows, expected {sum(counts)}")
+    out, start = [], 0
+    for n in counts:
+        out.append({f: a[start:start + n] for f, a in checked.items()})
+        start += n
+    return out

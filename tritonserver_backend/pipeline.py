@@ -1,8 +1,8 @@
-"""The whole serving path in one process, on the same services the Triton models wrap.
+"""The whole serving path in one process, on the same services and engine the Triton models use.
 
 Used as the reference the Triton tests compare with (token for token), and by tools that want the serving
-behaviour without a server. The order is the ensemble's: preprocess -> encoder -> router -> decoder (which calls
-the encoder per generated token) -> postprocess.
+behaviour without a server. The order is the ensemble's: preprocess -> encoder -> router -> decoder (whose
+scheduler calls the encoder per generated token) -> postprocess. One engine serves all three services here.
 """
 
 from __future__ import annotations
@@ -10,13 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .counters import Counters
-from .decoder_service import DecoderService
-from .encoder_service import EncoderService
+from .decoder_service import DecoderService, Turn
+from .encoder_service import EncoderService, Handover
+from .engines import open_engine
 from .errors import TurnRejected
 from .registry import BASE_NAME, Registry
 from .router_service import RouterService
 from .sampling import SamplingParams
+from .scheduler import TurnRequest, TurnScheduler
 from .text_service import TextService
 
 
@@ -29,37 +33,69 @@ class TurnResult:
     pieces: list[str] = field(default_factory=list)
 
 
+class DirectEncoderPort:
+    """The scheduler's encoder port as plain calls on an in-process EncoderService."""
+
+    def __init__(self, encoder: EncoderService) -> None:
+        self.encoder = encoder
+
+    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
+        return self.encoder.encode_step(session_ids, tokens, turn_done)
+
+    def rollback(self, session_id: str) -> None:
+        self.encoder.rollback(session_id)
+
+    def drop(self, session_id: str) -> None:
+        self.encoder.end(session_id)
+
+
 class InProcessPipeline:
-    def __init__(self, model_dir: str | Path, registry_root: str | Path, max_context: int = 8192) -> None:
+    def __init__(self, model_dir: str | Path, registry_root: str | Path, max_context: int = 8192, backend: str = "torch",
+                 engine_dir: str | Path | None = None) -> None:
         self.counters = Counters()
         self.registry = Registry(registry_root)
+        self.engine = open_engine(backend, model_dir, engine_dir)
         self.text = TextService(model_dir)
-        self.encoder = EncoderService(model_dir, max_context=max_context)
-        self.router = RouterService(model_dir, Registry(registry_root), self.counters)
-        self.decoder = DecoderService(model_dir, Registry(registry_root), self.counters, max_context=max_context)
+        self.encoder = EncoderService(self.engine, max_context=max_context)
+        self.router = RouterService(model_dir, Registry(registry_root), self.counters, self.engine)
+        self.decoder = DecoderService(self.engine, Registry(registry_root), self.text.tokenizer, self.counters, max_context=max_context)
 
-    def chat(self, session_id: str, text: str, adapter: str | None = None, new_session: bool = False, history: str | None = None, params: SamplingParams | None = None, end_session: bool = False) -> TurnResult:
+    def chat(self, session_id: str, text: str, adapter: str | None = None, new_session: bool = False, history: str | None = None,
+             params: SamplingParams | None = None, end_session: bool = False) -> TurnResult:
         params = params or SamplingParams()
         check_explicit(self.registry, adapter)  # fail before anything is encoded
         ids, prefix, start = self.text.preprocess(text, new_session, history)
-        h19, handover = self.encoder.encode(session_id, ids, prefix, start)
+        h19, handover = self.encoder.encode_turn(session_id, ids, prefix, start)
         routed = self.router.route([h19], [adapter])[0]
         if isinstance(routed, Exception):
-            raise routed
-        tokens, pieces, finish = [], [], ""
-        try:
-            for tok, fin in self.decoder.generate(session_id, handover, routed, params, lambda s, t: self.encoder.encode(s, t)[1]):
-                if tok >= 0:
-                    tokens.append(tok)
-                    pieces.append(self.text.piece(tok))
-                finish = fin or finish
-        except TurnRejected:
             self.encoder.rollback(session_id)
-            raise
-        if end_session:
-            self.decoder.end(session_id)
-            self.encoder.end(session_id)
-        return TurnResult(tokens, self.text.decode(tokens), self.registry.name_of(int(routed)), finish, pieces)
+            raise routed
+        return self.answer(TurnRequest(session_id, handover, int(routed), params, end_session))
+
+    def answer(self, request: TurnRequest) -> TurnResult:
+        """Run one turn through the decoder's scheduler alone (the path the server batches)."""
+        tokens: list[int] = []
+        finish: list[str] = []
+        failure: list[BaseException] = []
+        used: list[str] = []
+
+        def emit(turn: Turn, token: int, reason: str) -> bool:
+            used[:] = [turn.adapter_name]
+            if token >= 0:
+                tokens.append(token)
+            if reason:
+                finish.append(reason)
+            return True
+
+        scheduler = TurnScheduler(self.decoder, DirectEncoderPort(self.encoder), emit, lambda _, exc: failure.append(exc), max_active=1)
+        scheduler.submit(request)
+        while not scheduler.idle:
+            scheduler.iterate()
+        if failure:
+            raise failure[0]
+        pieces = [self.text.piece(t) for t in tokens]
+        adapter = used[0] if used else self.registry.name_of(request.adapter_hash)
+        return TurnResult(tokens, self.text.decode(tokens), adapter, finish[0] if finish else "", pieces)
 
 
 def check_explicit(registry: Registry, adapter: str | None) -> None:
@@ -68,3 +104,5 @@ def check_explicit(registry: Registry, adapter: str | None) -> None:
         registry.refresh()
         registry.by_name(adapter)
 
+
+__all__ = ["InProcessPipeline", "TurnRejected", "TurnResult", "check_explicit"]

@@ -15,15 +15,21 @@ from . import contract as c
 DEFAULT_PARAMETERS = {
     "model_dir": "embedded/mol2-small",
     "registry_root": "artifacts/registry",
+    "engine_backend": "onnx",  # torch | onnx | trt
+    "engine_dir": "artifacts/engines/mol2-small",  # built by `python -m build_engines build` (scripts/main.sh does it)
     "max_context": "8192",
     "session_budget_bytes": str(2 << 30),
+    "max_active_turns": "32",  # rows of one batched decode step
+    "max_queued_turns": "64",  # turns waiting for a row; beyond active + queued a new turn gets "server busy" at once
+    "prefill_chunk": "256",
     "torch_threads": "1",
 }
+ENGINE = ("engine_backend", "engine_dir", "torch_threads")
 PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
-    "encoder": ("model_dir", "max_context", "session_budget_bytes", "torch_threads"),
-    "router": ("model_dir", "registry_root", "torch_threads"),
-    "decoder": ("model_dir", "registry_root", "max_context", "session_budget_bytes", "torch_threads"),
+    "encoder": ("model_dir", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk"),
+    "router": ("model_dir", "registry_root", *ENGINE),
+    "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns"),
     "postprocess": ("model_dir", "registry_root"),
     "adapter_admin": ("model_dir", "registry_root"),
 }

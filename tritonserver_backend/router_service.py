@@ -10,29 +10,29 @@ import torch
 from safetensors import safe_open
 
 from build_engines.data.tokenizer import ChatTokenizer
-from build_engines.routing.pointer_head import OptionCache, PointerHead, RouterConfig, option_text
+from build_engines.export.pointer_step import option_inputs
+from build_engines.routing.pointer_head import OptionCache, load_router_head, option_text
 
 from . import counters as k
 from .counters import Counters
+from .engines import StepEngine, open_engine
 from .errors import BadRequest, ServingError
 from .registry import BASE_NAME, Registry
 
-ROUTER_DIR = "router"
-
 
 class RouterService:
-    def __init__(self, model_dir: str | Path, registry: Registry, counters: Counters | None = None) -> None:
+    """The option side (descriptions through the token embedding, the head's option layers) is computed here once per
+    adapter set; each request's pooled H19 is scored by the engine's pointer step (`mol2::PointerScore`)."""
+
+    def __init__(self, model_dir: str | Path, registry: Registry, counters: Counters | None = None, engine: StepEngine | None = None) -> None:
         model_dir = Path(model_dir)
+        self.engine = engine or open_engine("torch", model_dir)
         self.registry = registry
         self.counters = counters or Counters()
         self.tokenizer = ChatTokenizer.load(model_dir)
         with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
             self.embed = f.get_tensor("embed.weight").float()  # the option side sees the token embedding only
-        if (model_dir / ROUTER_DIR / "router_config.json").exists():
-            self.head, self.trained = PointerHead.load(model_dir / ROUTER_DIR), True
-        else:  # until a trained head exists: seeded random weights, so routing is arbitrary but deterministic
-            torch.manual_seed(0)
-            self.head, self.trained = PointerHead(RouterConfig.for_model(self.embed.shape[1])).eval(), False
+        self.head, self.trained = load_router_head(model_dir, self.embed.shape[1])
         self._options: OptionCache | None = None
         self._option_names: list[str] = []
         self.refresh(force=True)
@@ -71,8 +71,10 @@ class RouterService:
                     results[i] = 0  # no adapter loaded: the base model answers
                     self.counters.add(k.WRITTEN, BASE_NAME)
             else:
-                q = torch.from_numpy(np.stack([h19[i] for i in to_score]).astype(np.float32))
-                picks = self.head.score(q, self._options).argmax(-1).tolist()
+                feed = {name: t.numpy() for name, t in option_inputs(self._options).items()}
+                feed["h19"] = np.stack([h19[i] for i in to_score]).astype(np.float32)
+                feed["option_mask"] = np.ones((len(to_score), len(self._option_names)), dtype=np.bool_)
+                picks = self.engine.pointer(feed)["logits"].argmax(-1).tolist()
                 for i, p in zip(to_score, picks):
                     entry = self.registry.by_name(self._option_names[p])
                     results[i] = entry.hash

@@ -62,6 +62,18 @@ def set_threads(params: dict[str, str]) -> None:
     torch.set_num_threads(int(params.get("torch_threads", "1")))
 
 
+def engine(args: dict, params: dict[str, str], model_dir: Path):  # type: ignore[no-untyped-def]
+    """The model's engine, from its `engine_backend` / `engine_dir` parameters (paths relative to the project root)."""
+    from .engines import open_engine
+
+    backend = params.get("engine_backend", "torch")
+    engine_dir = resolve(args, params["engine_dir"]) if params.get("engine_dir") else None
+    os.environ.setdefault("MOL2_ORT_THREADS", params.get("torch_threads", "1"))
+    opened = open_engine(backend, model_dir, engine_dir)
+    LOG.info("engine: %s", opened.describe())
+    return opened
+
+
 # ---------------------------------------------------------------------------------------------- inputs
 def read(request: Any, spec: c.TensorSpec, default: Any = None) -> Any:
     """One input as numpy (BYTES decoded to str for [1]-shaped tensors); `default` when optional and absent."""
@@ -114,6 +126,15 @@ def tensor(spec: c.TensorSpec, value: Any) -> Any:
         if spec.dims == (1,):
             arr = arr.reshape(1)
     return pb().Tensor(spec.name, arr)
+
+
+def by_spec(specs: tuple[c.TensorSpec, ...], arrays: dict[str, np.ndarray]) -> dict[c.TensorSpec, np.ndarray]:
+    return {spec: arrays[spec.name] for spec in specs}
+
+
+def empty_h19() -> np.ndarray:
+    """H19 of a step call (no user turn to route): a (1, 0) tensor keeps the output present and tiny."""
+    return np.zeros((1, 0), np.float32)
 
 
 def response(outputs: dict[c.TensorSpec, Any]) -> Any:

@@ -160,6 +160,22 @@ class PointerHead(nn.Module):
         return head.eval()
 
 
+ROUTER_DIR = "router"
+
+
+def load_router_head(model_dir: str | Path, model_dim: int) -> tuple[PointerHead, bool]:
+    """The model's trained head (`<model_dir>/router`) and True, or, until one is trained, seeded random weights
+    (routing arbitrary but deterministic, the same in every process) and False."""
+    directory = Path(model_dir) / ROUTER_DIR
+    if (directory / HEAD_CONFIG).exists():
+        return PointerHead.load(directory), True
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    head = PointerHead(RouterConfig.for_model(model_dim)).eval()
+    torch.random.set_rng_state(generator_state)
+    return head, False
+
+
 def pool_h19(encoder_out: torch.Tensor, turn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """(B, S, hc, dim) H19 streams -> (B, dim): mean over the hc streams, then over the user-turn positions."""
     h = encoder_out.float().mean(2)

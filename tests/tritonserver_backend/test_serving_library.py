@@ -13,7 +13,7 @@ from tests.tiny import PROJECT_ROOT
 from tritonserver_backend import contract as c
 from tritonserver_backend import counters as k
 from tritonserver_backend.errors import BadRequest, UnknownAdapter, UnknownSession
-from tritonserver_backend.handover_codec import from_arrays, to_arrays
+from tritonserver_backend.handover_codec import rows_from_arrays, to_arrays
 from tritonserver_backend.registry import Registry
 from tritonserver_backend.repository import render
 from tritonserver_backend.sampling import Sampler, SamplingParams
@@ -74,23 +74,35 @@ def test_registry_round_trip_and_errors(tmp_path: Path) -> None:
 
 
 def test_handover_codec_round_trip_and_malformed_tensors(net) -> None:  # type: ignore[no-untyped-def]
+    from build_engines.export.encoder_step import EncoderStep
+    from build_engines.export.layout import StepLayout
+    from build_engines.export.parity import encoder_case, torch_runner
+
+    layout = StepLayout(net.cfg)
     enc, _ = net.split()
-    handover, _ = enc(torch.randint(0, net.cfg.vocab_size, (1, 20)), enc.new_state())
-    arrays = to_arrays(handover)
-    back = from_arrays(arrays)
-    for field in ("positions", "streams", "ffn_pre", "topk", "candidates", "global_kv", "index_k"):
-        assert torch.equal(getattr(back, field), getattr(handover, field))
+    run = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
+    feed = encoder_case(layout, run, (13, 7), seed=0)
+    out = run(feed)
+    parts = [{**{k: out[k][0, :n] for k in ("streams", "ffn_pre", "topk", "candidates", "global_kv", "index_k")},
+              "positions": np.arange(13, 13 + n)} for n in (3, 7)]  # two sessions' rows stacked
+    arrays = to_arrays(parts)
+    back = rows_from_arrays(arrays, [3, 7])
+    for got, want in zip(back, parts):
+        for field in ("positions", "streams", "ffn_pre", "topk", "candidates", "global_kv", "index_k"):
+            assert np.array_equal(got[field], want[field])
     bad = dict(arrays)
     bad[c.HANDOVER_STREAMS.name] = arrays[c.HANDOVER_STREAMS.name][:3]
     with pytest.raises(BadRequest, match="HANDOVER_STREAMS has shape"):
-        from_arrays(bad)
+        rows_from_arrays(bad)
     bad = dict(arrays)
     bad[c.HANDOVER_TOPK.name] = arrays[c.HANDOVER_TOPK.name].astype(np.float32)
     with pytest.raises(BadRequest, match="HANDOVER_TOPK"):
-        from_arrays(bad)
+        rows_from_arrays(bad)
+    with pytest.raises(BadRequest, match="expected 9"):
+        rows_from_arrays(arrays, [3, 6])
     del bad[c.HANDOVER_TOPK.name]
     with pytest.raises(BadRequest, match="lacks tensors"):
-        from_arrays(bad)
+        rows_from_arrays(bad)
 
 
 def test_serving_doc_carries_the_current_contract() -> None:
@@ -169,19 +181,19 @@ def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # typ
     """An adapter unloaded between the router's decision and the decoder: clear error, nothing lost."""
     from tritonserver_backend.errors import TurnRejected
     from tritonserver_backend.registry_init import description_of
+    from tritonserver_backend.scheduler import TurnRequest
 
     params = SamplingParams(max_tokens=3)
     pipeline.chat("race", "Hello there.", new_session=True, params=params)
     before = (pipeline.encoder.sessions.get("race").position, pipeline.decoder.sessions.get("race").position)
     ids, prefix, start = pipeline.text.preprocess("Style this button.", False, None)
-    h19, handover = pipeline.encoder.encode("race", ids, prefix, start)
+    h19, handover = pipeline.encoder.encode_turn("race", ids, prefix, start)
     decided = pipeline.router.route([h19], ["L3_design"])[0]
     entry = pipeline.registry.by_name("L3_design")
     pipeline.registry.remove("L3_design")
     try:
         with pytest.raises(TurnRejected, match=f"adapter hash {decided} is not loaded"):
-            next(iter(pipeline.decoder.generate("race", handover, decided, params, lambda s, t: pipeline.encoder.encode(s, t)[1])))
-        pipeline.encoder.rollback("race")
+            pipeline.answer(TurnRequest("race", handover, decided, params))  # the scheduler rolls the encoder back
         assert (pipeline.encoder.sessions.get("race").position, pipeline.decoder.sessions.get("race").position) == before
         assert pipeline.chat("race", "Style this button.", params=params).token_ids, "the session goes on"
     finally:

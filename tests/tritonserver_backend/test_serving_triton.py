@@ -26,14 +26,22 @@ pytestmark = [
 TOKENS = 6
 
 
+@pytest.fixture(scope="module", params=["onnx", "torch"])
+def backend(request) -> str:  # type: ignore[no-untyped-def]
+    """Every test here runs against the served default (onnx engines) and the torch reference engine."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):  # type: ignore[no-untyped-def]
+def server(tmp_path_factory, backend, default_engines):  # type: ignore[no-untyped-def]
     pytest.importorskip("tritonclient.grpc", reason="install the serve extra: pip install -e '.[serve]'")
     from tritonserver_backend.launcher import TritonNotFoundError, TritonServer
     from tritonserver_backend.repository import build_repository
 
-    work = tmp_path_factory.mktemp("triton")
-    repo = build_repository(work / "repo", {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048"})
+    work = tmp_path_factory.mktemp(f"triton-{backend}")
+    params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
+              "engine_backend": backend, "engine_dir": str(default_engines)}
+    repo = build_repository(work / "repo", params)
     try:
         srv = TritonServer(work_dir=work / "server")
     except TritonNotFoundError as exc:
@@ -48,10 +56,10 @@ def server(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):  # type: ignore[no-untyped-def]
+def reference(tmp_path_factory, backend, default_engines):  # type: ignore[no-untyped-def]
     root = tmp_path_factory.mktemp("reference_registry")
     ensure_registry(root, EMBEDDED)
-    return InProcessPipeline(EMBEDDED, root, max_context=2048)
+    return InProcessPipeline(EMBEDDED, root, max_context=2048, backend=backend, engine_dir=default_engines)
 
 
 def _params(r: TurnRequest) -> SamplingParams:

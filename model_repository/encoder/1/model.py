@@ -1,4 +1,4 @@
-"""encoder: runs the adapter-free encoder engine for a session; outputs H19 and the hand-over rows."""
+"""encoder: the adapter-free encoder engine; a user turn (prefill) or the decoder's batched per-token step."""
 
 import triton_python_backend_utils as pb_utils  # noqa: F401
 
@@ -11,23 +11,30 @@ from tritonserver_backend.handover_codec import to_arrays
 class TritonPythonModel:
     def initialize(self, args):
         params, model_dir, _ = glue.setup(args)
-        self.service = EncoderService(model_dir, int(params["session_budget_bytes"]), int(params["max_context"]))
+        max_turns = int(params["max_active_turns"]) + int(params["max_queued_turns"])
+        self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]), int(params["max_context"]),
+                                      int(params["prefill_chunk"]), max_turns)
 
     def execute(self, requests):
         responses = []
         for request in requests:
             try:
-                session = glue.read(request, c.SESSION_ID)
-                if glue.read(request, c.DROP_SESSION, False) or glue.read(request, c.ROLLBACK, False):
-                    if glue.read(request, c.ROLLBACK, False):
-                        self.service.rollback(session)
-                    else:
-                        self.service.end(session)
-                    responses.append(glue.response({}))
-                    continue
-                h19, handover = self.service.encode(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS), bool(glue.read(request, c.START)))
-                arrays = to_arrays(handover)
-                responses.append(glue.response({c.H19: h19.reshape(1, -1), **{spec: arrays[spec.name] for spec in c.HANDOVER}}))
-            except Exception as exc:  # noqa: BLE001
+                responses.append(glue.response(self._serve(request)))
+            except Exception as exc:  # noqa: BLE001 - one request's error never fails the others
                 responses.append(glue.error_response(exc))
         return responses
+
+    def _serve(self, request):
+        session = glue.read(request, c.SESSION_ID)
+        if glue.read(request, c.ROLLBACK, False):
+            self.service.rollback(session)
+            return {}
+        if glue.read(request, c.DROP_SESSION, False):
+            self.service.end(session)
+            return {}
+        step_sessions = glue.read(request, c.STEP_SESSION_IDS, None)
+        if step_sessions is not None:  # the decoder's batched step: every active session's next tokens
+            rows = self.service.encode_step(step_sessions, glue.read(request, c.STEP_TOKEN_IDS), bool(glue.read(request, c.TURN_DONE, False)))
+            return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows))}
+        h19, rows = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS), bool(glue.read(request, c.START)))
+        return {c.H19: h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([rows]))}

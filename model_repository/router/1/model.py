@@ -13,10 +13,10 @@ from tritonserver_backend.router_service import RouterService
 
 class TritonPythonModel:
     def initialize(self, args):
-        _, model_dir, registry = glue.setup(args)
+        params, model_dir, registry = glue.setup(args)
         counters = Counters()
         glue.export_counters(counters, [k.WRITTEN, k.EXPLICIT])
-        self.service = RouterService(model_dir, registry, counters)
+        self.service = RouterService(model_dir, registry, counters, glue.engine(args, params, model_dir))
 
     def execute(self, requests):
         responses = []

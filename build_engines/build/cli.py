@@ -1,0 +1,109 @@
+"""`python -m build_engines build`: a checkpoint in, an engine directory with its manifest out.
+
+    python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
+    python -m build_engines build --model DIR --out DIR --format trt        # needs TensorRT and an NVIDIA GPU
+    python -m build_engines build --model DIR --out DIR --quant fp8        # ModelOpt builds (not yet)
+
+Exit codes: 0 built or reused (an up-to-date directory is reused, say --force to rebuild), 1 the build failed,
+2 bad use or a missing prerequisite (TensorRT for --format trt, a quantized mode not built yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from build_engines.quantize import QUANT_MODES, QuantizationUnavailable, check_quant
+from plugins.tensorrt_support import TensorRTUnavailable, require_tensorrt_plugin
+
+from .manifest import BuildSettings, builder_digest, source_digest, stale_reason, tool_versions, write_manifest
+
+FORMATS = ("onnx", "trt")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m build_engines build", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, required=True, help="checkpoint directory (config.json + model.safetensors [+ router/])")
+    p.add_argument("--out", type=Path, required=True, help="engine directory to write (or reuse)")
+    p.add_argument("--format", choices=FORMATS, default="onnx")
+    p.add_argument("--quant", choices=QUANT_MODES, default="none")
+    p.add_argument("--force", action="store_true", help="rebuild even when the directory is up to date")
+    p.add_argument("--max-batch", type=int, default=64, help="TensorRT profiles: most rows per step")
+    p.add_argument("--max-context", type=int, default=8192, help="TensorRT profiles: longest session")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        check_quant(args.quant)
+        if args.format == "trt":
+            require_tensorrt_plugin()  # fail before minutes of export
+    except (QuantizationUnavailable, TensorRTUnavailable) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not (args.model / "config.json").exists():
+        print(f"error: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    from build_engines.export.onnx_export import OPSET
+
+    settings = BuildSettings(args.format, args.quant, OPSET)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two builders of one directory take turns; the second finds it current
+        reason = stale_reason(args.out, args.model, settings)
+        if reason is None and not args.force:
+            print(f"engines in {args.out} are up to date (manifest matches checkpoint, settings and builder); reusing them")
+            return 0
+        print(f"building {args.format} engines for {args.model} into {args.out} ({reason or 'forced'})", flush=True)
+        try:
+            manifest = build(args, settings)
+        except Exception as exc:  # noqa: BLE001 - one clear line, the traceback only with --verbose-like runs
+            print(f"error: the build failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        write_manifest(args.out, manifest)
+    for name, graph in manifest["graphs"].items():
+        print(f"  {name:8s} {graph['file']:14s} {graph['bytes'] / 1e6:6.1f} MB  {graph.get('nodes', '-')} nodes  mol2 ops {graph.get('custom_ops', {})}")
+    print(f"wrote {args.out / 'manifest.json'} in {manifest['build_seconds']:.0f} s")
+    return 0
+
+
+def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
+    from build_engines.export.layout import StepLayout
+    from build_engines.formats.checkpoint import load_config
+
+    from .onnx_build import build_onnx
+
+    t0 = time.time()
+    model_dir = args.model.resolve()
+    onnx_dir = args.out / "onnx" if args.format == "trt" else args.out
+    graphs, parity = build_onnx(model_dir, onnx_dir)
+    if args.format == "trt":
+        from .trt_build import TrtLimits, build_trt
+
+        layout = StepLayout(load_config(model_dir))
+        plans = build_trt(onnx_dir, args.out, layout, graphs, args.quant, TrtLimits(args.max_batch, args.max_context))
+        for name in graphs:
+            graphs[name] = {**plans[name], "onnx": {**graphs[name], "file": f"onnx/{graphs[name]['file']}"}}
+    cfg = load_config(model_dir)
+    return {
+        "settings": settings.as_dict(),
+        "exporter": "torch.onnx.export(dynamo=True), mol2 ops as local functions",
+        "source": {"model_dir": str(model_dir), "files": source_digest(model_dir)},
+        "builder": {"code_digest": builder_digest(), **tool_versions()},
+        "config": cfg.to_dict(),
+        "graphs": graphs,
+        "parity_max_abs": parity,
+        "command": "python -m build_engines build " + shlex.join(["--model", str(args.model), "--out", str(args.out), "--format",
+                                                                  args.format, "--quant", args.quant]),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "build_seconds": round(time.time() - t0, 1),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

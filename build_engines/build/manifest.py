@@ -1,0 +1,100 @@
+"""The engine manifest: what an engine directory holds, what it was built from, and whether it is still current.
+
+An engine directory is current when its manifest names the same source checkpoint (file hashes), the same build
+settings (format, quantization, opset), the same builder code (a digest of the export, plugin and build sources)
+and every graph file still has its recorded hash. `python -m build_engines build` reuses a current directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
+BUILDER_SOURCES = ("build_engines/export", "build_engines/build", "build_engines/model", "build_engines/lora/stacked.py",
+                   "build_engines/routing/pointer_head.py", "plugins")
+SOURCE_FILES = ("config.json", "model.safetensors", "router/router.safetensors", "router/router_config.json")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def source_digest(model_dir: Path) -> dict[str, str]:
+    """sha256 of each checkpoint file an engine depends on (adapters are inputs, not part of an engine)."""
+    return {name: sha256_file(model_dir / name) for name in SOURCE_FILES if (model_dir / name).exists()}
+
+
+def builder_digest() -> str:
+    """One hash over the sources that decide what a build writes: a code change makes old engines stale."""
+    h = hashlib.sha256()
+    for entry in BUILDER_SOURCES:
+        root = PROJECT_ROOT / entry
+        files = [root] if root.is_file() else sorted(root.rglob("*.py"))
+        for f in files:
+            h.update(str(f.relative_to(PROJECT_ROOT)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "onnx", "onnxruntime", "onnxscript", "tensorrt", "nvidia-modelopt"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+@dataclass(frozen=True)
+class BuildSettings:
+    format: str
+    quant: str
+    opset: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "quant": self.quant, "opset": self.opset}
+
+
+def read_manifest(engine_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((engine_dir / MANIFEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def stale_reason(engine_dir: Path, model_dir: Path, settings: BuildSettings) -> str | None:
+    """None when `engine_dir` is current for this checkpoint, settings and builder code; else why it is not."""
+    manifest = read_manifest(engine_dir)
+    if manifest is None:
+        return "no manifest"
+    if manifest.get("settings") != settings.as_dict():
+        return f"built with {manifest.get('settings')}, asked for {settings.as_dict()}"
+    if manifest.get("source", {}).get("files") != source_digest(model_dir):
+        return "the checkpoint changed"
+    if manifest.get("builder", {}).get("code_digest") != builder_digest():
+        return "the builder code changed"
+    for name, graph in manifest.get("graphs", {}).items():
+        path = engine_dir / graph["file"]
+        if not path.exists() or sha256_file(path) != graph["sha256"]:
+            return f"graph {name} ({graph['file']}) is missing or modified"
+    return None
+
+
+def write_manifest(engine_dir: Path, manifest: dict[str, Any]) -> Path:
+    path = engine_dir / MANIFEST
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,127 @@
+"""Build the ONNX engines of a checkpoint: export each step module, check it against the module, describe it."""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from tqdm import tqdm
+
+from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.layout import GraphTensor, StepLayout
+from build_engines.export.onnx_export import export_module, export_sizes
+from build_engines.export.parity import decoder_case, encoder_case, max_difference, torch_runner
+from build_engines.export.pointer_step import PointerStep, option_inputs
+from build_engines.formats.checkpoint import load_checkpoint
+from build_engines.model.network import DecoderEngine, EncoderEngine
+from build_engines.routing.pointer_head import load_router_head
+from plugins import DOMAIN
+
+from .manifest import sha256_file
+
+PARITY_BOUND = 1e-3  # max abs difference between a graph and its module on the build's check inputs
+GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "pointer": "pointer.onnx"}
+
+
+class ParityError(RuntimeError):
+    """An exported graph computes something else than the module it came from."""
+
+
+def ort_runner(path: Path):  # type: ignore[no-untyped-def]
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return lambda feed: dict(zip(names, session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})))
+
+
+def describe(model: onnx.ModelProto, path: Path, inputs: list[GraphTensor], outputs: list[GraphTensor]) -> dict[str, Any]:
+    ops = collections.Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
+    return {
+        "file": path.name,
+        "sha256": sha256_file(path),
+        "bytes": path.stat().st_size,
+        "nodes": len(model.graph.node),
+        "inlined_nodes": len(model.graph.node) + sum(ops[f.name] * (len(f.node) - 1) for f in model.functions),
+        "custom_ops": dict(sorted(ops.items())),
+        "functions": sorted(f.name for f in model.functions),
+        "inputs": [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims)} for t in inputs],
+        "outputs": [{"name": t.name, "dtype": t.dtype, "dims": list(t.dims)} for t in outputs],
+    }
+
+
+def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
+    """Export encoder, decoder and pointer graphs into `out`; returns their descriptions and parity figures."""
+    net = load_checkpoint(model_dir)
+    cfg = net.cfg
+    layout = StepLayout(cfg)
+    state = net.state_dict()
+    encoder = EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval()
+    decoder = DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval()).eval()
+    head, _ = load_router_head(model_dir, cfg.dim)
+    pointer = PointerStep(head).eval()
+    sizes = export_sizes(layout)
+    width = head.cfg.width
+    jobs = [
+        ("encoder", encoder, layout.encoder_inputs(), layout.encoder_outputs()),
+        ("decoder", decoder, layout.decoder_inputs(), layout.decoder_outputs()),
+        ("pointer", pointer, layout.pointer_inputs(cfg.dim, width), layout.pointer_outputs()),
+    ]
+    graphs, parity = {}, {}
+    out.mkdir(parents=True, exist_ok=True)
+    for name, module, inputs, outputs in tqdm(jobs, desc="exporting", unit="graph"):
+        t0 = time.perf_counter()
+        path = out / GRAPH_FILES[name]
+        model = export_module(module, inputs, outputs, sizes, path)
+        graphs[name] = describe(model, path, inputs, outputs)
+        graphs[name]["export_seconds"] = round(time.perf_counter() - t0, 1)
+    tqdm.write("checking each graph against its module (onnxruntime CPU)")
+    parity = check_parity(out, layout, encoder, decoder, pointer, head)
+    worst = {name: max(d.values()) for name, d in parity.items()}
+    if any(v > PARITY_BOUND for v in worst.values()):
+        raise ParityError(f"exported graphs differ from their modules beyond {PARITY_BOUND}: {parity}")
+    return graphs, parity
+
+
+def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: DecoderStep, pointer: PointerStep,
+                 head: torch.nn.Module) -> dict[str, dict[str, float]]:
+    cfg = layout.cfg
+    enc_t = torch_runner(encoder, layout.encoder_inputs(), layout.encoder_outputs())
+    enc_o = ort_runner(out / GRAPH_FILES["encoder"])
+    case = encoder_case(layout, enc_t, (37, 6), seed=0)
+    result = {"encoder": max_difference(enc_t(case), enc_o(case))}
+    # two sessions replayed in one batch under two different adapter slots (random adapters: no checkpoint needed)
+    feed = decoder_case(layout, enc_t, 30, seed=1, slots=[1, 2])
+    feed.update(random_bank(layout, slots=3, rank=4))
+    dec_t = torch_runner(decoder, layout.decoder_inputs(), layout.decoder_outputs())
+    result["decoder"] = max_difference(dec_t(feed), ort_runner(out / GRAPH_FILES["decoder"])(feed))
+    generator = torch.Generator().manual_seed(2)
+    options = head.encode_options([torch.randn(7, cfg.dim, generator=generator), torch.randn(4, cfg.dim, generator=generator)])
+    pfeed = {k: v.detach().numpy() for k, v in option_inputs(options).items()}
+    pfeed["h19"] = torch.randn(3, cfg.dim, generator=generator).numpy()
+    pfeed["option_mask"] = np.array([[True, True], [True, False], [False, True]])
+    ptr_t = torch_runner(pointer, layout.pointer_inputs(cfg.dim, head.cfg.width), layout.pointer_outputs())
+    a, b = ptr_t(pfeed), ort_runner(out / GRAPH_FILES["pointer"])(pfeed)
+    finite = np.isfinite(a["logits"])
+    result["pointer"] = {"logits": float(np.abs(a["logits"][finite] - b["logits"][finite]).max()) if np.array_equal(finite, np.isfinite(b["logits"])) else float("inf")}
+    return result
+
+
+def random_bank(layout: StepLayout, slots: int, rank: int, seed: int = 3) -> dict[str, np.ndarray]:
+    """A LoRA bank of `slots` slots (slot 0 zeros) filled with random factors, for checks without adapters on disk."""
+    rng = np.random.default_rng(seed)
+    bank = {}
+    for g in layout.lora_groups():
+        for prefix, shape in zip(("lora_a", "lora_b"), layout.lora_shapes(g, slots, rank)):
+            array = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+            array[0] = 0.0
+            bank[f"{prefix}.{g.name}"] = array
+    return bank

@@ -1,0 +1,137 @@
+"""Pieces both step modules use: per-layer attention projections, RoPE tables by layer kind, the sub-layer wiring."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from build_engines.model.attention import Attention
+from build_engines.model.config import CEDConfig
+from build_engines.model.network import Block
+
+from .graph_ops import (
+    HcMix,
+    SinkhornPatterns,
+    collapse,
+    expand,
+    hc_coefficients,
+    pair_swap,
+    rms_norm,
+    rope_apply,
+    rope_tables,
+)
+
+Linear = Callable[[torch.Tensor, str, nn.Linear], torch.Tensor]  # (x, module name, base Linear) -> x W^T (+ LoRA)
+
+
+def plain_linear(x: torch.Tensor, name: str, module: nn.Linear) -> torch.Tensor:
+    return x @ module.weight.float().t()
+
+
+class RopeKinds:
+    """Cos/sin tables for one step, by layer kind (SWA layers vs compressed layers) and width (head, index head)."""
+
+    def __init__(self, cfg: CEDConfig, attentions: dict[int, Attention]) -> None:
+        self.cfg = cfg
+        self.inv_freq = {l: a.inv_freq for l, a in attentions.items()}
+        self.swap = {w: pair_swap(w, cfg.rope_head_dim) for w in (cfg.head_dim, cfg.index_head_dim)}
+        self._cache: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def kind(self, layer: int) -> int:
+        return 0 if self.cfg.compress_ratios[layer] == 0 else 1
+
+    def tables(self, positions: torch.Tensor, layer: int, width: int, key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for `positions` (cached per step under `key`: 0 = the step's token positions)."""
+        k = (self.kind(layer), width, key)
+        if k not in self._cache:
+            self._cache[k] = rope_tables(positions, self.inv_freq[layer], width, self.cfg.rope_head_dim)
+        return self._cache[k]
+
+    def apply(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], heads: bool = False, inverse: bool = False) -> torch.Tensor:
+        cos, sin = tables
+        if heads:  # x (B, S, H, width)
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return rope_apply(x, cos, sin, self.swap[x.shape[-1]], inverse)
+
+
+class SublayerWiring:
+    """The mHC wiring of one block's two sub-layers, with the block's coefficients precomputed per sub-layer."""
+
+    def __init__(self, cfg: CEDConfig, block: Block, patterns: SinkhornPatterns) -> None:
+        self.cfg, self.block, self.patterns = cfg, block, patterns
+        hc = cfg.hc_mult
+        self.mix_attn = HcMix(block.hc_attn_fn, block.hc_attn_base, block.hc_attn_scale, hc) if hasattr(block, "hc_attn_fn") else None
+        self.mix_ffn = HcMix(block.hc_ffn_fn, block.hc_ffn_base, block.hc_ffn_scale, hc) if hasattr(block, "hc_ffn_fn") else None
+
+    def attention(self, X: torch.Tensor, pre_prev: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention sub-layer: its input mixes the streams with the *previous* sub-layer's pre."""
+        b = self.block
+        assert self.mix_attn is not None
+        pre, post, C = hc_coefficients(X, self.mix_attn, self.cfg, self.patterns)
+        y = run(rms_norm(collapse(X, pre_prev), b.attn_norm.weight, self.cfg.norm_eps))
+        return expand(y, post, C, X), pre
+
+    def ffn(self, X: torch.Tensor, attn_pre: torch.Tensor, run: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.block
+        assert self.mix_ffn is not None
+        pre, post, C = hc_coefficients(X, self.mix_ffn, self.cfg, self.patterns)
+        y = run(rms_norm(collapse(X, attn_pre), b.ffn_norm.weight, self.cfg.norm_eps))
+        return expand(y, post, C, X), pre
+
+
+def query_and_latent(attn: Attention, x: torch.Tensor, ropes: RopeKinds, positions: torch.Tensor, layer: int, linear: Linear,
+                     prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """q (B,S,H,D) after RoPE, q's low-rank qr (B,S,q_rank), kv latent (B,S,D) after RoPE, and the head-width tables."""
+    cfg = attn.cfg
+    B, S = x.shape[0], x.shape[1]
+    qr = rms_norm(linear(x, f"{prefix}.wq_a", attn.wq_a), attn.q_norm.weight, cfg.norm_eps)
+    tables = ropes.tables(positions, layer, cfg.head_dim)
+    q = ropes.apply(linear(qr, f"{prefix}.wq_b", attn.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), tables, heads=True)
+    kv = ropes.apply(rms_norm(linear(x, f"{prefix}.wkv", attn.wkv), attn.kv_norm.weight, cfg.norm_eps), tables)
+    return q, qr, kv, tables
+
+
+def index_scores(attn: Attention, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ropes: RopeKinds, positions: torch.Tensor,
+                 layer: int, linear: Linear, prefix: str) -> torch.Tensor:
+    """(B, S, N) lightning-indexer scores of this step's queries against `keys` (B, N, Di): sum_h relu(q_h.k) w_h."""
+    cfg = attn.cfg
+    B, S = x.shape[0], x.shape[1]
+    ix = attn.indexer
+    q = linear(qr, f"{prefix}.indexer.wq_b", ix.wq_b).view(B, S, ix.n_heads, ix.head_dim)
+    q = ropes.apply(q, ropes.tables(positions, layer, cfg.index_head_dim), heads=True)
+    w = linear(x, f"{prefix}.indexer.weights_proj", ix.weights_proj) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
+    logits = torch.relu(q @ keys.unsqueeze(1).transpose(-1, -2))  # (B, S, Hi, N)
+    return (logits * w.unsqueeze(-1)).sum(2)
+
+
+def output_projection(attn: Attention, o: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], ropes: RopeKinds, linear: Linear,
+                      prefix: str) -> torch.Tensor:
+    """Inverse RoPE on the attention output, grouped low-rank wo_a (block-diagonal), then wo_b."""
+    cfg = attn.cfg
+    B, S = o.shape[0], o.shape[1]
+    G = cfg.o_groups
+    o = ropes.apply(o, tables, heads=True, inverse=True).reshape(B, S, G, 1, cfg.n_heads * cfg.head_dim // G)
+    wo_a = attn.wo_a.weight.float().view(G, cfg.o_lora_rank, -1).transpose(1, 2)  # (G, HD/G, o_rank)
+    o = (o @ wo_a).reshape(B, S, G * cfg.o_lora_rank)
+    return linear(o, f"{prefix}.wo_b", attn.wo_b)
+
+
+def visible(positions: torch.Tensor, n: int | torch.SymInt, ratio: int) -> torch.Tensor:
+    """(B, S, n): entry t visible to the query at p iff t < (p + 1) // ratio."""
+    t = torch.arange(n, device=positions.device)
+    return t.view(1, 1, -1) < ((positions + 1) // ratio).unsqueeze(-1)
+
+
+def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, block: int, n_blocks: int) -> torch.Tensor:
+    """As `attention.select_candidate_blocks` with per-row positions; scores' length is a multiple of `block`."""
+    from .graph_ops import select_top
+
+    B, S, N = scores.shape
+    block_scores = scores.view(B, S, N // block, block).amax(-1)
+    newest = (positions + 1) // ratio - 1
+    ids = torch.arange(N // block, device=scores.device).view(1, 1, -1)
+    pin = (ids == (newest // block).clamp(min=0).unsqueeze(-1)) & (newest >= 0).unsqueeze(-1)
+    block_scores = torch.where(pin, torch.full_like(block_scores, float("inf")), block_scores)
+    return select_top(block_scores, n_blocks)

@@ -1,0 +1,121 @@
+"""One decoder step for a batch of rows: layer E's FFN, layers E+1..L-1, final norm and head, LoRA as inputs.
+
+Rows may carry different adapters: the adapter bank enters as stacked tensors (slot 0 = base, all zeros) and each
+row picks its slot, so one graph serves every adapter and a batch mixes them (Punica/SGMV-style, beyond TensorRT-
+Edge-LLM's one adapter per batch). A row is either a bounded replay (S = the last W hand-over rows, rings empty:
+`ring_start = start`) or decode steps on its adapter's rings. The global mirror already holds this step's entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from build_engines.model.attention import window_rows
+from build_engines.model.network import DecoderEngine
+from plugins.sparse_global_attention import sparse_global_attention
+
+from .common import RopeKinds, SublayerWiring, index_scores, output_projection, query_and_latent, visible
+from .graph_ops import (
+    DenseExperts,
+    SinkhornPatterns,
+    chunk_positions,
+    collapse,
+    rms_norm,
+    select_top,
+    window_ring_positions,
+)
+from .layout import LoraGroup, StepLayout
+
+
+class LoraInputs:
+    """The adapter bank of one call, by group name, gathered for each row's slot once per step."""
+
+    def __init__(self, groups: list[LoraGroup], slot: torch.Tensor, bank: tuple[torch.Tensor, ...]) -> None:
+        self.by_module: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, g in enumerate(groups):
+            a, b = bank[2 * i].index_select(0, slot), bank[2 * i + 1].index_select(0, slot)  # (B, ...)
+            if g.kind == "linear":
+                self.by_module[g.modules[0]] = (a, b)
+            else:
+                self.experts[g.name] = (a, b)
+
+    def linear(self, x: torch.Tensor, name: str, module: nn.Linear) -> torch.Tensor:
+        """x (B, S, in) -> x W^T + (x A) B for the row's adapter (B already carries alpha / r)."""
+        base = x @ module.weight.float().t()
+        if name not in self.by_module:
+            return base
+        a, b = self.by_module[name]
+        return base + (x @ a) @ b
+
+
+class DecoderStep(nn.Module):
+    def __init__(self, engine: DecoderEngine) -> None:
+        super().__init__()
+        cfg = engine.cfg
+        if cfg.runtime_fake_quant:
+            raise NotImplementedError("engine steps with the runtime fp8/fp4 fake-quant of V4.1 come with the quantized builds")
+        self.cfg, self.engine, self.layout = cfg, engine, StepLayout(cfg)
+        self.E = cfg.first_decoder_layer
+        self.groups = self.layout.lora_groups()
+        self.patterns = SinkhornPatterns(cfg.hc_mult, cfg.hc_eps)
+        layers = range(self.E, cfg.n_layers)
+        self.wiring = {l: SublayerWiring(cfg, engine.layers[str(l)], self.patterns) for l in layers}
+        self.experts = {l: DenseExperts(engine.layers[str(l)].ffn) for l in layers}
+        self.attentions = {l: engine.layers[str(l)].attn for l in layers if l > self.E}
+
+    def forward(self, streams: torch.Tensor, ffn_pre: torch.Tensor, topk: torch.Tensor, candidates: torch.Tensor, start: torch.Tensor,
+                ring_start: torch.Tensor, rings: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor, lora_slot: torch.Tensor,
+                *lora_bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, E, W = self.cfg, self.E, self.cfg.window_size
+        S = streams.shape[1]
+        lora = LoraInputs(self.groups, lora_slot, lora_bank)
+        positions = chunk_positions(start, S, streams)
+        win = window_rows(window_ring_positions(start, ring_start, W), positions, W)
+        ropes = RopeKinds(cfg, self.attentions)
+        ctx = {"topk": topk}
+        ring_rows: list[torch.Tensor] = []
+
+        X, pre = self.wiring[E].ffn(streams.float(), ffn_pre.float(), lambda x: self._moe(E, x, lora))
+        for l in range(E + 1, cfg.n_layers):
+            run = lambda x, l=l: self._attention(l, x, rings[:, l - E - 1], positions, win, kv, index_k, candidates, ropes, lora, ctx, ring_rows)  # noqa: E731
+            X, attn_pre = self.wiring[l].attention(X, pre, run)
+            X, pre = self.wiring[l].ffn(X, attn_pre, lambda x, l=l: self._moe(l, x, lora))
+        last = rms_norm(collapse(X[:, -1:], pre[:, -1:]), self.engine.norm.weight, cfg.norm_eps)  # (B, 1, dim)
+        logits = (last @ self.engine.head.weight.float().t()).squeeze(1)
+        return logits, torch.stack(ring_rows, 1)
+
+    def _moe(self, layer: int, x: torch.Tensor, lora: LoraInputs) -> torch.Tensor:
+        """Dense experts with each row's adapter on every expert's w1/w3 and w2."""
+        experts = self.experts[layer]
+        B, S = x.shape[0], x.shape[1]
+        G, inter = experts.count, experts.inter
+        h13 = x @ experts.w13  # (B, S, G*2*I)
+        a13, b13 = lora.experts[f"layers.{layer}.ffn.experts_w13"]  # (B, dim, 2G, R), (B, 2G, R, I)
+        u = (x @ a13.flatten(2)).view(B, S, 2 * G, -1).transpose(1, 2)  # (B, 2G, S, R)
+        h13 = h13 + (u @ b13).transpose(1, 2).reshape(B, S, 2 * G * inter)
+        act = experts.activations(h13, experts.routing_weights(x))  # (B, S, G*I)
+        a2, b2 = lora.experts[f"layers.{layer}.ffn.experts_w2"]  # (B, G, I, R), (B, G, R, dim)
+        v = (act.view(B, S, G, inter).transpose(1, 2) @ a2).transpose(1, 2).reshape(B, S, -1)  # (B, S, G*R)
+        return act @ experts.w2 + v @ b2.flatten(1, 2)
+
+    def _attention(self, l: int, x: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, win: torch.Tensor, kv_store: torch.Tensor,
+                   index_store: torch.Tensor, candidates: torch.Tensor, ropes: RopeKinds, lora: LoraInputs, ctx: dict[str, torch.Tensor],
+                   ring_rows: list[torch.Tensor]) -> torch.Tensor:
+        cfg = self.cfg
+        attn, prefix = self.attentions[l], f"layers.{l}.attn"
+        q, qr, kv, tables = query_and_latent(attn, x, ropes, positions, l, lora.linear, prefix)
+        ring_rows.append(kv)
+        if cfg.is_reindex_layer(l):  # its own queries against layer E's keys, inside layer E's candidate pool
+            scores = index_scores(attn, x, qr, index_store, ropes, positions, l, lora.linear, prefix)
+            N = scores.shape[-1]
+            block_of = (torch.arange(N, device=scores.device) // cfg.candidate_block_size).view(1, 1, N, 1)
+            pool = (block_of == candidates.unsqueeze(2)).any(-1)  # (B, S, N)
+            keep = pool & visible(positions, N, 1)
+            ctx["topk"] = select_top(torch.where(keep, scores, torch.full_like(scores, float("-inf"))), cfg.index_topk)
+        local = torch.cat((ring, kv), 1)
+        topk = ctx["topk"]
+        rows = torch.cat((win, torch.where(topk < 0, topk, topk + local.shape[1])), -1)
+        o = sparse_global_attention(q, local, kv_store, rows, attn.attn_sink, cfg.head_dim ** -0.5)
+        return output_projection(attn, o, tables, ropes, lora.linear, prefix)

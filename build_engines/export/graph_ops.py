@@ -1,0 +1,180 @@
+"""The network's numerics written for a batched, exported step: per-row positions, no Python control flow on data.
+
+Each function computes what its counterpart in `build_engines.model` computes (the reference), in a form that
+exports to few ONNX nodes and keeps every row's result independent of the other rows in the batch:
+
+- RoPE as `x * cos + x[pairs swapped] * sin` with per-position tables (bit-identical to `apply_rope_tail`);
+- the mHC Sinkhorn on flattened 4x4 matrices, each normalisation one matrix product with a 0/1 pattern plus a
+  division (the sum form costs three nodes per half step; 20 iterations x 16 sub-layers made it half the graph);
+- the MoE with every expert computed densely from concatenated weights (two matrix products), since a batch has
+  rows choosing different experts and unchosen weights are exactly zero;
+- top-k with ONNX TopK's tie rule (lower index first), -1 where fewer than k entries are finite.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from build_engines.model.attention import select_top as reference_select_top
+from build_engines.model.config import CEDConfig
+from build_engines.model.moe import MoE
+
+# ----------------------------------------------------------------------------------------------- positions, RoPE
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, width: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(…,) int64 positions -> cos, sin tables (…, width) for `rope_apply`; fp64 angles as in `rope_angles`.
+
+    The first width - rope_dim channels pass through (cos 1, sin 0); on the rope tail, even channels carry -sin
+    (they receive their odd partner) and odd channels +sin.
+    """
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(torch.float64)
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    sign = torch.tensor([-1.0, 1.0], dtype=torch.float32).repeat(rope_dim // 2)
+    lead = positions.shape + (width - rope_dim,)
+    cos_full = torch.cat((torch.ones(lead), cos.repeat_interleave(2, -1)), -1)
+    sin_full = torch.cat((torch.zeros(lead), sin.repeat_interleave(2, -1) * sign), -1)
+    return cos_full, sin_full
+
+
+def pair_swap(width: int, rope_dim: int) -> torch.Tensor:
+    """Channel permutation that swaps each (even, odd) pair of the rope tail and keeps the rest in place."""
+    perm = list(range(width - rope_dim))
+    for i in range(width - rope_dim, width, 2):
+        perm += [i + 1, i]
+    return torch.tensor(perm)
+
+
+def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, swap: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the rope tail of x (…, width); cos/sin broadcast against x. Same products and sums as apply_rope_tail."""
+    partner = x.index_select(-1, swap)
+    return x * cos + partner * (-sin if inverse else sin)
+
+
+def window_ring_positions(start: torch.Tensor, ring_start: torch.Tensor, window: int) -> torch.Tensor:
+    """(B, W) position held by each ring slot: the last position before `start` with that slot, -1 before ring_start.
+
+    A ring written from `ring_start` on (0 for the encoder; the replay's first row for the decoder) holds exactly the
+    positions [max(ring_start, start - W), start), so the positions need not travel with the ring.
+    """
+    slot = torch.arange(window)
+    held = start.unsqueeze(1) - 1 - (start.unsqueeze(1) - 1 - slot).remainder(window)
+    return torch.where(held >= ring_start.unsqueeze(1), held, torch.full_like(held, -1))
+
+
+def chunk_positions(start: torch.Tensor, length: int | torch.SymInt, like: torch.Tensor) -> torch.Tensor:
+    """(B, S) positions start .. start + S - 1 per row (`like` supplies the device)."""
+    return start.unsqueeze(1) + torch.arange(length, device=like.device).unsqueeze(0)
+
+
+# ----------------------------------------------------------------------------------------------- norms, selection
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm written as x / sqrt(mean(x^2) + eps) * w: onnxruntime fuses exactly this pattern into one node."""
+    xf = x.float()
+    y = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else weight.float() * y
+
+
+def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k best scores per row (ties: lower index first), -1 where the score is -inf.
+
+    Eager: the reference's stable sort. Exported: ONNX TopK, whose spec breaks ties by the lower index too (ReLU index
+    scores tie at exactly 0 often, so the rule matters). The caller guarantees scores.shape[-1] >= k (the runtime
+    pads the global store to at least k entries).
+    """
+    if not torch.onnx.is_in_onnx_export():
+        return reference_select_top(scores, k)
+    values, idx = torch.topk(scores, k, dim=-1, largest=True, sorted=True)
+    return torch.where(values > float("-inf"), idx, torch.full_like(idx, -1))
+
+
+# ----------------------------------------------------------------------------------------------- hyper-connections
+
+
+class SinkhornPatterns:
+    """0/1 matrices that turn row and column sums of flattened hc x hc matrices into one matrix product each, and
+    the eps row the products add (`addmm` exports as one Gemm: sum and + eps in one node, the division the second)."""
+
+    def __init__(self, hc: int, eps: float) -> None:
+        i = torch.arange(hc * hc)
+        self.rows = (i.unsqueeze(1) // hc == i.unsqueeze(0) // hc).float()  # (hc², hc²): sum over the row, broadcast
+        self.cols = (i.unsqueeze(1) % hc == i.unsqueeze(0) % hc).float()
+        self.eps = torch.full((hc * hc,), eps)
+
+
+class HcMix:
+    """One sub-layer's mixing parameters (`hc_{attn,ffn}_{fn,base,scale}`) folded for the step: the three scales
+    multiply fn's rows, so the coefficients are one normalisation, one matrix product and one bias."""
+
+    def __init__(self, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int) -> None:
+        scale_vec = torch.cat((scale[0].expand(hc), scale[1].expand(hc), scale[2].expand(hc * hc))).float()
+        self.fn_t = (fn.float() * scale_vec.unsqueeze(1)).t().contiguous()  # (hc*dim, (2+hc)*hc)
+        self.base = base.float()
+
+
+def hc_coefficients(X: torch.Tensor, mix: HcMix, cfg: CEDConfig, patterns: SinkhornPatterns) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `hyper_connections.hc_coefficients`: X (B, S, hc, dim) -> pre, post (B, S, hc), C (B, S, hc, hc)."""
+    hc, eps = cfg.hc_mult, cfg.hc_eps
+    B, S = X.shape[0], X.shape[1]
+    z = rms_norm(X.flatten(-2), None, cfg.norm_eps) @ mix.fn_t + mix.base
+    pre_z, post_z, c_z = torch.split(z, [hc, hc, hc * hc], dim=-1)
+    pre = torch.sigmoid(pre_z) + eps
+    post = 2 * torch.sigmoid(post_z)
+    flat = (torch.softmax(c_z.reshape(-1, hc, hc), dim=-1) + eps).reshape(-1, hc * hc)
+    flat = flat / torch.addmm(patterns.eps, flat, patterns.cols)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        flat = flat / torch.addmm(patterns.eps, flat, patterns.rows)
+        flat = flat / torch.addmm(patterns.eps, flat, patterns.cols)
+    return pre, post, flat.view(B, S, hc, hc)
+
+
+def collapse(X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """(B, S, hc, dim), (B, S, hc) -> (B, S, dim): the pre-weighted sum of the streams."""
+    return (pre.unsqueeze(-2) @ X.float()).squeeze(-2)
+
+
+def expand(y: torch.Tensor, post: torch.Tensor, C: torch.Tensor, X: torch.Tensor) -> torch.Tensor:
+    """New streams X'[k] = post[k] * y + sum_j C[j, k] X[j]."""
+    return post.unsqueeze(-1) * y.float().unsqueeze(-2) + C.transpose(-1, -2) @ X.float()
+
+
+# ----------------------------------------------------------------------------------------------- MoE
+
+
+class DenseExperts:
+    """Every expert of one MoE (routed, then shared) as two concatenated weight matrices.
+
+    w13: (dim, G * 2 * I) with columns [expert g][w1 | w3][inter]; w2: (G * I, dim). G = routed + 1 shared.
+    """
+
+    def __init__(self, moe: MoE) -> None:
+        experts = list(moe.experts) + [moe.shared_experts]
+        self.count = len(experts)
+        self.inter = experts[0].w1.out_features
+        if any(e.w1.out_features != self.inter for e in experts):
+            raise ValueError("dense experts need one intermediate width for routed and shared experts")
+        self.limit = experts[0].limit
+        self.w13 = torch.cat([torch.cat((e.w1.weight, e.w3.weight), 0) for e in experts], 0).t().contiguous().float()
+        self.w2 = torch.cat([e.w2.weight.t() for e in experts], 0).contiguous().float()
+        self.gate_weight = moe.gate.weight.float()
+        self.gate_bias = moe.gate.bias.float()
+        self.topk, self.route_scale = moe.gate.topk, moe.gate.route_scale
+
+    def routing_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """x (…, dim) -> (…, G) weights: the gate's top-k (sqrt-softplus, bias for selection only), then 1 for shared."""
+        scores = torch.sqrt(F.softplus(x.float() @ self.gate_weight.t()))
+        idx = torch.topk(scores + self.gate_bias, self.topk, dim=-1).indices
+        picked = scores.gather(-1, idx)
+        picked = picked / (picked.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        routed = torch.zeros_like(scores).scatter(-1, idx, picked)
+        return torch.cat((routed, torch.ones_like(scores[..., :1])), -1)
+
+    def activations(self, h13: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """(…, G*2*I) up-projections, (…, G) weights -> (…, G*I) clamped SwiGLU times the routing weight."""
+        h = h13.unflatten(-1, (self.count, 2, self.inter))
+        gate = h[..., 0, :].clamp(max=self.limit)
+        up = h[..., 1, :].clamp(-self.limit, self.limit)
+        return (F.silu(gate) * up * weights.unsqueeze(-1)).flatten(-2)

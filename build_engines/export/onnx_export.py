@@ -1,0 +1,82 @@
+"""Export the step modules to ONNX: one graph per component, the `mol2` ops as nodes backed by local functions.
+
+Exporter: `torch.onnx.export(..., dynamo=True)` (torch.export + onnxscript) at opset 18, with dynamic batch,
+step length and store lengths. Each `mol2` op becomes one node (`torch.onnx.ops.symbolic`, see plugins/op_wrapper.py)
+and the model carries the ops' FunctionProtos, so onnxruntime inlines them and TensorRT's parser can map the nodes
+to plugins. Graph inputs and outputs are named by `StepLayout`, in its order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch.export import Dim
+
+from plugins import DOMAIN, OPSET_VERSION, onnx_functions, register_onnx_schemas
+
+from .layout import GraphTensor, StepLayout
+
+OPSET = 18
+_DTYPES = {"float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
+
+
+def example(tensors: list[GraphTensor], sizes: dict[str, int]) -> tuple[torch.Tensor, ...]:
+    """Example inputs of the given sizes (zeros; int64 zeros are valid positions and slots)."""
+    return tuple(torch.zeros(t.shape_for(sizes), dtype=_DTYPES[t.dtype]) for t in tensors)
+
+
+def dynamic_shapes(module: torch.nn.Module, tensors: list[GraphTensor]) -> tuple[object, ...]:
+    """One spec per forward parameter; the tensors of a `*args` parameter are grouped in one tuple, as torch.export
+    sees them."""
+    dims: dict[str, Dim] = {}
+    specs = []
+    for t in tensors:
+        spec = {i: dims.setdefault(d, Dim(d, min=1)) for i, d in enumerate(t.dims) if isinstance(d, str)}
+        specs.append(spec or None)
+    fixed = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_POSITIONAL]
+    if len(fixed) == len(specs):
+        return tuple(specs)
+    return (*specs[:len(fixed)], tuple(specs[len(fixed):]))
+
+
+def export_module(module: torch.nn.Module, inputs: list[GraphTensor], outputs: list[GraphTensor], sizes: dict[str, int],
+                  path: Path) -> onnx.ModelProto:
+    """Trace `module` on example inputs, attach the mol2 functions, name the I/O, check, and save to `path`."""
+    args = example(inputs, sizes)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, args, dynamo=True, opset_version=OPSET, dynamic_shapes=dynamic_shapes(module, inputs),
+            input_names=[t.name for t in inputs], output_names=[t.name for t in outputs], optimize=True, verbose=False,
+        )
+    model = program.model_proto
+    model = attach_functions(model)
+    register_onnx_schemas()
+    onnx.checker.check_model(model, full_check=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return model
+
+
+def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Add the mol2 FunctionProtos (once) and make sure the model imports the mol2 opset."""
+    used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
+    have = {(f.domain, f.name) for f in model.functions}
+    for f in onnx_functions(OPSET):
+        if f.name in used and (f.domain, f.name) not in have:
+            model.functions.append(f)
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    return model
+
+
+def export_sizes(layout: StepLayout) -> dict[str, int]:
+    """Example sizes for tracing: distinct values so the exporter cannot confuse two dynamic dims."""
+    sizes = {"B": 2, "S": 3, "A": 3, "R": 4, "HL": 24, "n": 3}
+    for i, s in enumerate(layout.sources):
+        sizes[f"N_{s}"] = layout.padded_entries(1) * (i + 2)
+    return sizes

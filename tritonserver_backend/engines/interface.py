@@ -1,0 +1,83 @@
+"""`StepEngine`: what every engine implementation offers, and the selector."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+
+from build_engines.export.layout import StepLayout
+from build_engines.formats.checkpoint import load_config
+
+BACKENDS = ("torch", "onnx", "trt")
+Arrays = dict[str, np.ndarray]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be opened here (not built, stale, or its runtime is missing); the message says what to do."""
+
+
+class StepEngine(ABC):
+    """One model's encoder, decoder and pointer steps. Not thread-safe: one caller thread per engine."""
+
+    backend: str
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.cfg = load_config(model_dir)
+        self.layout = StepLayout(self.cfg)
+        self.lora_bank: Arrays = {}
+
+    @abstractmethod
+    def encoder(self, feed: Arrays) -> Arrays:
+        """One encoder step (inputs/outputs as `StepLayout.encoder_inputs/outputs`)."""
+
+    @abstractmethod
+    def decoder(self, feed: Arrays) -> Arrays:
+        """One decoder step; the LoRA bank set by `set_lora_bank` is added to `feed`."""
+
+    @abstractmethod
+    def pointer(self, feed: Arrays) -> Arrays:
+        """MoL2 pointer scores of a batch of pooled H19 rows against the option cache."""
+
+    def set_lora_bank(self, bank: Arrays) -> None:
+        """The stacked adapter bank (`build_engines.lora.stacked`); called when the adapter set changes."""
+        self.lora_bank = bank
+
+    def describe(self) -> str:
+        return self.backend
+
+
+def open_engine(backend: str, model_dir: str | Path, engine_dir: str | Path | None = None) -> StepEngine:
+    """The engine of `backend` for the checkpoint in `model_dir` (`engine_dir` holds the onnx graphs or trt plans)."""
+    if backend == "torch":
+        from .torch_engine import TorchEngine
+
+        return TorchEngine(Path(model_dir))
+    if backend not in BACKENDS:
+        raise EngineUnavailable(f"unknown engine backend {backend!r}; choose one of {list(BACKENDS)}")
+    if engine_dir is None:
+        raise EngineUnavailable(f"the {backend} engine needs an engine directory (build one with `python -m build_engines build`)")
+    if backend == "onnx":
+        from .onnx_engine import OnnxEngine
+
+        return OnnxEngine(Path(model_dir), Path(engine_dir))
+    from .trt_engine import TrtEngine
+
+    return TrtEngine(Path(model_dir), Path(engine_dir))
+
+
+def check_engine_dir(engine_dir: Path, model_dir: Path, fmt: str) -> dict:
+    """The manifest of a current engine directory, or EngineUnavailable naming the build command."""
+    from build_engines.build.manifest import BuildSettings, read_manifest, stale_reason
+    from build_engines.export.onnx_export import OPSET
+
+    manifest = read_manifest(engine_dir)
+    quant = (manifest or {}).get("settings", {}).get("quant", "none")
+    reason = stale_reason(engine_dir, model_dir, BuildSettings(fmt, quant, OPSET))
+    if reason is not None:
+        command = f"python -m build_engines build --model {model_dir} --out {engine_dir} --format {fmt}"
+        raise EngineUnavailable(f"the {fmt} engines in {engine_dir} cannot be used ({reason}); build them with `{command}`")
+    assert manifest is not None
+    return manifest

@@ -1,0 +1,108 @@
+"""The ONNX engines run by onnxruntime: CPU here, the CUDA or TensorRT execution providers where installed.
+
+The adapter bank is bound once per change as OrtValues (IOBinding); a step binds only its own inputs. Every `mol2`
+node runs as its local function (onnxruntime inlines it); no Python callback is involved.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
+
+
+def session_options(threads: int):  # type: ignore[no-untyped-def]
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return options
+
+
+def providers() -> list[str]:
+    """CUDA / TensorRT execution providers when this onnxruntime has them (onnxruntime-gpu), else the CPU one."""
+    import onnxruntime as ort
+
+    wanted = os.environ.get("MOL2_ORT_PROVIDERS")
+    available = ort.get_available_providers()
+    if wanted:
+        chosen = [p for p in wanted.split(",") if p in available]
+        if not chosen:
+            raise EngineUnavailable(f"MOL2_ORT_PROVIDERS={wanted} but this onnxruntime offers {available}")
+        return chosen
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+class OnnxEngine(StepEngine):
+    backend = "onnx"
+
+    def __init__(self, model_dir: Path, engine_dir: Path, threads: int | None = None) -> None:
+        super().__init__(model_dir)
+        try:
+            import onnxruntime as ort
+        except ImportError as exc:
+            raise EngineUnavailable("the onnx engine needs onnxruntime (pip install onnxruntime)") from exc
+        self.manifest = check_engine_dir(engine_dir, model_dir, "onnx")
+        self.engine_dir = engine_dir
+        self.threads = threads or int(os.environ.get("MOL2_ORT_THREADS", "1"))
+        self.providers = providers()
+        self.sessions: dict[str, object] = {}
+        self.inputs: dict[str, list[str]] = {}
+        self.outputs: dict[str, list[str]] = {}
+        self._binding = None
+        self._bank_names: set[str] = set()
+        self._ort = ort
+
+    def _session(self, name: str):  # type: ignore[no-untyped-def]
+        """Opened on first use: the router process needs only the pointer graph."""
+        if name not in self.sessions:
+            path = self.engine_dir / self.manifest["graphs"][name]["file"]
+            session = self._ort.InferenceSession(str(path), session_options(self.threads), providers=self.providers)
+            self.sessions[name] = session
+            self.inputs[name] = [i.name for i in session.get_inputs()]
+            self.outputs[name] = [o.name for o in session.get_outputs()]
+        return self.sessions[name]
+
+    def describe(self) -> str:
+        return f"onnx ({', '.join(self.providers)})"
+
+    def _run(self, name: str, feed: Arrays) -> Arrays:
+        session = self._session(name)
+        return dict(zip(self.outputs[name], session.run(None, {k: feed[k] for k in self.inputs[name]})))
+
+    def encoder(self, feed: Arrays) -> Arrays:
+        return self._run("encoder", feed)
+
+    def pointer(self, feed: Arrays) -> Arrays:
+        return self._run("pointer", feed)
+
+    def set_lora_bank(self, bank: Arrays) -> None:
+        """Bind the bank's arrays once; steps only rebind their own inputs."""
+        super().set_lora_bank(bank)
+        session = self._session("decoder")
+        missing = [n for n in self.inputs["decoder"] if n.startswith(("lora_a.", "lora_b.")) and n not in bank]
+        if missing:
+            raise ValueError(f"the adapter bank lacks decoder inputs {missing[:4]}")
+        self._binding = session.io_binding()
+        for name in self.inputs["decoder"]:
+            if name in bank:
+                self._binding.bind_ortvalue_input(name, self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(bank[name])))
+        self._bank_names = set(bank)
+
+    def decoder(self, feed: Arrays) -> Arrays:
+        if self._binding is None:
+            raise RuntimeError("set_lora_bank() before the first decoder step")
+        binding = self._binding
+        for name in self.inputs["decoder"]:
+            if name not in self._bank_names:
+                binding.bind_cpu_input(name, np.ascontiguousarray(feed[name]))
+        for name in self.outputs["decoder"]:
+            binding.bind_output(name, "cpu")
+        self._session("decoder").run_with_iobinding(binding)
+        return dict(zip(self.outputs["decoder"], binding.copy_outputs_to_cpu()))

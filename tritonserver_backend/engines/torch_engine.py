@@ -1,0 +1,68 @@
+"""The reference engine: the step modules run eagerly by PyTorch, one row at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.parity import torch_runner
+from build_engines.export.pointer_step import PointerStep
+from build_engines.formats.checkpoint import load_checkpoint
+from build_engines.model.network import DecoderEngine, EncoderEngine
+from build_engines.routing.pointer_head import load_router_head
+
+from .interface import Arrays, StepEngine
+
+PER_ROW = {"encoder": ("tokens", "start", "rings"), "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k", "lora_slot")}
+
+
+class TorchEngine(StepEngine):
+    backend = "torch"
+
+    def __init__(self, model_dir: Path) -> None:
+        super().__init__(model_dir)
+        self._runners: dict[str, Callable[[Arrays], Arrays]] = {}
+
+    def _runner(self, graph: str) -> Callable[[Arrays], Arrays]:
+        """Built on first use, so a process that only routes never loads the network."""
+        if graph not in self._runners:
+            layout = self.layout
+            if graph == "pointer":
+                head, _ = load_router_head(self.model_dir, self.cfg.dim)
+                self._runners[graph] = torch_runner(PointerStep(head).eval(), layout.pointer_inputs(self.cfg.dim, head.cfg.width),
+                                                    layout.pointer_outputs())
+            else:
+                state = load_checkpoint(self.model_dir).state_dict()
+                if graph == "encoder":
+                    step: torch.nn.Module = EncoderStep(EncoderEngine.from_state_dict(self.cfg, state).eval())
+                    specs = layout.encoder_inputs(), layout.encoder_outputs()
+                else:
+                    step = DecoderStep(DecoderEngine.from_state_dict(self.cfg, state).eval())
+                    specs = layout.decoder_inputs(), layout.decoder_outputs()
+                self._runners[graph] = torch_runner(step.eval(), *specs)
+        return self._runners[graph]
+
+    def encoder(self, feed: Arrays) -> Arrays:
+        stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_"))}
+        return _by_row(self._runner("encoder"), feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
+
+    def decoder(self, feed: Arrays) -> Arrays:
+        return _by_row(self._runner("decoder"), {**feed, **self.lora_bank}, batch_inputs=set(PER_ROW["decoder"]))
+
+    def pointer(self, feed: Arrays) -> Arrays:
+        return _by_row(self._runner("pointer"), feed, batch_inputs={"h19", "option_mask"})
+
+
+def _by_row(run, feed: Arrays, batch_inputs: set[str]) -> Arrays:  # type: ignore[no-untyped-def]
+    """Run each batch row alone and stack the results: PyTorch's CPU GEMM picks kernels by row count, so a row's
+    result would otherwise depend on how many other rows share the call."""
+    rows = next(feed[k] for k in batch_inputs if k in feed).shape[0]
+    if rows == 1:
+        return run(feed)
+    parts = [run({k: (v[b:b + 1] if k in batch_inputs else v) for k, v in feed.items()}) for b in range(rows)]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}

@@ -1,0 +1,90 @@
+"""The decoder model's Triton side: requests in, streamed responses out, the encoder through BLS, one thread.
+
+Every `pb_utils` call of the decoder stub happens on the scheduler thread (`SchedulerThread` runs `handle_requests`
+and `TurnScheduler.iterate` there): `execute` only queues the request objects. See docs/load.md for why: a custom
+metric's `increment` rewrites the metric's shared-memory record, and two threads incrementing at once made the stub
+throw `boost::interprocess::lock_exception` and the server take Signal 11.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from . import contract as c
+from . import triton_glue as glue
+from .decoder_service import Turn
+from .encoder_service import HANDOVER_KEYS, Handover
+from .handover_codec import rows_from_arrays
+from .scheduler import TurnRequest, TurnScheduler
+
+LOG = logging.getLogger("mol2")
+EMPTY = np.zeros(0, np.int64)
+
+
+class BlsEncoderPort:
+    """The scheduler's encoder port: one BLS request to the `encoder` model per call, whatever the batch size."""
+
+    def _call(self, session_id: str, extra: dict[c.TensorSpec, Any], outputs: list[c.TensorSpec]) -> dict[str, np.ndarray]:
+        inputs = {c.SESSION_ID: session_id, c.TOKEN_IDS: EMPTY, c.PREFIX_IDS: EMPTY, c.START: False, **extra}
+        return glue.bls("encoder", inputs, outputs)
+
+    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
+        out = self._call(session_ids[0], {c.STEP_SESSION_IDS: session_ids, c.STEP_TOKEN_IDS: tokens, c.TURN_DONE: turn_done}, list(c.HANDOVER))
+        return rows_from_arrays(out, [tokens.shape[1]] * len(session_ids))
+
+    def rollback(self, session_id: str) -> None:
+        self._call(session_id, {c.ROLLBACK: True}, [])
+
+    def drop(self, session_id: str) -> None:
+        self._call(session_id, {c.DROP_SESSION: True}, [])
+
+
+def read_turn(request: Any) -> TurnRequest:
+    """The decoder's inputs as a TurnRequest; the response sender rides along as its context."""
+    sender = request.get_response_sender()
+    context = (request, sender)
+    try:
+        handover = rows_from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})[0]
+        return TurnRequest(glue.read(request, c.SESSION_ID), handover, int(glue.read(request, c.ADAPTER_HASH)),
+                           glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context)
+    except Exception as exc:
+        exc.context = context  # type: ignore[attr-defined]
+        raise
+
+
+def cancelled(request: Any) -> bool:
+    """Whether the client went away (gRPC stream closed, request cancelled): Triton reports it on the request."""
+    return bool(getattr(request, "is_cancelled", lambda: False)())
+
+
+def emit(turn: Turn, token: int, finish: str) -> bool:
+    request, sender = turn.context  # type: ignore[misc]
+    if cancelled(request):
+        if token < 0:
+            sender.send(flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # close the request; nobody reads it
+        return False
+    applied = 0 if turn.adapter is None else turn.adapter.hash
+    outputs = {c.TOKEN_ID: token, c.ADAPTER_HASH_APPLIED: applied, c.FINISH: finish}
+    sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL if token < 0 else 0)
+    return True
+
+
+def fail(item: TurnRequest | Turn, exc: BaseException) -> None:
+    _, sender = item.context  # type: ignore[misc]
+    sender.send(glue.error_response(exc), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def handle_requests(scheduler: TurnScheduler, requests: list[Any]) -> None:
+    """On the scheduler thread: read each request and queue its turn; a malformed one is answered at once."""
+    for request in requests:
+        try:
+            scheduler.submit(read_turn(request))
+        except Exception as exc:  # noqa: BLE001 - this request fails alone
+            sender = exc.context[1] if hasattr(exc, "context") else request.get_response_sender()
+            sender.send(glue.error_response(exc), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+__all__ = ["BlsEncoderPort", "HANDOVER_KEYS", "emit", "fail", "handle_requests"]
