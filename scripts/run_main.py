@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from build_engines.build.cli import main as build_engines_main
 from tritonserver_backend.client import GrpcChat, TurnRequest
 from tritonserver_backend.launcher import TritonServer
 from tritonserver_backend.repository import build_repository
@@ -33,15 +34,21 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=ROOT / "embedded" / "mol2-small")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "main")
+    p.add_argument("--engines", type=Path, default=ROOT / "artifacts" / "engines" / "mol2-small", help="ONNX engine directory (built or reused)")
     p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args()
     if not (args.model / "model.safetensors").exists():
-        print(f"{args.model} has no model: build it with `python -m build_engines.training.build_default`", file=sys.stderr)
+        print(f"{args.model} has no model: build it with `python -m build_engines default`", file=sys.stderr)
         return 2
     if args.work.exists():
         shutil.rmtree(args.work)
-    repo = build_repository(args.work / "model_repository", {"model_dir": str(args.model.resolve()), "registry_root": str((args.work / "registry").resolve())})
-    print(f"model repository: {repo} (models: preprocess, encoder, router, decoder, postprocess, adapter_admin; ensemble mol2)")
+    engines = args.engines.resolve()
+    print(f"engines: python -m build_engines build --model {args.model} --out {args.engines}")
+    if build_engines_main(["--model", str(args.model), "--out", str(engines)]) != 0:
+        return 1
+    params = {"model_dir": str(args.model.resolve()), "registry_root": str((args.work / "registry").resolve()), "engine_dir": str(engines)}
+    repo = build_repository(args.work / "model_repository", params)
+    print(f"model repository: {repo} (models: preprocess, encoder, router, decoder, postprocess, adapter_admin; ensemble mol2; onnx engines)")
     server = TritonServer(work_dir=args.work / "server")
     server.start(repo)
     try:

@@ -1,0 +1,197 @@
+"""The exported ONNX graphs against the step modules, batch and chunk invariance, source independence on the engine
+path (a tiny network with fresh random weights each run, exported once per module: about a minute)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from build_engines.build.onnx_build import GRAPH_FILES, build_onnx, ort_runner, random_bank
+from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.layout import StepLayout
+from build_engines.export.parity import HANDOVER, max_difference, torch_runner
+from build_engines.export.rows import (
+    DecoderRow,
+    EncoderRow,
+    absorb_decoder,
+    absorb_encoder,
+    decoder_inputs,
+    encoder_inputs,
+)
+from build_engines.formats.checkpoint import save_checkpoint
+from plugins import DOMAIN, PLUGIN_NAMESPACE, register_onnx_schemas
+from tests.tiny import tiny_network
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):  # type: ignore[no-untyped-def]
+    seed = int(torch.randint(0, 2**31, (1,)))
+    print(f"export seed: {seed}")
+    torch.manual_seed(seed)
+    net = tiny_network()
+    model_dir = save_checkpoint(net, tmp_path_factory.mktemp("tiny_model"))
+    out = tmp_path_factory.mktemp("tiny_engines")
+    graphs, parity = build_onnx(model_dir, out)
+    layout = StepLayout(net.cfg)
+    enc, dec = net.split()
+    modules = {
+        "encoder": torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs()),
+        "decoder": torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs()),
+    }
+    sessions = {name: ort_runner(out / GRAPH_FILES[name]) for name in GRAPH_FILES}
+    return {"dir": out, "graphs": graphs, "parity": parity, "layout": layout, "torch": modules, "onnx": sessions}
+
+
+def test_graphs_pass_the_checker_and_carry_the_mol2_nodes(exported) -> None:  # type: ignore[no-untyped-def]
+    register_onnx_schemas()
+    expected = {"encoder": {"SparseGlobalAttention", "SwaReplayAttention"}, "decoder": {"SparseGlobalAttention"}, "pointer": {"PointerScore"}}
+    for name, ops in expected.items():
+        model = onnx.load(str(exported["dir"] / GRAPH_FILES[name]))
+        onnx.checker.check_model(model, full_check=True)
+        nodes = [n for n in model.graph.node if n.domain == DOMAIN]
+        assert {n.op_type for n in nodes} == ops, name
+        for node in nodes:
+            attrs = {a.name: a for a in node.attribute}
+            assert attrs["plugin_namespace"].s.decode() == PLUGIN_NAMESPACE and attrs["plugin_version"].s == b"1"
+        assert ops <= {f.name for f in model.functions if f.domain == DOMAIN}, "each op's local function is in the file"
+    print("build parity (max abs):", exported["parity"])
+
+
+def _prefill(layout, runner, rows, tokens):  # type: ignore[no-untyped-def]
+    out = runner(encoder_inputs(layout, rows, tokens))
+    absorb_encoder(layout, rows, out, tokens.shape[1])
+    return out
+
+
+def test_encoder_prefill_and_decode_match_the_module(exported) -> None:  # type: ignore[no-untyped-def]
+    layout, run_t, run_o = exported["layout"], exported["torch"]["encoder"], exported["onnx"]["encoder"]
+    rows_t, rows_o = [EncoderRow.empty(layout)], [EncoderRow.empty(layout)]
+    worst: dict[str, float] = {}
+    for length in (151, 1, 1, 2, 37, 1):
+        tokens = np.random.randint(0, layout.cfg.vocab_size, (1, length))
+        diff = max_difference(_prefill(layout, run_t, rows_t, tokens), _prefill(layout, run_o, rows_o, tokens))
+        worst = {k: max(v, worst.get(k, 0.0)) for k, v in diff.items()}
+    print("encoder onnx vs torch:", worst)
+    assert worst["topk"] == worst["candidates"] == 0.0, "the same entries are selected"
+    assert max(worst.values()) < 1e-4
+
+
+def test_decoder_replay_and_decode_with_two_adapters_in_one_batch(exported) -> None:  # type: ignore[no-untyped-def]
+    layout = exported["layout"]
+    enc_t, dec_t, dec_o = exported["torch"]["encoder"], exported["torch"]["decoder"], exported["onnx"]["decoder"]
+    bank = random_bank(layout, slots=3, rank=4, seed=int(np.random.randint(1 << 30)))
+    rows = []
+    for length in (140, 201):  # both longer than the window: equal replay lengths in one batch
+        erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
+        out = _prefill(layout, enc_t, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)))
+        drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
+        rows.append((erow, drow))
+    decoders = [[r[1] for r in rows], [r[1].clone() for r in rows]]  # torch side, onnx side
+    slots = [1, 2]
+    worst = 0.0
+    for step in range(5):
+        feeds = []
+        if step:
+            tokens = np.random.randint(0, layout.cfg.vocab_size, (2, 1))
+            out = enc_t(encoder_inputs(layout, [r[0] for r in rows], tokens))
+            absorb_encoder(layout, [r[0] for r in rows], out, 1)
+            new = [{k: out[k][b] for k in HANDOVER} for b in range(2)]
+        for side in decoders:
+            if step:
+                for drow, h in zip(side, new):
+                    drow.absorb(layout, h)
+            feeds.append({**decoder_inputs(layout, side, None if step == 0 else [{k: h[k] for k in HANDOVER[:4]} for h in new], slots), **bank})
+        got_t, got_o = dec_t(feeds[0]), dec_o(feeds[1])
+        for side, got, feed in zip(decoders, (got_t, got_o), feeds):
+            absorb_decoder(side, got, feed, step == 0, slots)
+        diff = max_difference(got_t, got_o)
+        worst = max(worst, diff["logits"])
+        assert (got_t["logits"].argmax(-1) == got_o["logits"].argmax(-1)).all()
+    print(f"decoder onnx vs torch, two adapters in one batch, replay + 4 decode steps: max abs logit {worst:.2e}")
+    assert worst < 1e-4
+
+
+def test_a_batched_step_gives_each_row_exactly_its_solo_result(exported) -> None:  # type: ignore[no-untyped-def]
+    """Rows at different positions, store lengths and adapters in one batch: bit for bit what each gets alone."""
+    layout, enc_o, dec_o = exported["layout"], exported["onnx"]["encoder"], exported["onnx"]["decoder"]
+    bank = random_bank(layout, slots=4, rank=4)
+    sessions = []
+    for length in (5, 130, 300, 61):
+        erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
+        out = _prefill(layout, enc_o, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)))
+        drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
+        feed = {**decoder_inputs(layout, [drow], None, [length % 4]), **bank}
+        absorb_decoder([drow], dec_o(feed), feed, True, [length % 4])
+        sessions.append((erow, drow, length % 4))
+    tokens = np.random.randint(0, layout.cfg.vocab_size, (4, 1))
+    solo = []
+    for (erow, drow, slot), tok in zip(sessions, tokens):
+        e_out = enc_o(encoder_inputs(layout, [erow.clone()], tok[None]))
+        d = drow.clone()
+        d.absorb(layout, {k: e_out[k][0] for k in HANDOVER})
+        feed = {**decoder_inputs(layout, [d], [{k: e_out[k][0] for k in HANDOVER[:4]}], [slot]), **bank}
+        solo.append((e_out, dec_o(feed)))
+    e_rows = [s[0] for s in sessions]
+    e_out = enc_o(encoder_inputs(layout, e_rows, tokens))
+    for b, (s_enc, _) in enumerate(solo):
+        for key in HANDOVER:
+            assert np.array_equal(e_out[key][b], s_enc[key][0]), f"encoder {key} of row {b} depends on the batch"
+    d_rows = [s[1] for s in sessions]
+    for b, d in enumerate(d_rows):
+        d.absorb(layout, {k: e_out[k][b] for k in HANDOVER})
+    feed = {**decoder_inputs(layout, d_rows, [{k: e_out[k][b] for k in HANDOVER[:4]} for b in range(4)], [s[2] for s in sessions]), **bank}
+    d_out = dec_o(feed)
+    for b, (_, s_dec) in enumerate(solo):
+        assert np.array_equal(d_out["logits"][b], s_dec["logits"][0]), f"decoder logits of row {b} depend on the batch"
+        assert np.array_equal(d_out["ring_rows"][b], s_dec["ring_rows"][0])
+
+
+def test_prefill_chunking_does_not_change_a_bit(exported) -> None:  # type: ignore[no-untyped-def]
+    """A history encoded in one chunk or in pieces leaves the same state and hand-over: a session rebuilt from its
+    history after a restart continues exactly."""
+    layout, enc_o = exported["layout"], exported["onnx"]["encoder"]
+    tokens = np.random.randint(0, layout.cfg.vocab_size, (1, 333))
+    one, pieces = EncoderRow.empty(layout), EncoderRow.empty(layout)
+    whole = _prefill(layout, enc_o, [one], tokens)
+    parts = [_prefill(layout, enc_o, [pieces], tokens[:, a:b]) for a, b in ((0, 100), (100, 101), (101, 229), (229, 333))]
+    for key in HANDOVER:
+        assert np.array_equal(whole[key][0], np.concatenate([p[key][0] for p in parts])), key
+    assert np.array_equal(one.rings, pieces.rings)
+    for s in layout.sources:
+        used = one.used(layout, s)
+        assert np.array_equal(one.kv[s][:used], pieces.kv[s][:used]) and np.array_equal(one.index_k[s][:used], pieces.index_k[s][:used])
+
+
+def test_replay_through_the_engine_is_independent_of_the_source_adapter(exported) -> None:  # type: ignore[no-untyped-def]
+    """One history decoded under different source adapters (base, A, B), then replayed under a fixed target:
+    identical logits and rings, bit for bit."""
+    layout, enc_o, dec_o = exported["layout"], exported["onnx"]["encoder"], exported["onnx"]["decoder"]
+    bank = random_bank(layout, slots=4, rank=4)
+    history = np.random.randint(0, layout.cfg.vocab_size, (1, 150))
+    later = np.random.randint(0, layout.cfg.vocab_size, (12, 1))
+    erow = EncoderRow.empty(layout)
+    first = _prefill(layout, enc_o, [erow], history)
+    steps = [_prefill(layout, enc_o, [erow], t[None]) for t in later]
+    for target in (1, 3):
+        results = []
+        for source in (0, 1, 2):
+            drow = DecoderRow.empty(layout)
+            drow.absorb(layout, {k: first[k][0] for k in HANDOVER})
+            feed = {**decoder_inputs(layout, [drow], None, [source]), **bank}
+            absorb_decoder([drow], dec_o(feed), feed, True, [source])
+            for out in steps:  # the source adapter decodes the later tokens on its own rings
+                drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
+                feed = {**decoder_inputs(layout, [drow], [{k: out[k][0] for k in HANDOVER[:4]}], [source]), **bank}
+                absorb_decoder([drow], dec_o(feed), feed, False, [source])
+            feed = {**decoder_inputs(layout, [drow], None, [target]), **bank}
+            results.append(dec_o(feed))
+        for other in results[1:]:
+            assert np.array_equal(other["logits"], results[0]["logits"]) and np.array_equal(other["ring_rows"], results[0]["ring_rows"])
+    assert not np.array_equal(results[0]["logits"], dec_o({**decoder_inputs(layout, [drow], None, [0]), **bank})["logits"]), \
+        "the target adapter does change the logits (the check is not vacuous)"

@@ -1,0 +1,105 @@
+"""The engine interface: selector errors, and the served default's onnx engine against the torch reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from build_engines.export.parity import HANDOVER
+from build_engines.export.rows import (
+    DecoderRow,
+    EncoderRow,
+    absorb_decoder,
+    absorb_encoder,
+    decoder_inputs,
+    encoder_inputs,
+)
+from tests.conftest import EMBEDDED
+from tritonserver_backend.engines import EngineUnavailable, open_engine
+from tritonserver_backend.pipeline import InProcessPipeline
+from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.sampling import SamplingParams
+
+needs_default = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")
+
+
+@needs_default
+def test_the_selector_says_what_is_missing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(EngineUnavailable, match="unknown engine backend 'tensorflow'"):
+        open_engine("tensorflow", EMBEDDED, tmp_path)
+    with pytest.raises(EngineUnavailable, match=r"no manifest.*python -m build_engines build --model .* --out .* --format onnx"):
+        open_engine("onnx", EMBEDDED, tmp_path / "nothing_here")
+    with pytest.raises(EngineUnavailable, match="TensorRT|NVIDIA GPU"):
+        open_engine("trt", EMBEDDED, tmp_path)
+
+
+@needs_default
+@pytest.mark.slow
+def test_onnx_engine_follows_the_torch_reference_on_the_default(default_engines) -> None:  # type: ignore[no-untyped-def]
+    """Prefill, replay under each bundled adapter, decode: logits within 1e-3 (reported), the same greedy tokens."""
+    engines = {b: open_engine(b, EMBEDDED, default_engines) for b in ("torch", "onnx")}
+    import torch
+
+    from build_engines.lora import AdapterBank
+    from build_engines.lora.stacked import stack_adapters
+    from build_engines.model.network import CEDNetwork
+
+    layout = engines["torch"].layout
+    with torch.device("meta"):
+        shapes = CEDNetwork(layout.cfg)
+    adapters = AdapterBank(layout.cfg, shapes).load_bundled(EMBEDDED)
+    bank = stack_adapters(layout, [None, *[adapters[k] for k in sorted(adapters)]])
+    worst = 0.0
+    for engine in engines.values():
+        engine.set_lora_bank(bank)
+    rows = {b: (EncoderRow.empty(layout), DecoderRow.empty(layout)) for b in engines}
+    prompt = np.random.default_rng(0).integers(0, layout.cfg.vocab_size, (1, 180))
+    for slot in range(len(adapters) + 1):
+        tokens = {}
+        for b, engine in engines.items():
+            erow, drow = rows[b]
+            if slot == 0:
+                out = engine.encoder(encoder_inputs(layout, [erow], prompt))
+                absorb_encoder(layout, [erow], out, prompt.shape[1])
+                drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
+            feed = decoder_inputs(layout, [drow], None, [slot])
+            logits = engine.decoder(feed)["logits"]
+            tokens[b] = logits
+        worst = max(worst, float(np.abs(tokens["torch"] - tokens["onnx"]).max()))
+        assert tokens["torch"].argmax() == tokens["onnx"].argmax()
+    token = int(tokens["torch"].argmax())
+    for _ in range(12):
+        logits = {}
+        for b, engine in engines.items():
+            erow, drow = rows[b]
+            out = engine.encoder(encoder_inputs(layout, [erow], np.array([[token]])))
+            absorb_encoder(layout, [erow], out, 1)
+            new = {k: out[k][0] for k in HANDOVER}
+            drow.absorb(layout, new)
+            feed = decoder_inputs(layout, [drow], [{k: new[k] for k in HANDOVER[:4]}], [len(adapters)])
+            result = engine.decoder(feed)
+            absorb_decoder([drow], result, feed, False, [len(adapters)])
+            logits[b] = result["logits"]
+        worst = max(worst, float(np.abs(logits["torch"] - logits["onnx"]).max()))
+        assert logits["torch"].argmax() == logits["onnx"].argmax()
+        token = int(logits["torch"].argmax())
+    print(f"trained default, onnx vs torch: max abs logit difference {worst:.2e}")
+    assert worst < 1e-3
+
+
+@needs_default
+@pytest.mark.slow
+def test_a_routed_five_turn_conversation_is_the_same_on_both_engines(default_engines, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    conversation = [("Hi! How was your day?", None, True), ("def mean(xs):\n    return sum(xs) / len(xs)", None, False),
+                    ("Make the header sticky with a shadow.", "L3_design", False), ("git log --oneline shows nothing, why?", None, False),
+                    ("Thanks, that helps.", "base", False)]
+    results = {}
+    for backend in ("torch", "onnx"):
+        root = tmp_path / backend
+        ensure_registry(root, EMBEDDED)
+        pipe = InProcessPipeline(EMBEDDED, root, backend=backend, engine_dir=default_engines)
+        results[backend] = [(r.adapter, r.token_ids) for r in (pipe.chat("s", text, adapter=a, new_session=new, params=SamplingParams(max_tokens=24))
+                                                              for text, a, new in conversation)]
+    assert results["torch"] == results["onnx"]
+    assert [a for a, _ in results["onnx"]][2] == "L3_design" and results["onnx"][4][0] == "base"
+    assert all(len(t) > 0 for _, t in results["onnx"])
