@@ -63,9 +63,6 @@ ROUTER_H19 = TensorSpec("H19", "FP32", (-1, -1), doc="(B, dim): the router score
 ROUTER_ADAPTER = TensorSpec("adapter", "BYTES", (-1,), True, "(B,) explicit adapter per row; empty = route that row")
 ROUTER_ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (-1,), doc="(B,) one decision per row")
 ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (1,), doc="31-bit FNV-1a of the adapter path; 0 = base")
-ADAPTER_HASH_APPLIED = TensorSpec("ADAPTER_HASH_APPLIED", "INT32", (1,), doc="adapter the decoder applied")
-TOKEN_ID = TensorSpec("TOKEN_ID", "INT32", (1,), doc="one generated token")
-FINISH = TensorSpec("FINISH", "BYTES", (1,), doc="finish reason on the last response")
 
 HANDOVER_POSITIONS = TensorSpec("HANDOVER_POSITIONS", "INT64", (-1,), doc="(S,) absolute positions")
 HANDOVER_STREAMS = TensorSpec("HANDOVER_STREAMS", "FP32", (-1, -1, -1), doc="(S, hc, dim) streams after layer 20's attention")
@@ -95,18 +92,19 @@ class ModelSpec:
 PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP), (TOKEN_IDS, PREFIX_IDS, START))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
+# the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two
+# more IPC round trips) per streamed token per session, the largest per-token cost of the batched path (docs/load.md)
 DECODER = ModelSpec(
     "decoder",
     (SESSION_ID, ADAPTER_HASH, *HANDOVER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION),
-    (TOKEN_ID, ADAPTER_HASH_APPLIED, FINISH),
+    (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON),
     decoupled=True,
 )
-POSTPROCESS = ModelSpec("postprocess", (TOKEN_ID, ADAPTER_HASH_APPLIED, FINISH), (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON))
 ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
 ENSEMBLE_NAME = "mol2"
 ENSEMBLE_INPUTS = (SESSION_ID, TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON)
-MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, POSTPROCESS, ADMIN)
+MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN)
 
 
 def ensemble_steps() -> list[tuple[ModelSpec, dict[str, str], dict[str, str]]]:
@@ -116,7 +114,7 @@ def ensemble_steps() -> list[tuple[ModelSpec, dict[str, str], dict[str, str]]]:
     """
     steps = []
     available = {t.name for t in ENSEMBLE_INPUTS}
-    for model in (PREPROCESS, ENCODER, ROUTER, DECODER, POSTPROCESS):
+    for model in (PREPROCESS, ENCODER, ROUTER, DECODER):
         # inputs nobody in the ensemble produces (e.g. DROP_SESSION, sent only by the decoder's BLS) stay unmapped
         steps.append((model, {t.name: t.name for t in model.inputs if t.name in available}, {t.name: t.name for t in model.outputs}))
         available |= {t.name for t in model.outputs}

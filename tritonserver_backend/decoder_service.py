@@ -45,6 +45,7 @@ class Turn:
     limit: int
     logits: np.ndarray | None = None  # next-token logits (vocab,)
     generated: list[int] = field(default_factory=list)
+    fed: int = 0  # generated tokens the encoder has seen
     finish: str = ""
     end_session: bool = False
     context: object = None  # what the caller needs to answer (a response sender)
@@ -54,8 +55,9 @@ class Turn:
         return BASE_NAME if self.adapter is None else self.adapter.name
 
     def trailing(self, eot: int) -> list[int]:
-        """What the encoder still has to see when the turn ends: the last token (never fed back) and end-of-turn."""
-        return [eot] if self.finish == FINISH_EOT or not self.generated else [self.generated[-1], eot]
+        """What the encoder still has to see when the turn ends: the tokens not fed back yet (the last one, unless
+        the client left after it was fed) and end-of-turn."""
+        return self.generated[self.fed:] + [eot]
 
 
 class DecoderService:
@@ -72,8 +74,9 @@ class DecoderService:
         self.busy: set[str] = set()
 
     # ------------------------------------------------------------------ a turn starts: absorb + bounded replay
-    def begin(self, session_id: str, handover: Handover, adapter_hash: int, params: SamplingParams) -> Turn:
-        """Check everything before any state moves (errors: TurnRejected, the encoder then rolls the turn back)."""
+    def prepare(self, session_id: str, handover: Handover, adapter_hash: int, params: SamplingParams) -> Turn:
+        """Check everything and absorb the turn's rows into a copy of the session (errors: TurnRejected, the encoder
+        then rolls the turn back; the stored session is untouched either way). The replay comes next (`replay`)."""
         try:
             positions = handover["positions"]
             if positions.size == 0:
@@ -91,18 +94,28 @@ class DecoderService:
             slot, adapter = self.slots.acquire(int(adapter_hash))
         except ServingError as exc:
             raise TurnRejected(str(exc)) from None
-        name = BASE_NAME if adapter is None else adapter.name
-        self.counters.add(k.READ, name)
+        self.counters.add(k.READ, BASE_NAME if adapter is None else adapter.name)
         row.absorb(self.layout, handover)
-        feed = decoder_inputs(self.layout, [row], None, [slot])
-        out = self.engine.decoder(feed)
-        absorb_decoder([row], out, feed, True, [slot])
-        self.counters.add(k.APPLIED, name)
-        self.counters.add(k.REPLAYS, name)
-        self.counters.add(k.REPLAY_TOKENS, name, int(feed["streams"].shape[1]))
         room = self.max_context - row.position - 2  # keep room for the last token and the end-of-turn
         self.busy.add(session_id)
-        return Turn(session_id, row, slot, adapter, params, Sampler(params), max(1, min(params.max_tokens, room)), out["logits"][0])
+        return Turn(session_id, row, slot, adapter, params, Sampler(params), max(1, min(params.max_tokens, room)))
+
+    def replay(self, turns: list[Turn]) -> None:
+        """Bounded replay of every starting turn in one batch: each row's last W rows under its adapter, rings afresh."""
+        slots = [t.slot for t in turns]
+        feed = decoder_inputs(self.layout, [t.row for t in turns], None, slots)
+        out = self.engine.decoder(feed)
+        absorb_decoder([t.row for t in turns], out, feed, True, slots)
+        for b, turn in enumerate(turns):
+            turn.logits = out["logits"][b]
+
+    def count_applied(self, turns: list[Turn]) -> None:
+        """Counters of replayed turns. Separate from `replay`, which may run on the engine thread: counters become
+        Triton metrics, and only the thread that owns `pb_utils` may touch those."""
+        for turn in turns:
+            self.counters.add(k.APPLIED, turn.adapter_name)
+            self.counters.add(k.REPLAYS, turn.adapter_name)
+            self.counters.add(k.REPLAY_TOKENS, turn.adapter_name, int(turn.row.recent["streams"].shape[0]))
 
     def _check_rows(self, handover: Handover) -> None:
         """Inner shapes against this model, positions consecutive: a malformed hand-over never reaches the engine."""
@@ -136,6 +149,7 @@ class DecoderService:
         """One decoder step for every turn: absorb each one's new encoder row, run all rows in one batch."""
         for turn, h in zip(turns, handovers):
             turn.row.absorb(self.layout, h)
+            turn.fed += h["positions"].shape[0]
         slots = [t.slot for t in turns]
         feed = decoder_inputs(self.layout, [t.row for t in turns], [{f: h[f] for f in STEP_KEYS} for h in handovers], slots)
         out = self.engine.decoder(feed)

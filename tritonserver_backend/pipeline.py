@@ -2,7 +2,7 @@
 
 Used as the reference the Triton tests compare with (token for token), and by tools that want the serving
 behaviour without a server. The order is the ensemble's: preprocess -> encoder -> router -> decoder (whose
-scheduler calls the encoder per generated token) -> postprocess. One engine serves all three services here.
+scheduler calls the encoder per generated token and detokenizes). One engine serves all three services here.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ PYTHON_MODELS_USING = {
     "encoder": ("model_dir", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk"),
     "router": ("model_dir", "registry_root", *ENGINE),
     "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns"),
-    "postprocess": ("model_dir", "registry_root"),
     "adapter_admin": ("model_dir", "registry_root"),
 }
 

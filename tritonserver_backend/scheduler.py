@@ -3,8 +3,8 @@
 Each iteration samples one token for every active turn and streams it, then runs ONE encoder call for all turns
 still going (their new tokens, through the encoder port: a BLS call in Triton, a function call in-process) and ONE
 batched decoder step. Turns that finish in the iteration send their last token and end-of-turn through the encoder
-(one call per trailing length), are stored and answered; waiting turns join between iterations (their bounded replay
-runs as their own step) up to `max_active`. A batch never changes a row's result: every turn gets the tokens it
+(one call per trailing length), are stored and answered; waiting turns join between iterations up to `max_active` (their
+bounded replays run together as one batched step). A batch never changes a row's result: every turn gets the tokens it
 would get alone.
 
 Triton-free: what to do with a token or a finished turn is the `emit` callback, which returns False when the client
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -48,6 +49,7 @@ class TurnRequest:
     context: object = None
 
 
+REPLAY_BATCH = 8  # starting turns per batched replay (up to 8 x 128 rows through the decoder in one call)
 Emit = Callable[[Turn, int, str], bool]  # (turn, token or -1, finish reason or "") -> client still there
 Fail = Callable[[TurnRequest | Turn, BaseException], None]
 
@@ -58,63 +60,108 @@ class TurnScheduler:
         self.max_active = max_active
         self.waiting: deque[TurnRequest] = deque()
         self.active: list[Turn] = []
+        self._pending: tuple[list[Turn], Future | BaseException, np.ndarray] | None = None
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="mol2-engine")  # every engine call, never pb_utils
 
     def submit(self, request: TurnRequest) -> None:
         self.waiting.append(request)
 
+    def close(self) -> None:
+        self._compute.shutdown(wait=True)
+
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active
+        return not self.waiting and not self.active and self._pending is None
 
     def iterate(self) -> None:
-        """Admit waiting turns, then advance every active turn by one token."""
+        """One token for every active turn.
+
+        Settle the previous decoder step, admit waiting turns, sample a token for each turn, start the next step (the
+        encoder call now, the decoder step on the compute thread), then stream the tokens and finish the turns that
+        ended while that step runs: each send is an IPC round trip and needs nothing from the step (measured: with
+        16 sessions the sends cost about as much as the decoder step itself, docs/load.md).
+        """
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._settle(*pending)
         self._admit()
-        if not self.active:
-            return
-        going, ending = [], []
-        tokens: list[int] = []
-        for turn in self.active:
-            token = self.decoder.choose(turn)
-            if token is not None and not self.emit(turn, token, ""):
-                turn.finish = FINISH_CANCELLED
-            (ending if turn.finish else going).append(turn)
+        turns = self.active
+        going: list[Turn] = []
+        chosen: list[tuple[Turn, int]] = []
+        for turn in turns:
+            if turn.finish == "error":
+                continue
+            token = None if turn.finish else self.decoder.choose(turn)
+            if token is not None:
+                chosen.append((turn, token))
             if not turn.finish:
-                tokens.append(token)  # type: ignore[arg-type]
+                going.append(turn)
         if going:
-            self._step(going, np.asarray(tokens, np.int64)[:, None])
-        for turn in ending:
+            self._pending = (going, *self._step(going, np.asarray([t.generated[-1] for t in going], np.int64)[:, None]))
+        for turn, token in chosen:
+            if not self.emit(turn, token, ""):
+                turn.finish = turn.finish or FINISH_CANCELLED  # seen at the next iteration; its partial reply is kept
+        for turn in [t for t in turns if t.finish and t.finish != "error" and t not in going]:
             self._end(turn)
-        self.active = [t for t in self.active if not t.finish]
+        self.active = [t for t in turns if t.finish != "error" and (t in going or not t.finish)]
 
     # ------------------------------------------------------------------ joining
     def _admit(self) -> None:
-        while self.waiting and len(self.active) < self.max_active:
+        """Start waiting turns while rows are free: check and absorb each, then batched replays.
+
+        Runs only while no decoder step is in flight (`iterate` settles it first): a new adapter version restacks the
+        engine's adapter bank here."""
+        starting: list[Turn] = []
+        while self.waiting and len(self.active) + len(starting) < self.max_active:
             request = self.waiting.popleft()
             try:
-                turn = self.decoder.begin(request.session_id, request.handover, request.adapter_hash, request.params)
+                turn = self.decoder.prepare(request.session_id, request.handover, request.adapter_hash, request.params)
             except TurnRejected as exc:  # nothing was absorbed: undo the turn's encoding so the session loses nothing
                 self._quietly(self.encoder.rollback, request.session_id)
                 self.fail(request, exc)
                 continue
-            except Exception as exc:  # noqa: BLE001 - an engine failure on one turn fails that turn only
-                LOG.exception("decoder: starting a turn of %s failed", request.session_id)
-                self._quietly(self.encoder.rollback, request.session_id)
-                self.fail(request, exc)
-                continue
             turn.end_session, turn.context = request.end_session, request.context
-            self.active.append(turn)
+            starting.append(turn)
+        if not starting:
+            return
+        starting.sort(key=lambda t: t.row.recent["streams"].shape[0])  # similar lengths share a replay batch
+        for i in range(0, len(starting), REPLAY_BATCH):
+            group = starting[i:i + REPLAY_BATCH]
+            try:
+                self._compute.submit(self.decoder.replay, group).result()
+            except Exception as exc:  # noqa: BLE001 - an engine failure fails these turns only
+                LOG.exception("decoder: the replay of %d starting turns failed", len(group))
+                for turn in group:
+                    self._abort(turn, exc)
+                continue
+            self.decoder.count_applied(group)
+            self.active.extend(group)
 
     # ------------------------------------------------------------------ stepping
-    def _step(self, turns: list[Turn], tokens: np.ndarray) -> None:
+    def _step(self, turns: list[Turn], tokens: np.ndarray) -> tuple[Future | BaseException, np.ndarray]:
+        """The encoder call for these turns' tokens, then the decoder step started on the compute thread (or the
+        encoder's error: it refuses a batch as a whole, before changing anything)."""
         try:
             handovers = self.encoder.step([t.session_id for t in turns], tokens, False)
-            self.decoder.advance(turns, handovers)
-        except Exception as exc:  # noqa: BLE001 - find the turn that fails and let the others go on
-            if len(turns) == 1:
-                self._abort(turns[0], exc)
-                return
-            for i, turn in enumerate(turns):
-                self._step([turn], tokens[i:i + 1])
+        except Exception as exc:  # noqa: BLE001
+            return exc, tokens
+        return self._compute.submit(self.decoder.advance, turns, handovers), tokens
+
+    def _settle(self, turns: list[Turn], advancing: Future | BaseException, tokens: np.ndarray) -> None:
+        """Wait for the decoder step. An encoder refusal (a session evicted meanwhile) is retried turn by turn, so only
+        the failing turn ends; an engine failure ends the turns of that batch."""
+        if isinstance(advancing, Future):
+            try:
+                advancing.result()
+            except Exception as exc:  # noqa: BLE001
+                for turn in turns:
+                    self._abort(turn, exc)
+            return
+        if len(turns) == 1:
+            self._abort(turns[0], advancing)
+            return
+        for i, turn in enumerate(turns):
+            self._settle([turn], *self._step([turn], tokens[i:i + 1]))
 
     def _end(self, turn: Turn) -> None:
         """Trailing tokens through the encoder (which marks the turn done), store the session, send the final response."""

@@ -1,4 +1,4 @@
-"""preprocess / postprocess: the chat template on the way in, detokenization on the way out."""
+"""Text: the chat template on the way in (preprocess model), detokenization of each streamed token (decoder)."""
 
 from __future__ import annotations
 

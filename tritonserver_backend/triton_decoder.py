@@ -19,6 +19,7 @@ from .decoder_service import Turn
 from .encoder_service import HANDOVER_KEYS, Handover
 from .handover_codec import rows_from_arrays
 from .scheduler import TurnRequest, TurnScheduler
+from .text_service import TextService
 
 LOG = logging.getLogger("mol2")
 EMPTY = np.zeros(0, np.int64)
@@ -60,16 +61,25 @@ def cancelled(request: Any) -> bool:
     return bool(getattr(request, "is_cancelled", lambda: False)())
 
 
-def emit(turn: Turn, token: int, finish: str) -> bool:
-    request, sender = turn.context  # type: ignore[misc]
-    if cancelled(request):
-        if token < 0:
-            sender.send(flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # close the request; nobody reads it
-        return False
-    applied = 0 if turn.adapter is None else turn.adapter.hash
-    outputs = {c.TOKEN_ID: token, c.ADAPTER_HASH_APPLIED: applied, c.FINISH: finish}
-    sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL if token < 0 else 0)
-    return True
+CANCEL_CHECK = 8
+
+
+class Emitter:
+    """Streams a turn's tokens to its client: the text piece, the token id, the adapter that answers, the finish."""
+
+    def __init__(self, text: TextService) -> None:
+        self.text = text
+
+    def __call__(self, turn: Turn, token: int, finish: str) -> bool:
+        request, sender = turn.context  # type: ignore[misc]
+        # asking whether the client left is an IPC round trip of its own: ask every CANCEL_CHECK tokens and at the end
+        if (token < 0 or len(turn.generated) % CANCEL_CHECK == 1) and cancelled(request):
+            if token < 0:
+                sender.send(flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # close the request; nobody reads it
+            return False
+        outputs = {c.TEXT_OUTPUT: self.text.piece(token), c.TOKEN_ID_OUT: token, c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish}
+        sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL if token < 0 else 0)
+        return True
 
 
 def fail(item: TurnRequest | Turn, exc: BaseException) -> None:
@@ -87,4 +97,4 @@ def handle_requests(scheduler: TurnScheduler, requests: list[Any]) -> None:
             sender.send(glue.error_response(exc), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-__all__ = ["BlsEncoderPort", "HANDOVER_KEYS", "emit", "fail", "handle_requests"]
+__all__ = ["BlsEncoderPort", "Emitter", "HANDOVER_KEYS", "fail", "handle_requests"]

@@ -17,8 +17,10 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
-BUILDER_SOURCES = ("build_engines/export", "build_engines/build", "build_engines/model", "build_engines/lora/stacked.py",
-                   "build_engines/routing/pointer_head.py", "plugins")
+BUILDER_SOURCES = tuple(f"build_engines/export/{m}.py" for m in ("common", "decoder_step", "encoder_step", "graph_ops", "layout",
+                                                                   "onnx_export", "pointer_step")) + (
+    "build_engines/build/onnx_build.py", "build_engines/build/trt_build.py", "build_engines/model",
+    "build_engines/routing/pointer_head.py", "plugins")  # what decides the graphs' content (not the runtime's row handling)
 SOURCE_FILES = ("config.json", "model.safetensors", "router/router.safetensors", "router/router_config.json")
 
 

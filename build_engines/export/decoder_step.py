@@ -72,7 +72,7 @@ class DecoderStep(nn.Module):
         S = streams.shape[1]
         lora = LoraInputs(self.groups, lora_slot, lora_bank)
         positions = chunk_positions(start, S, streams)
-        win = window_rows(window_ring_positions(start, ring_start, W), positions, W)
+        win = window_rows(window_ring_positions(start, ring_start, W), positions, W, ring_start)
         ropes = RopeKinds(cfg, self.attentions)
         ctx = {"topk": topk}
         ring_rows: list[torch.Tensor] = []

@@ -169,13 +169,16 @@ def decoder_inputs(layout: StepLayout, rows: list[DecoderRow], handover: list[di
                    slots: list[int]) -> dict[str, np.ndarray]:
     """Inputs of one decoder step (LoRA bank excluded: the runtime binds it).
 
-    `handover` None means a bounded replay of each row's last W rows on empty rings; otherwise each row's new rows
-    (already absorbed into its mirror) run on its rings.
+    `handover` None means a bounded replay of each row's last W rows on empty rings. Replays of different lengths
+    share a batch: shorter rows are padded at the front with inert rows (zero streams, no top-k) at positions before
+    their first real row, and `ring_start` (the first real row) makes them invisible, so the real rows compute
+    exactly what they would alone. Otherwise each row's new rows (already absorbed into its mirror) run on its rings.
     """
     if handover is None:
-        rows_in = [{f: r.recent[f] for f in HANDOVER_FIELDS} for r in rows]
-        starts = [r.position - r.recent["streams"].shape[0] for r in rows]
-        ring_starts = starts
+        length = replay_length([r.recent["streams"].shape[0] for r in rows], layout.cfg.window_size)
+        rows_in = [_front_padded(r.recent, length) for r in rows]
+        starts = [r.position - length for r in rows]
+        ring_starts = [r.position - r.recent["streams"].shape[0] for r in rows]
         rings = [np.zeros_like(r.rings) for r in rows]
     else:
         rows_in = handover
@@ -199,12 +202,34 @@ def decoder_inputs(layout: StepLayout, rows: list[DecoderRow], handover: list[di
     return feed
 
 
+def replay_length(counts: list[int], window: int, step: int = 16) -> int:
+    """The S of a batched replay: the longest row's count rounded up to a multiple of `step` (few distinct shapes),
+    at most the window; a single row runs at its own length."""
+    if len(counts) == 1:
+        return counts[0]
+    return min(window, -(-max(counts) // step) * step)
+
+
+def _front_padded(recent: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+    n = recent["streams"].shape[0]
+    if n == length:
+        return recent
+    out = {}
+    for f, a in recent.items():
+        pad = np.full((length - n,) + a.shape[1:], -1 if a.dtype.kind == "i" else 0, a.dtype)
+        out[f] = np.concatenate((pad, a))
+    return out
+
+
 def absorb_decoder(rows: list[DecoderRow], out: dict[str, np.ndarray], feed: dict[str, np.ndarray], replay: bool, slots: list[int]) -> None:
     """Write the step's ring rows into each row's rings (a replay starts them afresh) and record the adapter slot."""
     for b, r in enumerate(rows):
         start = int(feed["start"][b])
         if replay:
             r.rings = np.zeros_like(r.rings)
-            r.ring_start = start
-        _write_ring(r.rings, out["ring_rows"][b], start)
+            r.ring_start = int(feed["ring_start"][b])
+            real = r.position - r.ring_start  # the padding rows' latents are never read (before ring_start)
+            _write_ring(r.rings, out["ring_rows"][b][:, -real:], r.ring_start)
+        else:
+            _write_ring(r.rings, out["ring_rows"][b], start)
         r.slot = slots[b]

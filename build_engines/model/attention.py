@@ -59,21 +59,23 @@ def selection_mask(idx: torch.Tensor, n: int) -> torch.Tensor:
     return mask[..., :n]
 
 
-def window_rows(ring_pos: torch.Tensor, positions: torch.Tensor, window: int) -> torch.Tensor:
+def window_rows(ring_pos: torch.Tensor, positions: torch.Tensor, window: int, first: torch.Tensor | None = None) -> torch.Tensor:
     """Each query's sliding window as rows of the local table [ring (W slots) ; this chunk (S rows)].
 
     ring_pos (B, W) int64 is the position each ring slot holds (-1 = empty); positions (B, S) are the chunk's
-    positions, consecutive from its start. Returns (B, S, W) int64: for the query at p, entry j names the row of
+    positions, consecutive from its start; `first` (B,) the first position that exists (default 0: a replay padded
+    at the front has inert rows before it). Returns (B, S, W) int64: for the query at p, entry j names the row of
     position p - W + 1 + j (oldest first): a chunk row when that position is in this chunk, its ring slot
     (position % W) when the ring holds exactly that position, -1 otherwise.
     """
     B, S = positions.shape
     start = positions[:, :1].unsqueeze(-1)  # (B, 1, 1)
     want = positions.unsqueeze(-1) - (window - 1) + torch.arange(window, device=positions.device)  # (B, S, W)
+    exists = want >= (0 if first is None else first.view(B, 1, 1))
     slot = want.remainder(window)
     held = torch.gather(ring_pos, 1, slot.reshape(B, S * window)).view(B, S, window)
-    from_ring = torch.where((held == want) & (want >= 0), slot, torch.full_like(slot, -1))
-    return torch.where(want >= start, want - start + window, from_ring)
+    rows = torch.where(want >= start, want - start + window, torch.where(held == want, slot, torch.full_like(slot, -1)))
+    return torch.where(exists, rows, torch.full_like(rows, -1))
 
 
 def visible_entries(positions: torch.Tensor, n: int, ratio: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""decoder (decoupled): applies ADAPTER_HASH, bounded replay, then streams tokens of every active turn in batched steps.
+"""decoder (decoupled): applies ADAPTER_HASH, bounded replay, then streams every active turn's tokens (text pieces) in batched steps.
 
 Every `pb_utils` call (inputs, BLS, responses, metrics) runs on one worker thread: see turn_worker.py.
 """
@@ -20,10 +20,12 @@ class TritonPythonModel:
         params, model_dir, registry = glue.setup(args)
         counters = Counters()
         glue.export_counters(counters, [k.READ, k.APPLIED, k.REPLAYS, k.REPLAY_TOKENS])
-        service = DecoderService(glue.engine(args, params, model_dir), registry, TextService(model_dir).tokenizer, counters,
+        text = TextService(model_dir)
+        service = DecoderService(glue.engine(args, params, model_dir), registry, text.tokenizer, counters,
                                  int(params["session_budget_bytes"]), int(params["max_context"]))
-        scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(), triton_decoder.emit, triton_decoder.fail,
+        scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(), triton_decoder.Emitter(text), triton_decoder.fail,
                                   int(params["max_active_turns"]))
+        self.scheduler = scheduler
         self.worker = TurnWorker(lambda requests: triton_decoder.handle_requests(scheduler, requests), scheduler.iterate,
                                  lambda: scheduler.idle)
 
@@ -33,3 +35,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.worker.stop()
+        self.scheduler.close()
