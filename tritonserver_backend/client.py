@@ -169,3 +169,23 @@ def _http_error(raw: bytes) -> str:
         return str(json.loads(text).get("error", text))
     except (ValueError, AttributeError):
         return text
+
+
+def cancel_turn(http_url: str, session_id: str, timeout: float = 30.0) -> dict:
+    """Ask the server to stop `session_id`'s turn in flight (the `session_control` model); returns its JSON answer.
+
+    Clients that drop a stream should call this: Triton does not pass a cancelled stream on to a running step.
+    """
+    host, _, port = http_url.partition(":")
+    conn = http.client.HTTPConnection(host, int(port or 80), timeout=timeout)
+    body = {"inputs": [{"name": c.SESSION_ID.name, "shape": [1], "datatype": "BYTES", "data": [session_id]},
+                       {"name": c.CONTROL_ACTION.name, "shape": [1], "datatype": "BYTES", "data": ["cancel"]}]}
+    try:
+        conn.request("POST", f"/v2/models/{c.SESSION_CONTROL.name}/infer", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(_http_error(raw))
+        return json.loads(json.loads(raw)["outputs"][0]["data"][0])
+    finally:
+        conn.close()

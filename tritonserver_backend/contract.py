@@ -20,6 +20,9 @@ class TensorSpec:
     optional: bool = False
     doc: str = ""
 
+    def as_optional(self) -> "TensorSpec":
+        return TensorSpec(self.name, self.dtype, self.dims, True, self.doc)
+
     @property
     def numpy_dtype(self) -> type:
         return {"INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_, "BYTES": np.object_}[self.dtype]
@@ -64,6 +67,7 @@ ROUTER_ADAPTER = TensorSpec("adapter", "BYTES", (-1,), True, "(B,) explicit adap
 ROUTER_ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (-1,), doc="(B,) one decision per row")
 ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (1,), doc="31-bit FNV-1a of the adapter path; 0 = base")
 
+CONTROL = TensorSpec("CONTROL", "BYTES", (1,), True, 'sent by session_control (BLS): "cancel" ends the session\'s turn in flight (the other inputs are left out)')
 HANDOVER_POSITIONS = TensorSpec("HANDOVER_POSITIONS", "INT64", (-1,), doc="(S,) absolute positions")
 HANDOVER_STREAMS = TensorSpec("HANDOVER_STREAMS", "FP32", (-1, -1, -1), doc="(S, hc, dim) streams after layer 20's attention")
 HANDOVER_FFN_PRE = TensorSpec("HANDOVER_FFN_PRE", "FP32", (-1, -1), doc="(S, hc) layer 20's pre mix into its FFN")
@@ -75,6 +79,7 @@ HANDOVER = (HANDOVER_POSITIONS, HANDOVER_STREAMS, HANDOVER_FFN_PRE, HANDOVER_TOP
 
 # ------------------------------------------------------------------------------------ admin
 ACTION = TensorSpec("action", "BYTES", (1,), doc="load | unload | list")
+CONTROL_ACTION = TensorSpec("action", "BYTES", (1,), doc='"cancel": stop the session\'s turn in flight (its partial reply stays in the history)')
 ADAPTER_PATH = TensorSpec("path", "BYTES", (1,), True, "adapter directory (PEFT layout) for load; a new version of a loaded path updates it")
 DESCRIPTION = TensorSpec("description", "BYTES", (1,), True, "what the router reads about the adapter")
 RESULT = TensorSpec("result", "BYTES", (1,), doc="JSON answer")
@@ -96,15 +101,16 @@ ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,
 # more IPC round trips) per streamed token per session, the largest per-token cost of the batched path (docs/load.md)
 DECODER = ModelSpec(
     "decoder",
-    (SESSION_ID, ADAPTER_HASH, *HANDOVER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION),
+    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION, CONTROL),
     (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON),
     decoupled=True,
 )
 ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
+SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION), (RESULT,))
 ENSEMBLE_NAME = "mol2"
 ENSEMBLE_INPUTS = (SESSION_ID, TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON)
-MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN)
+MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN, SESSION_CONTROL)
 
 
 def ensemble_steps() -> list[tuple[ModelSpec, dict[str, str], dict[str, str]]]:

@@ -25,3 +25,7 @@ class TurnRejected(ServingError):
 
 class ServerBusy(ServingError):
     """Admission control refused the request at once (too many turns in flight); the client should retry later."""
+
+
+class TurnCancelled(ServingError):
+    """The client cancelled the turn (session_control "cancel")."""

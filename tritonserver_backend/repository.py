@@ -31,6 +31,7 @@ PYTHON_MODELS_USING = {
     "router": ("model_dir", "registry_root", *ENGINE),
     "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns"),
     "adapter_admin": ("model_dir", "registry_root"),
+    "session_control": (),
 }
 
 

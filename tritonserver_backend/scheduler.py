@@ -23,7 +23,7 @@ import numpy as np
 
 from .decoder_service import FINISH_CANCELLED, DecoderService, Turn
 from .encoder_service import Handover
-from .errors import ServingError, TurnRejected
+from .errors import ServingError, TurnCancelled, TurnRejected
 from .sampling import SamplingParams
 
 LOG = logging.getLogger("mol2")
@@ -65,6 +65,21 @@ class TurnScheduler:
 
     def submit(self, request: TurnRequest) -> None:
         self.waiting.append(request)
+
+    def cancel(self, session_id: str) -> str:
+        """Stop the session's turn: a waiting one is dropped (its encoding rolled back), an active one ends at the next
+        iteration as "cancelled" with its partial reply kept in the history. Returns what happened."""
+        for request in list(self.waiting):
+            if request.session_id == session_id:
+                self.waiting.remove(request)
+                self._quietly(self.encoder.rollback, session_id)
+                self.fail(request, TurnCancelled(f"the turn of session {session_id!r} was cancelled before it started"))
+                return "cancelled before it started"
+        for turn in self.active:
+            if turn.session_id == session_id and not turn.finish:
+                turn.finish = FINISH_CANCELLED
+                return "cancelled; the partial reply stays in the history"
+        return "no turn in flight"
 
     def close(self) -> None:
         self._compute.shutdown(wait=True)

@@ -8,6 +8,7 @@ throw `boost::interprocess::lock_exception` and the server take Signal 11.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -17,6 +18,7 @@ from . import contract as c
 from . import triton_glue as glue
 from .decoder_service import Turn
 from .encoder_service import HANDOVER_KEYS, Handover
+from .errors import BadRequest
 from .handover_codec import rows_from_arrays
 from .scheduler import TurnRequest, TurnScheduler
 from .text_service import TextService
@@ -88,13 +90,27 @@ def fail(item: TurnRequest | Turn, exc: BaseException) -> None:
 
 
 def handle_requests(scheduler: TurnScheduler, requests: list[Any]) -> None:
-    """On the scheduler thread: read each request and queue its turn; a malformed one is answered at once."""
+    """On the scheduler thread: read each request and queue its turn (or carry out its control action); a malformed
+    one is answered at once."""
     for request in requests:
         try:
+            action = glue.read(request, c.CONTROL, None)
+            if action is not None:
+                _control(scheduler, request, action)
+                continue
             scheduler.submit(read_turn(request))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             sender = exc.context[1] if hasattr(exc, "context") else request.get_response_sender()
             sender.send(glue.error_response(exc), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _control(scheduler: TurnScheduler, request: Any, action: str) -> None:
+    if action != "cancel":
+        raise BadRequest(f"unknown control action {action!r}; expected 'cancel'")
+    session = glue.read(request, c.SESSION_ID)
+    outcome = json.dumps({"session_id": session, "action": action, "outcome": scheduler.cancel(session)})
+    outputs = {c.TEXT_OUTPUT: outcome, c.TOKEN_ID_OUT: -1, c.ADAPTER_NAME: "", c.FINISH_REASON: ""}
+    request.get_response_sender().send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 __all__ = ["BlsEncoderPort", "Emitter", "HANDOVER_KEYS", "fail", "handle_requests"]

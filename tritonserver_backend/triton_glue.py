@@ -163,6 +163,19 @@ def bls(model: str, inputs: dict[c.TensorSpec, Any], outputs: list[c.TensorSpec]
     return {o.name: pb().get_output_tensor_by_name(resp, o.name).as_numpy() for o in outputs}
 
 
+def bls_control(session_id: str, action: str) -> str:
+    """A control action for the decoder (decoupled: its one response carries the outcome as JSON text)."""
+    request = pb().InferenceRequest(model_name="decoder", inputs=[tensor(c.SESSION_ID, session_id), tensor(c.CONTROL, action)],
+                                    requested_output_names=[c.TEXT_OUTPUT.name])
+    for resp in request.exec(decoupled=True):
+        if resp.has_error():
+            raise BadRequest(resp.error().message())
+        out = pb().get_output_tensor_by_name(resp, c.TEXT_OUTPUT.name)
+        if out is not None:
+            return out.as_numpy().reshape(-1)[0].decode()
+    raise BadRequest("the decoder gave no answer")
+
+
 # ---------------------------------------------------------------------------------------------- metrics
 def export_counters(counters: Counters, names: list[str]) -> None:
     """Mirror `counters` into Triton custom metrics `mol2_<counter>{adapter="..."}` on the metrics port."""

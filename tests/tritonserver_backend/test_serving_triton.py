@@ -137,30 +137,36 @@ def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, r
     chat.close()
 
 
-def test_eight_concurrent_sessions_match_their_solo_runs(server, reference) -> None:  # type: ignore[no-untyped-def]
-    adapters = ["L0_chat", "L1_agent", "L2_code", "L3_design", "base", None, "L2_code", None]
-    requests = [TurnRequest(f"par{i}", f"Question number {i}: what should I do next?", new_session=True, adapter=a, max_tokens=TOKENS) for i, a in enumerate(adapters)]
-    solo = [_reference(reference, r).token_ids for r in requests]
-    results: dict[int, list[int]] = {}
+def test_sixteen_concurrent_sessions_match_their_solo_runs(server, reference) -> None:  # type: ignore[no-untyped-def]
+    """16 streams, two turns each, mixed adapters and routed turns, all at once: batched decode steps mix their rows,
+    and every session still gets exactly the tokens it gets alone."""
+    adapters = ["L0_chat", "L1_agent", "L2_code", "L3_design", "base", None, "L2_code", None] * 2
+    texts = [f"Question number {i}: {'what should I do next?' if i % 2 else 'how do I sort a list in Python?'}" for i in range(16)]
+    requests = [[TurnRequest(f"par{i}", texts[i], new_session=True, adapter=a, max_tokens=TOKENS + i % 5),
+                 TurnRequest(f"par{i}", "And after that?", adapter=None if i % 3 else a, max_tokens=TOKENS)] for i, a in enumerate(adapters)]
+    solo = [[_reference(reference, r).token_ids for r in turns] for turns in requests]
+    results: dict[int, list[list[int]]] = {}
     errors: list[str] = []
 
     def run(i: int) -> None:
         chat = GrpcChat(server.grpc_url)
         try:
-            reply = chat.turn(requests[i])
-            if reply.error:
-                errors.append(reply.error)
-            results[i] = reply.token_ids
+            results[i] = []
+            for r in requests[i]:
+                reply = chat.turn(r)
+                if reply.error:
+                    errors.append(reply.error)
+                results[i].append(reply.token_ids)
         finally:
             chat.close()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=600)
     assert not errors
-    assert [results[i] for i in range(8)] == solo
+    assert [results[i] for i in range(16)] == solo
 
 
 def _raw_stream_error(server, tensors) -> str | None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,154 @@
+"""Serving under load on a real tritonserver with small admission bounds: busy errors at once, cancelled turns free
+their row and keep the session consistent, and a server killed mid-conversation continues it from `history`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EMBEDDED
+from tritonserver_backend.client import GrpcChat, TurnRequest, cancel_turn
+from tritonserver_backend.pipeline import InProcessPipeline
+from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.sampling import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")]
+LONG = 1500  # tokens: a turn that runs for seconds
+
+
+def _start(work: Path, engines: Path, **params: str):  # type: ignore[no-untyped-def]
+    from tritonserver_backend.launcher import TritonServer
+    from tritonserver_backend.repository import build_repository
+
+    values = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "engine_dir": str(engines), "max_context": "4096", **params}
+    repo = build_repository(work / "repo", values)
+    server = TritonServer(work_dir=work / "server")
+    server.start(repo)
+    server.wait_ready(240)
+    return server
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
+    pytest.importorskip("tritonclient.grpc")
+    server = _start(tmp_path_factory.mktemp("load"), default_engines, max_active_turns="2", max_queued_turns="1")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("load_reference_registry")
+    ensure_registry(root, EMBEDDED)
+    return InProcessPipeline(EMBEDDED, root, max_context=4096, backend="onnx", engine_dir=default_engines)
+
+
+def _long_turns(server, count: int, prefix: str) -> tuple[list[threading.Thread], list, list[GrpcChat]]:  # type: ignore[no-untyped-def]
+    """`count` long turns started on their own streams; returns the threads, their replies and the chats."""
+    replies: list = [None] * count
+    chats = [GrpcChat(server.grpc_url) for _ in range(count)]
+
+    def run(i: int) -> None:
+        replies[i] = chats[i].turn(TurnRequest(f"{prefix}{i}", "Tell me a very long story about ships.", new_session=True, max_tokens=LONG), timeout=300)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    return threads, replies, chats
+
+
+def test_beyond_the_bounds_a_turn_gets_server_busy_at_once(small_server) -> None:  # type: ignore[no-untyped-def]
+    threads, replies, chats = _long_turns(small_server, 3, "busy")  # 2 active rows + 1 queued = the bounds
+    time.sleep(3.0)  # all three encoded and in flight
+    extra = GrpcChat(small_server.grpc_url)
+    started = time.perf_counter()
+    reply = extra.turn(TurnRequest("busy-extra", "Hello?", new_session=True, max_tokens=4), timeout=60)
+    waited = time.perf_counter() - started
+    assert reply.error is not None and "server busy" in reply.error and "retry" in reply.error, reply
+    assert waited < 0.1, f"the busy error took {waited * 1000:.0f} ms"
+    outcomes = [cancel_turn(small_server.http_url, f"busy{i}")["outcome"] for i in range(3)]
+    for t in threads:
+        t.join(timeout=120)
+    for outcome, reply in zip(outcomes, replies):
+        if outcome.startswith("cancelled before it started"):  # a queued turn: a clear error, nothing was kept
+            assert reply.error is not None and "cancelled before it started" in reply.error
+        else:  # an active turn: ends as "cancelled" with its partial reply
+            assert "partial reply stays" in outcome and reply.error is None and reply.finish_reason == "cancelled", (outcome, reply)
+    after = extra.turn(TurnRequest("busy-extra", "Hello again?", new_session=True, max_tokens=4), timeout=60)
+    assert after.error is None and after.token_ids, "once rows are free, turns are served again"
+    for chat in chats + [extra]:
+        chat.close()
+
+
+def test_a_cancelled_turn_frees_its_row_and_keeps_its_partial_reply(small_server, reference) -> None:  # type: ignore[no-untyped-def]
+    threads, replies, chats = _long_turns(small_server, 2, "cut")
+    time.sleep(2.0)
+    outcome = cancel_turn(small_server.http_url, "cut0")
+    assert "partial reply stays" in outcome["outcome"], outcome
+    threads[0].join(timeout=60)
+    cut = replies[0]
+    assert cut.error is None and cut.finish_reason == "cancelled" and 0 < len(cut.token_ids) < LONG
+    # the row is free at once: a new session is served while cut1 still runs
+    chat = GrpcChat(small_server.grpc_url)
+    started = time.perf_counter()
+    assert chat.turn(TurnRequest("cut-new", "Hi", new_session=True, max_tokens=4)).token_ids
+    assert time.perf_counter() - started < 5.0
+    # the session goes on, with the partial reply in its history: the same next reply as a session whose first turn
+    # stopped after exactly those tokens
+    nxt = chat.turn(TurnRequest("cut0", "And then what happened?", max_tokens=8))
+    reference.chat("ref-cut", "Tell me a very long story about ships.", new_session=True, params=SamplingParams(max_tokens=len(cut.token_ids)))
+    want = reference.chat("ref-cut", "And then what happened?", params=SamplingParams(max_tokens=8))
+    assert nxt.error is None and nxt.token_ids == want.token_ids
+    assert cancel_turn(small_server.http_url, "nobody")["outcome"] == "no turn in flight"
+    cancel_turn(small_server.http_url, "cut1")
+    threads[1].join(timeout=60)
+    for c in chats + [chat]:
+        c.close()
+
+
+CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "Make the header sticky with a shadow.",
+                "git log --oneline shows nothing, why?"]
+
+
+def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL mid-conversation, start again in the same work dir: nothing of the dead server is left (stubs,
+    shared memory), and each conversation resent with `history` goes on with exactly the undisturbed replies."""
+    from tritonserver_backend.launcher import group_members, mapped_shm_regions
+
+    work = tmp_path / "crash"
+    server = _start(work, default_engines)
+    sessions = {f"crash{i}": [] for i in range(3)}
+    for sid, history in sessions.items():
+        chat = GrpcChat(server.grpc_url)
+        for turn, text in enumerate(CONVERSATION[:2]):
+            reply = chat.turn(TurnRequest(sid, text, new_session=turn == 0, max_tokens=12))
+            assert reply.error is None
+            history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply.text}]
+        chat.close()
+    old_pid = server.pid
+    old_group = group_members(old_pid)
+    old_regions = mapped_shm_regions(old_group)
+    os.kill(old_pid, signal.SIGKILL)
+    server.process.wait(timeout=30)
+    restarted = _start(work, default_engines)
+    try:
+        assert not [p for p in group_members(old_pid)], "stubs of the killed server are gone"
+        assert not [r for r in old_regions if r.exists()], "its shared-memory regions are gone"
+        for sid, history in sessions.items():
+            chat = GrpcChat(restarted.grpc_url)
+            lost = chat.turn(TurnRequest(sid, CONVERSATION[2], max_tokens=12))
+            assert lost.error is not None and f"unknown session {sid!r}" in lost.error
+            resumed = chat.turn(TurnRequest(sid, CONVERSATION[2], history=json.dumps(history), max_tokens=12))
+            for turn, text in enumerate(CONVERSATION[:2]):  # the undisturbed conversation, in process
+                reference.chat(f"ref-{sid}", text, new_session=turn == 0, params=SamplingParams(max_tokens=12))
+            want = reference.chat(f"ref-{sid}", CONVERSATION[2], params=SamplingParams(max_tokens=12))
+            assert resumed.error is None and resumed.token_ids == want.token_ids and resumed.adapter == want.adapter
+            chat.close()
+    finally:
+        restarted.stop()
