@@ -27,6 +27,9 @@ from tritonserver_backend.client import GrpcChat, TurnRequest  # noqa: E402
 from tritonserver_backend.launcher import TritonServer  # noqa: E402
 from tritonserver_backend.repository import build_repository  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "scripts"))
+from doc_sections import write_section  # noqa: E402
+
 MODEL = ROOT / "embedded" / "mol2-small"
 ENGINES = ROOT / "artifacts" / "engines" / "mol2-small"
 PROMPTS = ["Tell me about your weekend plans.", "def area(r):\n    return 3.14 * r * r", "How do I center a div with flexbox?",
@@ -121,22 +124,9 @@ def main() -> int:
              "| concurrent sessions | tokens/s (median) | x one session | rounds |", "|---|---|---|---|"]
     for n, rate, ratio, rates in rows:
         table.append(f"| {n} | {rate:.1f} | {ratio:.2f} | {', '.join(f'{x:.1f}' for x in rates)} |")
-    write_section(args.out, "\n".join(table) + "\n")
+    write_section(args.out, "\n".join(table) + "\n", SECTION)
     print("\n".join(table))
     return 0
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace (or append) this script's section of the doc, keeping everything else."""
-    text = path.read_text() if path.exists() else "# Serving under load\n\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        rest = text[start + len(SECTION):]
-        end = rest.find("\n## ")
-        text = text[:start] + section + (rest[end + 1:] if end >= 0 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
 
 
 if __name__ == "__main__":

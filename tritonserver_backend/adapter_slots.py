@@ -100,7 +100,8 @@ class AdapterSlots:
         slot = self._current.get(int(adapter_hash))
         if slot is None:
             names = sorted(e.name for e in self.registry.entries())
-            raise UnknownAdapter(f"adapter hash {adapter_hash} is not loaded (unloaded meanwhile?); loaded adapters: {names}")
+            what = "the adapter this request names" if adapter_hash < 0 else f"adapter hash {adapter_hash}"
+            raise UnknownAdapter(f"{what} is not loaded (unloaded meanwhile?); loaded adapters: {names}")
         self._table.slots[slot].holders += 1
         return slot, self._table.slots[slot].adapter
 

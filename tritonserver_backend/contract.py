@@ -64,8 +64,8 @@ TURN_DONE = TensorSpec("TURN_DONE", "BOOL", (1,), True, "with STEP_*: the last t
 H19 = TensorSpec("H19", "FP32", (1, -1), doc="last encoder layer's streams, mean over hc streams and the user turn: (1, dim)")
 ROUTER_H19 = TensorSpec("H19", "FP32", (-1, -1), doc="(B, dim): the router scores a batch of rows in one call")
 ROUTER_ADAPTER = TensorSpec("adapter", "BYTES", (-1,), True, "(B,) explicit adapter per row; empty = route that row")
-ROUTER_ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (-1,), doc="(B,) one decision per row")
-ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (1,), doc="31-bit FNV-1a of the adapter path; 0 = base")
+ROUTER_ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (-1,), doc="(B,) one decision per row; -1 where the explicit adapter is not loaded")
+ADAPTER_HASH = TensorSpec("ADAPTER_HASH", "INT32", (1,), doc="31-bit FNV-1a of the adapter path; 0 = base; -1 = the explicit adapter is not loaded")
 
 CONTROL = TensorSpec("CONTROL", "BYTES", (1,), True, 'sent by session_control (BLS): "cancel" ends the session\'s turn in flight (the other inputs are left out)')
 HANDOVER_POSITIONS = TensorSpec("HANDOVER_POSITIONS", "INT64", (-1,), doc="(S,) absolute positions")

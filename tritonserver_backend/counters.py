@@ -7,10 +7,12 @@ from collections import Counter
 
 WRITTEN, READ, APPLIED = "routing_decisions_written", "routing_decisions_read", "routing_decisions_applied"
 REPLAYS, REPLAY_TOKENS, EXPLICIT = "replays", "replay_tokens", "explicit_overrides"
+REJECTED = "routing_decisions_rejected"
 DESCRIPTIONS = {
     WRITTEN: "routing decisions written by the router (explicit overrides included)",
     READ: "routing decisions read by the decoder",
     APPLIED: "routing decisions applied by the decoder (adapter active, replay done)",
+    REJECTED: "routing decisions read but not applied (turn rejected, cancelled before its replay, or failed)",
     REPLAYS: "bounded replays run by the decoder",
     REPLAY_TOKENS: "positions replayed through the decoder",
     EXPLICIT: "requests whose explicit adapter overrode the router",

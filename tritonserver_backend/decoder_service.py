@@ -94,7 +94,6 @@ class DecoderService:
             slot, adapter = self.slots.acquire(int(adapter_hash))
         except ServingError as exc:
             raise TurnRejected(str(exc)) from None
-        self.counters.add(k.READ, BASE_NAME if adapter is None else adapter.name)
         row.absorb(self.layout, handover)
         room = self.max_context - row.position - 2  # keep room for the last token and the end-of-turn
         self.busy.add(session_id)
@@ -108,6 +107,11 @@ class DecoderService:
         absorb_decoder([t.row for t in turns], out, feed, True, slots)
         for b, turn in enumerate(turns):
             turn.logits = out["logits"][b]
+
+    def count(self, counter: str, adapter_hash: int) -> None:
+        """A routing decision the decoder read (or rejected), labelled by the adapter's name."""
+        self.registry.refresh()
+        self.counters.add(counter, self.registry.name_of(int(adapter_hash)))
 
     def count_applied(self, turns: list[Turn]) -> None:
         """Counters of replayed turns. Separate from `replay`, which may run on the engine thread: counters become

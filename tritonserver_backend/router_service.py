@@ -19,6 +19,8 @@ from .engines import StepEngine, open_engine
 from .errors import BadRequest, ServingError
 from .registry import BASE_NAME, Registry
 
+UNLOADED = -1  # ADAPTER_HASH of a turn whose explicit adapter is not loaded: the decoder rejects it
+
 
 class RouterService:
     """The option side (descriptions through the token embedding, the head's option layers) is computed here once per

@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from . import counters as k
 from .decoder_service import FINISH_CANCELLED, DecoderService, Turn
 from .encoder_service import Handover
 from .errors import ServingError, TurnCancelled, TurnRejected
@@ -64,6 +65,7 @@ class TurnScheduler:
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="mol2-engine")  # every engine call, never pb_utils
 
     def submit(self, request: TurnRequest) -> None:
+        self.decoder.count(k.READ, request.adapter_hash)
         self.waiting.append(request)
 
     def cancel(self, session_id: str) -> str:
@@ -72,6 +74,7 @@ class TurnScheduler:
         for request in list(self.waiting):
             if request.session_id == session_id:
                 self.waiting.remove(request)
+                self.decoder.count(k.REJECTED, request.adapter_hash)
                 self._quietly(self.encoder.rollback, session_id)
                 self.fail(request, TurnCancelled(f"the turn of session {session_id!r} was cancelled before it started"))
                 return "cancelled before it started"
@@ -132,6 +135,7 @@ class TurnScheduler:
             try:
                 turn = self.decoder.prepare(request.session_id, request.handover, request.adapter_hash, request.params)
             except TurnRejected as exc:  # nothing was absorbed: undo the turn's encoding so the session loses nothing
+                self.decoder.count(k.REJECTED, request.adapter_hash)
                 self._quietly(self.encoder.rollback, request.session_id)
                 self.fail(request, exc)
                 continue
@@ -147,6 +151,7 @@ class TurnScheduler:
             except Exception as exc:  # noqa: BLE001 - an engine failure fails these turns only
                 LOG.exception("decoder: the replay of %d starting turns failed", len(group))
                 for turn in group:
+                    self.decoder.count(k.REJECTED, 0 if turn.adapter is None else turn.adapter.hash)
                     self._abort(turn, exc)
                 continue
             self.decoder.count_applied(group)

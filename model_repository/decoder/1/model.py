@@ -19,7 +19,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params, model_dir, registry = glue.setup(args)
         counters = Counters()
-        glue.export_counters(counters, [k.READ, k.APPLIED, k.REPLAYS, k.REPLAY_TOKENS])
+        glue.export_counters(counters, [k.READ, k.APPLIED, k.REJECTED, k.REPLAYS, k.REPLAY_TOKENS])
         text = TextService(model_dir)
         service = DecoderService(glue.engine(args, params, model_dir), registry, text.tokenizer, counters,
                                  int(params["session_budget_bytes"]), int(params["max_context"]))

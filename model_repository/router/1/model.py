@@ -7,8 +7,8 @@ from tritonserver_backend import contract as c
 from tritonserver_backend import counters as k
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.counters import Counters
-from tritonserver_backend.errors import BadRequest
-from tritonserver_backend.router_service import RouterService
+from tritonserver_backend.errors import BadRequest, UnknownAdapter
+from tritonserver_backend.router_service import UNLOADED, RouterService
 
 
 class TritonPythonModel:
@@ -27,6 +27,9 @@ class TritonPythonModel:
                 if len(explicit) != h19.shape[0]:
                     raise BadRequest(f"adapter has {len(explicit)} rows but H19 has {h19.shape[0]}")
                 results = self.service.route(list(h19.astype(np.float32)), [e or None for e in explicit])
+                # an explicit adapter unloaded since preprocess checked it: the decoder rejects the turn (and the encoder
+                # rolls it back) instead of the ensemble failing after the turn was encoded
+                results = [UNLOADED if isinstance(r, UnknownAdapter) else r for r in results]
                 failed = next((r for r in results if isinstance(r, Exception)), None)
                 if failed is not None:
                     raise failed
