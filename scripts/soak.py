@@ -203,9 +203,12 @@ def admin(server: TritonServer, registry: Path, stop: threading.Event, stats: St
     """Load, update (a new weights file at the same path) and unload an extra adapter, over and over."""
     import tritonclient.http as httpclient
 
+    from tritonserver_backend.admin_auth import admin_headers
+
     sources = [registry / "adapters" / name for name in ("L1_agent", "L2_code")]
     target = registry / "adapters" / "churn"
     client = httpclient.InferenceServerClient(server.http_url)
+    headers = admin_headers(registry)  # the admin key (mol2-admin-key header) the server created under its registry
 
     def call(**inputs: str) -> None:
         tensors = []
@@ -213,7 +216,7 @@ def admin(server: TritonServer, registry: Path, stop: threading.Event, stats: St
             inp = httpclient.InferInput(name, [1], "BYTES")
             inp.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
             tensors.append(inp)
-        client.infer("adapter_admin", tensors)
+        client.infer("adapter_admin", tensors, headers=dict(headers))  # a copy: the http client adds its own entries
         with stats.lock:
             stats.admin_actions += 1
 

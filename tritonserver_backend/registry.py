@@ -64,6 +64,9 @@ class Registry:
         self._stamp = stamp
         return True
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def entries(self) -> list[Entry]:
         return [self._entries[k] for k in sorted(self._entries)]
 
@@ -101,10 +104,15 @@ class Registry:
             os.replace(tmp, self.file)
         self.refresh()
 
-    def put(self, name: str, path: str, description: str) -> Entry:
-        if not name or name == BASE_NAME or "/" in name:
+    def put(self, name: str, path: str, description: str, max_entries: int | None = None) -> Entry:
+        """Add or update `name`. `max_entries` bounds the number of adapters (checked under the lock, so two
+        concurrent loads cannot both pass it); an update of a loaded name never counts against it."""
+        if not name or name == BASE_NAME or "/" in name or not name.isprintable():
             raise BadRequest(f"invalid adapter name {name!r}")
         with self._locked() as data:
+            if max_entries is not None and name not in data["adapters"] and len(data["adapters"]) >= max_entries:
+                raise BadRequest(f"adapter {name!r} refused: {len(data['adapters'])} adapters are loaded and this server holds at most "
+                                 f"{max_entries} (adapter_admin parameter max_adapters); unload one first")
             for other, e in data["adapters"].items():
                 if other != name and adapter_hash(e["path"]) == adapter_hash(path):
                     raise BadRequest(f"path {path!r} is already registered as {other!r}")

@@ -23,6 +23,13 @@ DEFAULT_PARAMETERS = {
     "max_queued_turns": "64",  # turns waiting for a row; beyond active + queued a new turn gets "server busy" at once
     "prefill_chunk": "256",
     "torch_threads": "1",
+    # adapter_admin (docs/admin.md)
+    "admin_enabled": "true",  # false: every action except list is refused
+    "admin_key_file": "",  # empty: <registry_root>/admin.key, created 0600 at the first start
+    "adapter_roots": "",  # colon-separated folders adapters may be loaded from besides the registry root
+    "max_adapters": "32",
+    "max_adapter_rank": "64",
+    "max_adapter_bytes": str(1 << 30),  # size of adapter_model.safetensors, checked before it is read
 }
 ENGINE = ("engine_backend", "engine_dir", "torch_threads")
 PYTHON_MODELS_USING = {
@@ -30,7 +37,7 @@ PYTHON_MODELS_USING = {
     "encoder": ("model_dir", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk"),
     "router": ("model_dir", "registry_root", *ENGINE),
     "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns"),
-    "adapter_admin": ("model_dir", "registry_root"),
+    "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters", "max_adapter_rank", "max_adapter_bytes"),
     "session_control": (),
 }
 

@@ -200,8 +200,12 @@ def _metric_totals(server) -> dict[str, float]:  # type: ignore[no-untyped-def]
 
 
 def _admin(server, **inputs) -> str:  # type: ignore[no-untyped-def]
+    """adapter_admin over HTTP with the server's admin key in the `mol2-admin-key` header (docs/admin.md)."""
     import tritonclient.http as httpclient
 
+    from tritonserver_backend.admin_auth import admin_headers
+
+    headers = admin_headers(server.registry_root)
     client = httpclient.InferenceServerClient(server.http_url)
     tensors = []
     for name, value in inputs.items():
@@ -209,7 +213,7 @@ def _admin(server, **inputs) -> str:  # type: ignore[no-untyped-def]
         inp.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
         tensors.append(inp)
     try:
-        return client.infer("adapter_admin", tensors).as_numpy("result")[0].decode()
+        return client.infer("adapter_admin", tensors, headers=headers).as_numpy("result")[0].decode()
     finally:
         client.close()
 

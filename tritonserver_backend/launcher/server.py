@@ -23,6 +23,9 @@ from .net import HOST, free_port, http_ready
 from .process import pid_alive, stop_pid
 from .record import Cleanup, ServerRecord, clean_up_after, read_record, remove_record, write_record
 
+# mol2-* request headers (the adapter_admin key, docs/admin.md) reach the models as request parameters
+_HEADER_FORWARD_FLAGS = ("--grpc-header-forward-pattern", "--http-header-forward-pattern")
+HEADER_FORWARD_PATTERN = "mol2-.*"
 _ADDRESS_FLAGS = ("--http-address", "--grpc-address", "--metrics-address", "--sagemaker-port", "--vertex-ai-port",
                   "--allow-sagemaker", "--allow-vertex-ai")
 
@@ -113,6 +116,8 @@ class TritonServer:
             f"--exit-timeout-secs={exit_timeout}",
         ]
         cmd += [f"--load-model={name}" for name in load_models]
+        given = {arg.split("=", 1)[0] for arg in extra_args}
+        cmd += [f"{flag}={HEADER_FORWARD_PATTERN}" for flag in _HEADER_FORWARD_FLAGS if flag not in given]
         cmd += list(extra_args)
         return cmd
 
