@@ -3,11 +3,11 @@
     .venv/bin/python scripts/bench_serving.py [--sessions 1 4 16 32] [--tokens 64] [--rounds 2] [--out docs/load.md]
 
 Each session is its own gRPC stream (tritonclient) holding a two-turn conversation; every turn asks for `--tokens`
-tokens with greedy decoding and `ignore`-free stopping (max_tokens only, so every session decodes the same count).
-Throughput = generated tokens / wall time from the first request to the last final response, per concurrency level;
-levels are measured in interleaved rounds on one server and the median round is reported, with its ratio to one
-session. Every session's replies are checked against the same session run alone (greedy outputs must be identical).
-Writes the table into the "Throughput" section of docs/load.md (the rest of the file is kept).
+greedy tokens (the small model rarely ends a turn by itself before that). Per concurrency level: aggregate decode
+tokens/s (tokens after each turn's first, over the time in which at least one turn was decoding: turn starts are time
+to first token) and end-to-end tokens/s (all tokens over the wall time). Levels are measured in interleaved rounds on
+one server and medians are reported with their ratio to one session. Every session's replies are checked against the
+same session run alone (greedy outputs must be identical). Writes its section of docs/load.md (the rest is kept).
 """
 
 from __future__ import annotations
@@ -37,28 +37,50 @@ PROMPTS = ["Tell me about your weekend plans.", "def area(r):\n    return 3.14 *
 SECTION = "## Throughput (scripts/bench_serving.py)"
 
 
-def conversation(chat: GrpcChat, sid: str, index: int, tokens: int) -> list[list[int]]:
+def conversation(chat: GrpcChat, sid: str, index: int, tokens: int, windows: list[tuple[float, float, int]]) -> list[list[int]]:
+    """Two turns; each turn's decode window (first token time, last token time, tokens after the first) is recorded."""
     replies = []
     for turn in range(2):
         text = PROMPTS[(index + turn) % len(PROMPTS)] + f" (session {index}, turn {turn})"
-        reply = chat.turn(TurnRequest(sid, text, new_session=turn == 0, max_tokens=tokens, end_session=turn == 1), timeout=600)
+        stamps: list[float] = []
+        request = TurnRequest(sid, text, new_session=turn == 0, max_tokens=tokens, end_session=turn == 1)
+        reply = chat.turn(request, timeout=600, on_piece=lambda _: stamps.append(time.perf_counter()))
         if reply.error:
             raise RuntimeError(f"{sid}: {reply.error}")
         replies.append(reply.token_ids)
+        if len(stamps) > 1:
+            windows.append((stamps[0], stamps[-1], len(stamps) - 1))
     return replies
 
 
-def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0) -> tuple[float, int, dict[int, list[list[int]]]]:
-    """`sessions` concurrent conversations (numbered first, first + 1, ...) -> wall time, tokens, replies by number."""
+def decode_rate(windows: list[tuple[float, float, int]]) -> float:
+    """Decode tokens (all but each turn's first) per second of time in which at least one turn was decoding: the
+    aggregate decode throughput, without the turn starts (prefill, routing, replay, which time to first token shows)."""
+    spans = sorted((a, b) for a, b, _ in windows)
+    covered, end = 0.0, float("-inf")
+    for a, b in spans:
+        if a > end:
+            covered += b - a
+            end = b
+        elif b > end:
+            covered += b - end
+            end = b
+    return sum(n for _, _, n in windows) / covered if covered > 0 else 0.0
+
+
+def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0) -> tuple[float, int, dict[int, list[list[int]]], float]:
+    """`sessions` concurrent conversations (numbered first, first + 1, ...) -> wall time, tokens, replies by number,
+    aggregate decode tokens/s."""
     chats = [GrpcChat(url) for _ in range(sessions)]
     results: dict[int, list[list[int]]] = {}
     errors: list[str] = []
+    windows: list[tuple[float, float, int]] = []
     barrier = threading.Barrier(sessions + 1)
 
     def client(i: int) -> None:
         barrier.wait()
         try:
-            results[first + i] = conversation(chats[i], f"{tag}-{first + i}", first + i, tokens)
+            results[first + i] = conversation(chats[i], f"{tag}-{first + i}", first + i, tokens, windows)
         except Exception as exc:  # noqa: BLE001
             errors.append(str(exc))
 
@@ -75,7 +97,7 @@ def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0) ->
     if errors:
         raise RuntimeError(f"{len(errors)} sessions failed: {errors[:3]}")
     generated = sum(len(r) for replies in results.values() for r in replies)
-    return wall, generated, results
+    return wall, generated, results, decode_rate(windows)
 
 
 def main() -> int:
@@ -100,30 +122,35 @@ def main() -> int:
         solo = {}  # every session alone first: the greedy reference
         for i in range(max(args.sessions)):
             solo.update(run_level(server.grpc_url, 1, args.tokens, "solo", first=i)[2])
-        measured: dict[int, list[tuple[float, int]]] = {n: [] for n in args.sessions}
+        measured: dict[int, list[tuple[float, float]]] = {n: [] for n in args.sessions}
         for r in range(args.rounds):
             for n in args.sessions:
-                wall, generated, results = run_level(server.grpc_url, n, args.tokens, f"r{r}n{n}")
+                wall, generated, results, decode = run_level(server.grpc_url, n, args.tokens, f"r{r}n{n}")
                 for i, replies in results.items():
                     if replies != solo[i]:
                         raise RuntimeError(f"session {i} at {n} concurrent sessions differs from its solo run")
-                measured[n].append((wall, generated))
-                print(f"round {r + 1}: {n:3d} sessions: {generated} tokens in {wall:.2f} s = {generated / wall:.1f} tokens/s", flush=True)
-        base = statistics.median(g / w for w, g in measured[args.sessions[0]])
+                measured[n].append((decode, generated / wall))
+                print(f"round {r + 1}: {n:3d} sessions: {generated} tokens in {wall:.2f} s = {generated / wall:.1f} tokens/s end to end, "
+                      f"{decode:.1f} decode tokens/s", flush=True)
+        base_decode = statistics.median(d for d, _ in measured[args.sessions[0]])
+        base_e2e = statistics.median(e for _, e in measured[args.sessions[0]])
         for n in args.sessions:
-            rates = [g / w for w, g in measured[n]]
-            rate = statistics.median(rates)
-            rows.append((n, rate, rate / base, rates))
+            decode = statistics.median(d for d, _ in measured[n])
+            e2e = statistics.median(e for _, e in measured[n])
+            rows.append((n, decode, decode / base_decode, e2e, e2e / base_e2e, measured[n]))
     finally:
         server.stop()
     table = [SECTION, "",
              f"`.venv/bin/python scripts/bench_serving.py --sessions {' '.join(map(str, args.sessions))} --tokens {args.tokens} "
              f"--rounds {args.rounds} --backend {args.backend}` ({time.strftime('%Y-%m-%d')}): each session a gRPC stream with two "
-             f"turns of {args.tokens} greedy tokens; aggregate decode tokens/s (all generated tokens / wall time), median of the "
-             "rounds; every session's replies equal its solo run (checked).", "",
-             "| concurrent sessions | tokens/s (median) | x one session | rounds |", "|---|---|---|---|"]
-    for n, rate, ratio, rates in rows:
-        table.append(f"| {n} | {rate:.1f} | {ratio:.2f} | {', '.join(f'{x:.1f}' for x in rates)} |")
+             f"turns of {args.tokens} greedy tokens, all sessions starting together. Aggregate decode tokens/s = tokens after each "
+             "turn's first / time during which at least one turn was decoding (turn starts excluded: prefill, routing and "
+             "replay are time to first token); end to end = all tokens / wall time. Medians of the rounds; every session's "
+             "replies equal its solo run (checked).", "",
+             "| concurrent sessions | decode tokens/s | x one session | end-to-end tokens/s | x one session | rounds (decode, end to end) |",
+             "|---|---|---|---|---|---|"]
+    for n, decode, ratio, e2e, e2e_ratio, runs in rows:
+        table.append(f"| {n} | {decode:.1f} | {ratio:.2f} | {e2e:.1f} | {e2e_ratio:.2f} | {'; '.join(f'{d:.0f}, {e:.0f}' for d, e in runs)} |")
     write_section(args.out, "\n".join(table) + "\n", SECTION)
     print("\n".join(table))
     return 0

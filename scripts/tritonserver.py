@@ -69,6 +69,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"binary: {install.describe()}", flush=True)
+    if ensure_engines(Path(args.model_repository)) != 0:
+        return 1
     server = TritonServer(install, work_dir=args.work_dir)
     extra = list(args.extra_args)
     if extra and extra[0] == "--":
@@ -111,6 +113,25 @@ def cmd_start(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(f"stopping tritonserver PID {server.pid}: {server.stop()}", flush=True)
         return 0 if args.foreground else 1
+
+
+def ensure_engines(repository: Path) -> int:
+    """Build (or reuse) the ONNX engines the repository's encoder model serves, as `scripts/main.sh` does: a model
+    repository that names an engine directory should start without a separate build step."""
+    import re
+
+    config = repository / "encoder" / "config.pbtxt"
+    if not config.exists():
+        return 0
+    params = dict(re.findall(r'key: "(\w+)"\s*value: \{ string_value: "([^"]*)" \}', config.read_text()))
+    if params.get("engine_backend") != "onnx" or "engine_dir" not in params:
+        return 0
+    root = repository.resolve().parent  # paths in parameters are relative to the repository's parent
+    model_dir, engine_dir = (Path(params[k]) if Path(params[k]).is_absolute() else root / params[k] for k in ("model_dir", "engine_dir"))
+    from build_engines.build.cli import main as build_engines
+
+    print(f"engines: python -m build_engines build --model {model_dir} --out {engine_dir}", flush=True)
+    return build_engines(["--model", str(model_dir), "--out", str(engine_dir)])
 
 
 def _raise_interrupt(signum: int, _frame: object) -> None:

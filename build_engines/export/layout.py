@@ -155,7 +155,7 @@ class StepLayout:
             GraphTensor("topk", "int64", ("B", "S", cfg.index_topk), "hand-over rows"),
             GraphTensor("candidates", "int64", ("B", "S", cfg.candidate_topk_blocks), "hand-over rows"),
             GraphTensor("start", "int64", ("B",), "position of each row's first hand-over row"),
-            GraphTensor("ring_start", "int64", ("B",), "first position the decoder rings hold (= start for a replay)"),
+            GraphTensor("ring_start", "int64", ("B",), "first position the rings hold; a replay's first real row (rows before it are padding)"),
             GraphTensor("rings", "float32", ("B", len(self.decoder_ring_layers), cfg.window_size, cfg.head_dim),
                         "the active adapter's rings of layers E+1..L-1"),
             GraphTensor("kv", "float32", ("B", f"N_{E}", cfg.head_dim), f"layer {E}'s global KV mirror, these rows included"),
@@ -190,3 +190,30 @@ class StepLayout:
     @staticmethod
     def pointer_outputs() -> list[GraphTensor]:
         return [GraphTensor("logits", "float32", ("B", "n"), "one logit per option, -inf outside the candidates")]
+
+
+def layout_markdown(layout: StepLayout, router_width: int) -> str:
+    """The graphs' inputs and outputs as markdown tables (pasted into docs/engines.md; a test keeps them in sync)."""
+    out = []
+    bank = ("lora_a.", "lora_b.")
+    groups = layout.lora_groups()
+    sections = [("encoder", layout.encoder_inputs(), layout.encoder_outputs()),
+                ("decoder", [t for t in layout.decoder_inputs() if not t.name.startswith(bank)], layout.decoder_outputs()),
+                ("pointer", layout.pointer_inputs(layout.cfg.dim, router_width), layout.pointer_outputs())]
+    for name, inputs, outputs in sections:
+        out += [f"### {name}.onnx", "", "| direction | name | dtype | dims | meaning |", "|---|---|---|---|---|"]
+        for t in inputs:
+            out.append(f"| in | `{t.name}` | {t.dtype} | {list(t.dims)} | {t.doc} |")
+        if name == "decoder":
+            kinds = ", ".join(sorted({g.kind for g in groups}))
+            out.append(f"| in | `lora_a.<group>`, `lora_b.<group>` | float32 | below | the adapter bank: {len(groups)} groups ({kinds}) |")
+        for t in outputs:
+            out.append(f"| out | `{t.name}` | {t.dtype} | {list(t.dims)} | {t.doc} |")
+        if name == "decoder":
+            out += ["", "LoRA groups (A = adapter slots, R = rank, slot 0 = base):", "", "| group | kind | lora_a dims | lora_b dims |",
+                    "|---|---|---|---|"]
+            for g in groups:
+                a, b = layout.lora_shapes(g)
+                out.append(f"| `{g.name}` | {g.kind} | {list(a)} | {list(b)} |")
+        out.append("")
+    return "\n".join(out)
