@@ -23,9 +23,13 @@ OPS = {  # ONNX op_type -> plugin folder
 }
 
 
-def plugin_attributes() -> dict[str, str]:
-    """The string attributes every `mol2` node carries so TensorRT's ONNX parser finds the registered plugin."""
-    return {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION}
+AOT = 1  # TensorRT's parser uses a plugin's ahead-of-time kernel (PTX, no Python at run time) for nodes with aot=1
+
+
+def plugin_attributes() -> dict[str, str | int]:
+    """The attributes every `mol2` node carries so TensorRT's ONNX parser finds the registered plugin and uses its
+    ahead-of-time implementation (the Triton kernel compiled to PTX at build time) rather than the Python one."""
+    return {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION, "aot": AOT}
 
 
 def onnx_functions(opset: int):  # type: ignore[no-untyped-def]

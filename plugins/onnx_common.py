@@ -7,9 +7,9 @@ from typing import Sequence
 import onnx
 from onnx import AttributeProto, helper
 
-from . import DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from . import AOT, DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
-PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version")
+PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version", "aot")
 
 
 class FunctionBuilder:
@@ -64,7 +64,7 @@ def schema(op_type: str, doc: str, inputs: Sequence[tuple[str, str, str]], outpu
     OpSchema = onnx.defs.OpSchema
     attrs = [OpSchema.Attribute(name, kind, description, required=True) for name, kind, description in attributes]
     attrs += [OpSchema.Attribute(name, helper.make_attribute(name, value), f"TensorRT plugin lookup ({name})")
-              for name, value in (("plugin_namespace", PLUGIN_NAMESPACE), ("plugin_version", PLUGIN_VERSION))]
+              for name, value in (("plugin_namespace", PLUGIN_NAMESPACE), ("plugin_version", PLUGIN_VERSION), ("aot", AOT))]
     return OpSchema(
         op_type, DOMAIN, 1, doc=doc,
         inputs=[OpSchema.FormalParameter(n, t, d) for n, t, d in inputs],

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import random
 import shutil
 import sys
@@ -32,8 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
-from tritonserver_backend import contract as c  # noqa: E402
-from tritonserver_backend.client import GrpcChat, TurnRequest, cancel_turn  # noqa: E402
+from tritonserver_backend.client import GrpcChat, TurnRequest, cancel_turn, raw_stream_error  # noqa: E402
 from tritonserver_backend.launcher import TritonServer  # noqa: E402
 from tritonserver_backend.repository import build_repository  # noqa: E402
 
@@ -181,22 +179,9 @@ def bad_request(chat: TimedChat, rng: random.Random, stats: Stats, server: Trito
 
 def wrong_type_request(server: TritonServer) -> str | None:
     """max_tokens sent as FP32 on a raw stream: must come back as a clear error."""
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put(error))
-    inputs = []
-    for name, arr, dtype in (("session_id", np.array([b"x"], dtype=np.object_), "BYTES"), ("text", np.array([b"x"], dtype=np.object_), "BYTES"),
-                             ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")):
-        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    client.async_stream_infer(c.ENSEMBLE_NAME, inputs)
-    error = results.get(timeout=120)
-    client.stop_stream()
-    client.close()
-    return None if error is None else str(error)
+    return raw_stream_error(server.grpc_url, [("session_id", np.array([b"x"], dtype=np.object_), "BYTES"),
+                                              ("text", np.array([b"x"], dtype=np.object_), "BYTES"),
+                                              ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")])
 
 
 def admin(server: TritonServer, registry: Path, stop: threading.Event, stats: Stats) -> None:

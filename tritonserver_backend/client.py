@@ -189,3 +189,23 @@ def cancel_turn(http_url: str, session_id: str, timeout: float = 30.0) -> dict:
         return json.loads(json.loads(raw)["outputs"][0]["data"][0])
     finally:
         conn.close()
+
+
+def raw_stream_error(grpc_url: str, tensors: list[tuple[str, np.ndarray, str]], timeout: float = 120.0) -> str | None:
+    """Send hand-made (name, array, Triton dtype) tensors to the ensemble over a gRPC stream: the first error's message,
+    or None. For probing how the server answers malformed requests (a wrong dtype, a missing input)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put(error))
+    inputs = []
+    for name, arr, dtype in tensors:
+        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
+        inp.set_data_from_numpy(arr)
+        inputs.append(inp)
+    client.async_stream_infer(c.ENSEMBLE_NAME, inputs)
+    error = results.get(timeout=timeout)
+    client.stop_stream()
+    client.close()
+    return None if error is None else str(error)

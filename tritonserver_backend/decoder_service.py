@@ -119,7 +119,7 @@ class DecoderService:
         for turn in turns:
             self.counters.add(k.APPLIED, turn.adapter_name)
             self.counters.add(k.REPLAYS, turn.adapter_name)
-            self.counters.add(k.REPLAY_TOKENS, turn.adapter_name, int(turn.row.recent["streams"].shape[0]))
+            self.counters.add(k.REPLAY_TOKENS, turn.adapter_name, turn.row.replay_count)
 
     def _check_rows(self, handover: Handover) -> None:
         """Inner shapes against this model, positions consecutive: a malformed hand-over never reaches the engine."""

@@ -143,7 +143,7 @@ class TurnScheduler:
             starting.append(turn)
         if not starting:
             return
-        starting.sort(key=lambda t: t.row.recent["streams"].shape[0])  # similar lengths share a replay batch
+        starting.sort(key=lambda t: t.row.replay_count)  # similar lengths share a replay batch
         for i in range(0, len(starting), REPLAY_BATCH):
             group = starting[i:i + REPLAY_BATCH]
             try:

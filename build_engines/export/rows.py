@@ -130,7 +130,7 @@ class DecoderRow:
     position: int  # entries in the mirror = positions absorbed
     kv: np.ndarray  # (capacity, D)
     index_k: np.ndarray  # (capacity, Di)
-    recent: dict[str, np.ndarray]  # HANDOVER_FIELDS -> (n <= W, …), the rows of positions position - n .. position - 1
+    recent: dict[str, np.ndarray]  # HANDOVER_FIELDS -> (W, …): the last W hand-over rows at slot position % W
     rings: np.ndarray  # (R_dec, W, D)
     ring_start: int  # first position the rings hold (the last replay's first row)
     slot: int = 0  # adapter slot of the rings (0 = base)
@@ -138,11 +138,12 @@ class DecoderRow:
     @classmethod
     def empty(cls, layout: StepLayout) -> "DecoderRow":
         cfg = layout.cfg
+        W = cfg.window_size
         recent = {
-            "streams": np.zeros((0, cfg.hc_mult, cfg.dim), F32),
-            "ffn_pre": np.zeros((0, cfg.hc_mult), F32),
-            "topk": np.zeros((0, cfg.index_topk), np.int64),
-            "candidates": np.zeros((0, cfg.candidate_topk_blocks), np.int64),
+            "streams": np.zeros((W, cfg.hc_mult, cfg.dim), F32),
+            "ffn_pre": np.zeros((W, cfg.hc_mult), F32),
+            "topk": np.zeros((W, cfg.index_topk), np.int64),
+            "candidates": np.zeros((W, cfg.candidate_topk_blocks), np.int64),
         }
         rings = np.zeros((len(layout.decoder_ring_layers), cfg.window_size, cfg.head_dim), F32)
         return cls(0, np.zeros((0, cfg.head_dim), F32), np.zeros((0, cfg.index_head_dim), F32), recent, rings, 0)
@@ -154,9 +155,22 @@ class DecoderRow:
         self.kv[self.position:self.position + S] = handover["global_kv"]
         self.index_k[self.position:self.position + S] = handover["index_k"]
         W = layout.cfg.window_size
+        keep = min(W, S)  # a ring like the window rings: no copy of the other W - 1 rows per decode step
+        slots = np.arange(self.position + S - keep, self.position + S) % W
         for f in HANDOVER_FIELDS:
-            self.recent[f] = np.concatenate((self.recent[f], handover[f]))[-W:]
+            self.recent[f][slots] = handover[f][S - keep:]
         self.position += S
+
+    @property
+    def replay_count(self) -> int:
+        """Rows a bounded replay runs: the last W positions (fewer early in a session)."""
+        return min(self.position, self.recent["streams"].shape[0])
+
+    def replay_rows(self) -> dict[str, np.ndarray]:
+        """The last `replay_count` hand-over rows in position order."""
+        W = self.recent["streams"].shape[0]
+        slots = np.arange(self.position - self.replay_count, self.position) % W
+        return {f: a[slots] for f, a in self.recent.items()}
 
     def nbytes(self) -> int:
         return self.kv.nbytes + self.index_k.nbytes + self.rings.nbytes + sum(a.nbytes for a in self.recent.values())
@@ -175,10 +189,10 @@ def decoder_inputs(layout: StepLayout, rows: list[DecoderRow], handover: list[di
     exactly what they would alone. Otherwise each row's new rows (already absorbed into its mirror) run on its rings.
     """
     if handover is None:
-        length = replay_length([r.recent["streams"].shape[0] for r in rows], layout.cfg.window_size)
-        rows_in = [_front_padded(r.recent, length) for r in rows]
+        length = replay_length([r.replay_count for r in rows], layout.cfg.window_size)
+        rows_in = [_front_padded(r.replay_rows(), length) for r in rows]
         starts = [r.position - length for r in rows]
-        ring_starts = [r.position - r.recent["streams"].shape[0] for r in rows]
+        ring_starts = [r.position - r.replay_count for r in rows]
         rings = [np.zeros_like(r.rings) for r in rows]
     else:
         rows_in = handover

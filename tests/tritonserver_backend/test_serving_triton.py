@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 from tests.tiny import PROJECT_ROOT
-from tritonserver_backend import contract as c
-from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest
+from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, raw_stream_error
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.sampling import SamplingParams
@@ -130,7 +129,7 @@ def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, r
         reply = chat.turn(req)
         assert reply.error is not None and message in reply.error, (req, reply)
     # a malformed tensor: max_tokens sent as FP32 (the ensemble is decoupled, so this goes over the gRPC stream)
-    error = _raw_stream_error(server, [("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"), ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")])
+    error = raw_stream_error(server.grpc_url, [("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"), ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")])
     assert error is not None and "max_tokens" in error and ("FP32" in error or "INT32" in error), error
     after = TurnRequest("intact", "And now?", max_tokens=TOKENS)
     assert chat.turn(after).token_ids == _reference(reference, after).token_ids, "the session survived every error"
@@ -167,27 +166,6 @@ def test_sixteen_concurrent_sessions_match_their_solo_runs(server, reference) ->
         t.join(timeout=600)
     assert not errors
     assert [results[i] for i in range(16)] == solo
-
-
-def _raw_stream_error(server, tensors) -> str | None:  # type: ignore[no-untyped-def]
-    """Send hand-made tensors to the ensemble over a gRPC stream; the error message, or None."""
-    import queue
-
-    import tritonclient.grpc as grpcclient
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    results: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: results.put(error))
-    inputs = []
-    for name, arr, dtype in tensors:
-        inp = grpcclient.InferInput(name, list(arr.shape), dtype)
-        inp.set_data_from_numpy(arr)
-        inputs.append(inp)
-    client.async_stream_infer(c.ENSEMBLE_NAME, inputs)
-    error = results.get(timeout=120)
-    client.stop_stream()
-    client.close()
-    return None if error is None else str(error)
 
 
 def _metric_totals(server) -> dict[str, float]:  # type: ignore[no-untyped-def]

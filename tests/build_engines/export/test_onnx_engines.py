@@ -59,6 +59,7 @@ def test_graphs_pass_the_checker_and_carry_the_mol2_nodes(exported) -> None:  # 
         for node in nodes:
             attrs = {a.name: a for a in node.attribute}
             assert attrs["plugin_namespace"].s.decode() == PLUGIN_NAMESPACE and attrs["plugin_version"].s == b"1"
+            assert attrs["aot"].i == 1, "TensorRT should take the plugin's ahead-of-time kernel"
         assert ops <= {f.name for f in model.functions if f.domain == DOMAIN}, "each op's local function is in the file"
     print("build parity (max abs):", exported["parity"])
 
