@@ -75,6 +75,12 @@ def _add(reply: Reply, token: int, piece: str, adapter: str, finish: str) -> Non
     reply.finish_reason = finish or reply.finish_reason
 
 
+def _grpc_text(result: Any, spec: c.TensorSpec) -> str:
+    """A string output of a streamed response; "" when the response does not carry it (a control reply)."""
+    value = result.as_numpy(spec.name)
+    return "" if value is None else value.reshape(-1)[0].decode("utf-8", errors="replace")
+
+
 class GrpcChat:
     """One gRPC stream; `turn` sends a request and collects its streamed responses until the final one."""
 
@@ -103,14 +109,9 @@ class GrpcChat:
                 return reply
             final = result.get_response().parameters.get("triton_final_response")
             if result.as_numpy(c.TOKEN_ID_OUT.name) is not None:
-                piece = result.as_numpy(c.TEXT_OUTPUT.name).reshape(-1)[0].decode("utf-8", errors="replace")
-                _add(
-                    reply,
-                    int(result.as_numpy(c.TOKEN_ID_OUT.name).reshape(-1)[0]),
-                    piece,
-                    result.as_numpy(c.ADAPTER_NAME.name).reshape(-1)[0].decode(),
-                    result.as_numpy(c.FINISH_REASON.name).reshape(-1)[0].decode(),
-                )
+                piece = _grpc_text(result, c.TEXT_OUTPUT)
+                _add(reply, int(result.as_numpy(c.TOKEN_ID_OUT.name).reshape(-1)[0]), piece, _grpc_text(result, c.ADAPTER_NAME),
+                     _grpc_text(result, c.FINISH_REASON))
                 if on_piece is not None:
                     on_piece(piece)
             if final is not None and final.bool_param:
@@ -147,8 +148,9 @@ class HttpChat:
                     reply.error = event["error"]
                     return reply
                 if c.TOKEN_ID_OUT.name in event:
-                    piece = str(_scalar(event[c.TEXT_OUTPUT.name]))
-                    _add(reply, int(_scalar(event[c.TOKEN_ID_OUT.name])), piece, str(_scalar(event[c.ADAPTER_NAME.name])), str(_scalar(event[c.FINISH_REASON.name])))
+                    piece = str(_scalar(event.get(c.TEXT_OUTPUT.name, "")))
+                    _add(reply, int(_scalar(event[c.TOKEN_ID_OUT.name])), piece, str(_scalar(event.get(c.ADAPTER_NAME.name, ""))),
+                         str(_scalar(event.get(c.FINISH_REASON.name, ""))))
                     if on_piece is not None and int(_scalar(event[c.TOKEN_ID_OUT.name])) >= 0:
                         on_piece(piece)
             return reply
