@@ -48,7 +48,7 @@ def main() -> int:
         return 1
     params = {"model_dir": str(args.model.resolve()), "registry_root": str((args.work / "registry").resolve()), "engine_dir": str(engines)}
     repo = build_repository(args.work / "model_repository", params)
-    print(f"model repository: {repo} (models: preprocess, encoder, router, decoder, adapter_admin; ensemble mol2; onnx engines)")
+    print(f"model repository: {repo} (models: preprocess, encoder, router, decoder, adapter_admin, session_control; ensemble mol2; onnx engines)")
     server = TritonServer(work_dir=args.work / "server")
     server.start(repo)
     try:
