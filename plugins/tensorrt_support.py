@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import Callable
 
 WHERE_TENSORRT_COMES_FROM = (
     "TensorRT is not installed in this environment. Its builder and plugin API (`tensorrt`, `tensorrt.plugin`, "
@@ -33,3 +34,17 @@ def require_tensorrt_plugin() -> None:
     reason = tensorrt_missing_reason()
     if reason is not None:
         raise TensorRTUnavailable(f"{reason}. {WHERE_TENSORRT_COMES_FROM}")
+
+
+def registration(plugin_id: str, define: Callable[[], None]) -> Callable[[], str]:
+    """A plugin's `register()`: runs `define` (the `tensorrt.plugin` decorators) the first time, returns the plugin's
+    "namespace::name" every time, so `register_all()` may be called by every build and runtime."""
+    done: list[bool] = []
+
+    def register() -> str:
+        if not done:
+            define()
+            done.append(True)
+        return plugin_id
+
+    return register

@@ -16,6 +16,7 @@ from plugins.sparse_global_attention.trt import (
     constant,
     torch_views,
 )
+from plugins.tensorrt_support import registration
 
 from .op import OP_TYPE
 
@@ -33,18 +34,6 @@ def compile_kernel(target: tuple[int, int] = DEFAULT_TARGET, options: int = 64) 
 def compile_ptx(target: tuple[int, int] = DEFAULT_TARGET, **spec: Any) -> str:
     """PTX of the single-kernel form for `target` (default sm_90, n = 64 options); no TensorRT needed."""
     return compile_kernel(target, **spec).ptx
-
-
-_registered = False
-
-
-def register() -> str:
-    """Register the plugin with TensorRT (idempotent); returns its "namespace::name"."""
-    global _registered
-    if not _registered:
-        _define()
-        _registered = True
-    return PLUGIN_ID
 
 
 def _define() -> None:
@@ -81,3 +70,6 @@ def _define() -> None:
         dims = (batch, x.shape_expr[1], n, attn_bias.shape_expr[0], int(heads))  # B w n HL heads
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(d) for d in dims])
         return kernel.name.encode(), kernel.ptx.encode(), params, extra
+
+
+register = registration(PLUGIN_ID, lambda: _define())  # "namespace::name"; registers with TensorRT once

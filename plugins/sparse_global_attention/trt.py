@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plugins import PLUGIN_NAMESPACE
+from plugins.tensorrt_support import registration
 
 from .op import OP_TYPE
 
@@ -102,18 +103,6 @@ def torch_views(tensors: Any) -> list:  # type: ignore[type-arg]
     return [torch.as_tensor(t, device="cuda") for t in tensors]
 
 
-_registered = False
-
-
-def register() -> str:
-    """Register the plugin with TensorRT (idempotent); returns its "namespace::name"."""
-    global _registered
-    if not _registered:
-        _define()
-        _registered = True
-    return PLUGIN_ID
-
-
 def _define() -> None:
     import tensorrt.plugin as trtp
 
@@ -149,3 +138,6 @@ def _define() -> None:
         dims = (qs[1], qs[2], qs[3], local_kv.shape_expr[1], global_kv.shape_expr[1], idx.shape_expr[2])  # S H D Tl Tg J
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(d) for d in dims])
         return kernel.name.encode(), kernel.ptx.encode(), params, extra
+
+
+register = registration(PLUGIN_ID, lambda: _define())  # "namespace::name"; registers with TensorRT once

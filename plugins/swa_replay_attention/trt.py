@@ -17,6 +17,7 @@ from plugins.sparse_global_attention.trt import (
     torch_views,
     triton_dtype,
 )
+from plugins.tensorrt_support import registration
 
 from .op import OP_TYPE
 
@@ -35,18 +36,6 @@ def compile_kernel(target: tuple[int, int] = DEFAULT_TARGET, dtype: str = "fp32"
 def compile_ptx(target: tuple[int, int] = DEFAULT_TARGET, **spec: Any) -> str:
     """PTX of the kernel for `target` (default sm_90, fp32, 64 heads, D = 512, scale D**-0.5); no TensorRT needed."""
     return compile_kernel(target, **spec).ptx
-
-
-_registered = False
-
-
-def register() -> str:
-    """Register the plugin with TensorRT (idempotent); returns its "namespace::name"."""
-    global _registered
-    if not _registered:
-        _define()
-        _registered = True
-    return PLUGIN_ID
 
 
 def _define() -> None:
@@ -82,3 +71,6 @@ def _define() -> None:
         dims = (qs[1], qs[2], qs[3], kv.shape_expr[1], idx.shape_expr[2])  # S H D T J
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(d) for d in dims])
         return kernel.name.encode(), kernel.ptx.encode(), params, extra
+
+
+register = registration(PLUGIN_ID, lambda: _define())  # "namespace::name"; registers with TensorRT once
