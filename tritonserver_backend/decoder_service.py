@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from build_engines.export.rows import DecoderRow, absorb_decoder, decoder_inputs
+from build_engines.export.rows import HANDOVER_FIELDS, DecoderRow, absorb_decoder, decoder_inputs
 from build_engines.lora import Adapter
 from build_engines.model.network import CEDNetwork
 
 from . import counters as k
 from .adapter_slots import AdapterSlots
 from .counters import Counters
-from .encoder_service import HANDOVER_KEYS, Handover
+from .encoder_service import Handover
 from .engines import StepEngine
 from .errors import BadRequest, ServingError, TurnRejected
 from .registry import BASE_NAME, Registry
@@ -29,7 +29,6 @@ from .sampling import Sampler, SamplingParams
 from .session_store import SessionStore
 
 FINISH_EOT, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED = "end_of_turn", "length", "stop", "cancelled"
-STEP_KEYS = ("streams", "ffn_pre", "topk", "candidates")
 
 
 @dataclass
@@ -155,7 +154,7 @@ class DecoderService:
             turn.row.absorb(self.layout, h)
             turn.fed += h["positions"].shape[0]
         slots = [t.slot for t in turns]
-        feed = decoder_inputs(self.layout, [t.row for t in turns], [{f: h[f] for f in STEP_KEYS} for h in handovers], slots)
+        feed = decoder_inputs(self.layout, [t.row for t in turns], [{f: h[f] for f in HANDOVER_FIELDS} for h in handovers], slots)
         out = self.engine.decoder(feed)
         absorb_decoder([t.row for t in turns], out, feed, False, slots)
         for b, turn in enumerate(turns):
@@ -174,12 +173,3 @@ class DecoderService:
 
     def end(self, session_id: str) -> None:
         self.sessions.end(session_id)
-
-
-def split_rows(handover: Handover, counts: list[int]) -> list[Handover]:
-    """Rows of several sessions stacked along the first axis -> one hand-over per session."""
-    out, start = [], 0
-    for n in counts:
-        out.append({f: handover[f][start:start + n] for f in HANDOVER_KEYS + ("positions",)})
-        start += n
-    return out

@@ -13,15 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from build_engines.export.rows import EncoderRow, absorb_encoder, encoder_inputs
+from build_engines.export.rows import HANDOVER_KEYS, EncoderRow, absorb_encoder, encoder_inputs
 
 from .engines import StepEngine
-from .errors import BadRequest, ServerBusy, ServingError
+from .errors import BadRequest, ServerBusy
 from .session_store import SessionStore
 
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_PREFILL_CHUNK = 256
-HANDOVER_KEYS = ("streams", "ffn_pre", "topk", "candidates", "global_kv", "index_k")
 Handover = dict[str, np.ndarray]  # rows (S, …) of one session, keyed as HANDOVER_KEYS (+ "positions")
 
 
@@ -121,9 +120,6 @@ class EncoderService:
         self._in_flight.pop(session_id, None)
         return self.sessions.end(session_id)
 
-    def turns_in_flight(self) -> int:
-        return len(self._in_flight)
-
 
 def check_ids(ids: np.ndarray | None, vocab: int, name: str) -> np.ndarray:
     a = np.asarray(ids)
@@ -134,4 +130,3 @@ def check_ids(ids: np.ndarray | None, vocab: int, name: str) -> np.ndarray:
     return a.astype(np.int64)
 
 
-__all__ = ["EncoderService", "Handover", "ServingError", "check_ids"]

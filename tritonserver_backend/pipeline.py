@@ -16,7 +16,6 @@ from .counters import Counters
 from .decoder_service import DecoderService, Turn
 from .encoder_service import EncoderService, Handover
 from .engines import open_engine
-from .errors import TurnRejected
 from .registry import BASE_NAME, Registry
 from .router_service import RouterService
 from .sampling import SamplingParams
@@ -105,4 +104,3 @@ def check_explicit(registry: Registry, adapter: str | None) -> None:
         registry.by_name(adapter)
 
 
-__all__ = ["InProcessPipeline", "TurnRejected", "TurnResult", "check_explicit"]

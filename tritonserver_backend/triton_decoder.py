@@ -17,7 +17,7 @@ import numpy as np
 from . import contract as c
 from . import triton_glue as glue
 from .decoder_service import Turn
-from .encoder_service import HANDOVER_KEYS, Handover
+from .encoder_service import Handover
 from .errors import BadRequest
 from .handover_codec import rows_from_arrays
 from .scheduler import TurnRequest, TurnScheduler
@@ -113,4 +113,4 @@ def _control(scheduler: TurnScheduler, request: Any, action: str) -> None:
     request.get_response_sender().send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-__all__ = ["BlsEncoderPort", "Emitter", "HANDOVER_KEYS", "fail", "handle_requests"]
+__all__ = ["BlsEncoderPort", "Emitter", "fail", "handle_requests"]

@@ -22,6 +22,21 @@ from .graph_ops import (
     rope_apply,
     rope_tables,
 )
+from .layout import StepLayout
+
+
+class StepModule(nn.Module):
+    """What both step modules hold: the engine component (its weights), the config, the layout, the Sinkhorn patterns."""
+
+    def __init__(self, engine: nn.Module) -> None:
+        super().__init__()
+        cfg: CEDConfig = engine.cfg  # type: ignore[assignment]
+        if cfg.runtime_fake_quant:
+            raise NotImplementedError("engine steps with the runtime fp8/fp4 fake-quant of V4.1 come with the quantized builds")
+        self.cfg, self.engine, self.layout = cfg, engine, StepLayout(cfg)
+        self.E = cfg.first_decoder_layer
+        self.patterns = SinkhornPatterns(cfg.hc_mult, cfg.hc_eps)
+
 
 Linear = Callable[[torch.Tensor, str, nn.Linear], torch.Tensor]  # (x, module name, base Linear) -> x W^T (+ LoRA)
 

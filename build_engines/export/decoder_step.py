@@ -15,17 +15,16 @@ from build_engines.model.attention import window_rows
 from build_engines.model.network import DecoderEngine
 from plugins.sparse_global_attention import sparse_global_attention
 
-from .common import RopeKinds, SublayerWiring, index_scores, output_projection, query_and_latent, visible
+from .common import RopeKinds, StepModule, SublayerWiring, index_scores, output_projection, query_and_latent, visible
 from .graph_ops import (
     DenseExperts,
-    SinkhornPatterns,
     chunk_positions,
     collapse,
     rms_norm,
     select_top,
     window_ring_positions,
 )
-from .layout import LoraGroup, StepLayout
+from .layout import LoraGroup
 
 
 class LoraInputs:
@@ -50,16 +49,11 @@ class LoraInputs:
         return base + (x @ a) @ b
 
 
-class DecoderStep(nn.Module):
+class DecoderStep(StepModule):
     def __init__(self, engine: DecoderEngine) -> None:
-        super().__init__()
-        cfg = engine.cfg
-        if cfg.runtime_fake_quant:
-            raise NotImplementedError("engine steps with the runtime fp8/fp4 fake-quant of V4.1 come with the quantized builds")
-        self.cfg, self.engine, self.layout = cfg, engine, StepLayout(cfg)
-        self.E = cfg.first_decoder_layer
+        super().__init__(engine)
+        cfg = self.cfg
         self.groups = self.layout.lora_groups()
-        self.patterns = SinkhornPatterns(cfg.hc_mult, cfg.hc_eps)
         layers = range(self.E, cfg.n_layers)
         self.wiring = {l: SublayerWiring(cfg, engine.layers[str(l)], self.patterns) for l in layers}
         self.experts = {l: DenseExperts(engine.layers[str(l)].ffn) for l in layers}

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from build_engines.model.attention import window_rows
 from build_engines.model.network import EncoderEngine
@@ -22,6 +21,7 @@ from plugins.swa_replay_attention import swa_replay_attention
 
 from .common import (
     RopeKinds,
+    StepModule,
     SublayerWiring,
     candidate_blocks,
     index_scores,
@@ -30,8 +30,7 @@ from .common import (
     query_and_latent,
     visible,
 )
-from .graph_ops import DenseExperts, SinkhornPatterns, chunk_positions, rms_norm, select_top, window_ring_positions
-from .layout import StepLayout
+from .graph_ops import DenseExperts, chunk_positions, rms_norm, select_top, window_ring_positions
 
 
 @dataclass
@@ -46,15 +45,10 @@ class _Source:
     new_pending: torch.Tensor | None = None  # (B, 2, D)
 
 
-class EncoderStep(nn.Module):
+class EncoderStep(StepModule):
     def __init__(self, engine: EncoderEngine) -> None:
-        super().__init__()
-        cfg = engine.cfg
-        if cfg.runtime_fake_quant:
-            raise NotImplementedError("engine steps with the runtime fp8/fp4 fake-quant of V4.1 come with the quantized builds")
-        self.cfg, self.engine, self.layout = cfg, engine, StepLayout(cfg)
-        self.E = cfg.first_decoder_layer
-        self.patterns = SinkhornPatterns(cfg.hc_mult, cfg.hc_eps)
+        super().__init__(engine)
+        cfg = self.cfg
         self.wiring = {l: SublayerWiring(cfg, engine.layers[str(l)], self.patterns) for l in range(self.E + 1)}
         self.experts = {l: DenseExperts(engine.layers[str(l)].ffn) for l in range(self.E)}
         self.attentions = {l: engine.layers[str(l)].attn for l in range(self.E + 1)}

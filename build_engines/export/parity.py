@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from .layout import GraphTensor, StepLayout
-from .rows import DecoderRow, EncoderRow, absorb_encoder, decoder_inputs, encoder_inputs
+from .rows import HANDOVER_KEYS, DecoderRow, EncoderRow, absorb_encoder, decoder_inputs, encoder_inputs
 
-HANDOVER = ("streams", "ffn_pre", "topk", "candidates", "global_kv", "index_k")
+HANDOVER = HANDOVER_KEYS
 Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 

@@ -101,7 +101,6 @@ def encoder_inputs(layout: StepLayout, rows: list[EncoderRow], tokens: np.ndarra
 
 def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np.ndarray], steps: int) -> None:
     """Write one step's outputs into the rows' state (new ring rows, new entries, pending token) and advance them."""
-    E = layout.cfg.first_decoder_layer
     for b, r in enumerate(rows):
         _write_ring(r.rings, out["ring_rows"][b], r.position)
         for s in layout.sources:
@@ -116,11 +115,11 @@ def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np
             r.index_k[s] = _grow(r.index_k[s], used + count)
             r.kv[s][used:used + count] = new_kv[:count]
             r.index_k[s][used:used + count] = new_ik[:count]
-        assert E in layout.sources
         r.position += steps
 
 
-HANDOVER_FIELDS = ("streams", "ffn_pre", "topk", "candidates")
+HANDOVER_FIELDS = ("streams", "ffn_pre", "topk", "candidates")  # what a decoder step reads per row
+HANDOVER_KEYS = HANDOVER_FIELDS + ("global_kv", "index_k")  # plus what its global-KV mirror absorbs
 
 
 @dataclass
