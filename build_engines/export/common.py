@@ -21,6 +21,7 @@ from .graph_ops import (
     rms_norm,
     rope_apply,
     rope_tables,
+    select_top,
 )
 from .layout import StepLayout
 
@@ -133,6 +134,45 @@ def output_projection(attn: Attention, o: torch.Tensor, tables: tuple[torch.Tens
     return linear(o, f"{prefix}.wo_b", attn.wo_b)
 
 
+def candidate_pool_ids(candidates: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, S, C) candidate block ids (-1 none) -> (B, S, C * block) entry ids in ascending order, -1 for none.
+
+    Ascending order keeps the reference's tie rule (ReLU index scores tie at exactly 0 often): among equal scores the
+    lower entry id wins, which is the lower pool position once the pool is sorted. Sorted as floats through TopK
+    (block ids are far below 2^24, so exact)."""
+    C = candidates.shape[-1]
+    ordered = torch.topk(candidates.float(), C, dim=-1, largest=False, sorted=True).values.long()
+    ids = ordered.unsqueeze(-1) * block + torch.arange(block, device=candidates.device)
+    return torch.where(ordered.unsqueeze(-1) < 0, torch.full_like(ids, -1), ids).flatten(-2)
+
+
+def pooled_top(attn: Attention, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, ropes: RopeKinds,
+               positions: torch.Tensor, layer: int, linear: Linear, prefix: str) -> torch.Tensor:
+    """A re-index layer's top-k entries (absolute ids, -1 none), scored inside layer E's candidate pool only.
+
+    The same selection as scoring every stored entry and masking all but the pool (what the reference does), but the
+    work is O(pool) per query instead of O(stored entries): a bounded replay then costs the same at 1K and 16K
+    context. keys (B, N, Di) is layer E's index-key store; candidates (B, S, C) its candidate blocks."""
+    cfg = attn.cfg
+    B, S = x.shape[0], x.shape[1]
+    ids = candidate_pool_ids(candidates, cfg.candidate_block_size)  # (B, S, P)
+    P = ids.shape[-1]
+    rows = ids.clamp(min=0).reshape(B, S * P, 1).expand(B, S * P, keys.shape[-1])
+    pool_keys = torch.gather(keys, 1, rows).view(B, S, P, keys.shape[-1])  # (B, S, P, Di)
+    ix = attn.indexer
+    q = linear(qr, f"{prefix}.indexer.wq_b", ix.wq_b).view(B, S, ix.n_heads, ix.head_dim)
+    q = ropes.apply(q, ropes.tables(positions, layer, cfg.index_head_dim), heads=True)
+    w = linear(x, f"{prefix}.indexer.weights_proj", ix.weights_proj) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
+    logits = torch.relu(q @ pool_keys.transpose(-1, -2))  # (B, S, Hi, P)
+    scores = (logits * w.unsqueeze(-1)).sum(2)  # (B, S, P)
+    keep = (ids >= 0) & (ids < (positions + 1).unsqueeze(-1))  # visible entries of a ratio-1 store
+    picked = select_top(torch.where(keep, scores, torch.full_like(scores, float("-inf"))), min(cfg.index_topk, P))
+    absolute = torch.where(picked < 0, picked, torch.gather(ids, -1, picked.clamp(min=0)))
+    if P < cfg.index_topk:  # a pool smaller than k: the rest of the list is empty, as masking would leave it
+        absolute = torch.cat((absolute, absolute.new_full((B, S, cfg.index_topk - P), -1)), -1)
+    return absolute
+
+
 def visible(positions: torch.Tensor, n: int | torch.SymInt, ratio: int) -> torch.Tensor:
     """(B, S, n): entry t visible to the query at p iff t < (p + 1) // ratio."""
     t = torch.arange(n, device=positions.device)
@@ -141,8 +181,6 @@ def visible(positions: torch.Tensor, n: int | torch.SymInt, ratio: int) -> torch
 
 def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, block: int, n_blocks: int) -> torch.Tensor:
     """As `attention.select_candidate_blocks` with per-row positions; scores' length is a multiple of `block`."""
-    from .graph_ops import select_top
-
     B, S, N = scores.shape
     block_scores = scores.view(B, S, N // block, block).amax(-1)
     newest = (positions + 1) // ratio - 1

@@ -15,13 +15,12 @@ from build_engines.model.attention import window_rows
 from build_engines.model.network import DecoderEngine
 from plugins.sparse_global_attention import sparse_global_attention
 
-from .common import RopeKinds, StepModule, SublayerWiring, index_scores, output_projection, query_and_latent, visible
+from .common import RopeKinds, StepModule, SublayerWiring, output_projection, pooled_top, query_and_latent
 from .graph_ops import (
     DenseExperts,
     chunk_positions,
     collapse,
     rms_norm,
-    select_top,
     window_ring_positions,
 )
 from .layout import LoraGroup
@@ -102,12 +101,7 @@ class DecoderStep(StepModule):
         q, qr, kv, tables = query_and_latent(attn, x, ropes, positions, l, lora.linear, prefix)
         ring_rows.append(kv)
         if cfg.is_reindex_layer(l):  # its own queries against layer E's keys, inside layer E's candidate pool
-            scores = index_scores(attn, x, qr, index_store, ropes, positions, l, lora.linear, prefix)
-            N = scores.shape[-1]
-            block_of = (torch.arange(N, device=scores.device) // cfg.candidate_block_size).view(1, 1, N, 1)
-            pool = (block_of == candidates.unsqueeze(2)).any(-1)  # (B, S, N)
-            keep = pool & visible(positions, N, 1)
-            ctx["topk"] = select_top(torch.where(keep, scores, torch.full_like(scores, float("-inf"))), cfg.index_topk)
+            ctx["topk"] = pooled_top(attn, x, qr, index_store, candidates, ropes, positions, l, lora.linear, prefix)
         local = torch.cat((ring, kv), 1)
         topk = ctx["topk"]
         rows = torch.cat((win, torch.where(topk < 0, topk, topk + local.shape[1])), -1)
