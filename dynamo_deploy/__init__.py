@@ -1,0 +1,1 @@
+"""Scale-out on NVIDIA Dynamo: encoder and decoder workers, hand-over between them, session affinity."""

@@ -1,0 +1,133 @@
+"""The decoder component: decoder engine, adapter bank, bounded replay and the token loop (in-flight batching).
+
+Endpoint `mol2.decoder.turn`: one turn per request (session id, hand-over rows, ADAPTER_HASH, sampling, the encoder
+instance that holds the session), answered as a stream of tokens. The project's `TurnScheduler` runs the token loops
+of all active turns on one thread, calling the session's encoder worker once per generated token
+(`RemoteEncoderPort`); the Dynamo handlers only queue turns and relay what the scheduler emits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from build_engines.data.tokenizer import ChatTokenizer
+from tritonserver_backend.counters import Counters
+from tritonserver_backend.decoder_service import DecoderService, Turn
+from tritonserver_backend.engines import open_engine
+from tritonserver_backend.registry import Registry
+from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
+
+from .remote_encoder import RemoteEncoderPort
+from .requests import params_from_json
+from .wire import nbytes, unpack
+from .worker_common import NAMESPACE, WorkerSettings, WorkerStats, announce_ready, make_runtime
+
+LOG = logging.getLogger("mol2.decoder")
+
+
+@dataclass
+class Sink:
+    """Where the scheduler's thread puts one turn's tokens for its Dynamo handler."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    closed: bool = False
+
+    def put(self, item: tuple[str, Any, Any]) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class DecoderWorker:
+    def __init__(self, settings: WorkerSettings, step_client: Any, control_client: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.settings, self.loop = settings, loop
+        self.counters = Counters()
+        self.stats = WorkerStats(settings, self.counters)
+        engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir)
+        tokenizer = ChatTokenizer.load(settings.model_dir)
+        self.decoder = DecoderService(engine, Registry(settings.registry_root), tokenizer, self.counters, max_context=settings.max_context)
+        self.port = RemoteEncoderPort(step_client, control_client, loop, self.stats)
+        self.scheduler = TurnScheduler(self.decoder, self.port, self._emit, self._fail)
+        self.inbox: queue.SimpleQueue[TurnRequest] = queue.SimpleQueue()
+        self.wake = threading.Event()
+        threading.Thread(target=self._loop, name="decoder-scheduler", daemon=True).start()
+
+    def _loop(self) -> None:
+        """The scheduler's only thread: admit queued turns, one token for every active turn per iteration."""
+        while True:
+            while not self.inbox.empty():
+                self.scheduler.submit(self.inbox.get())
+            if self.scheduler.idle:
+                self.wake.wait(0.05)
+                self.wake.clear()
+                continue
+            try:
+                self.scheduler.iterate()
+            except Exception:  # noqa: BLE001 - keep serving the other sessions
+                LOG.exception("decoder: scheduler iteration failed")
+
+    def _emit(self, turn: Turn, token: int, reason: str) -> bool:
+        sink: Sink = turn.context  # type: ignore[assignment]
+        sink.put(("token", token, reason))
+        return not sink.closed
+
+    def _fail(self, request: TurnRequest | Turn, exc: BaseException) -> None:
+        sink: Sink = request.context  # type: ignore[assignment]
+        sink.put(("error", f"{type(exc).__name__}: {exc}", None))
+
+    async def turn(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        rows = unpack(request["handover"])
+        self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(rows), handover_turn_rows=int(rows["positions"].size),
+                       handover_turn_transfer_s=time.time() - float(request["sent_at"]))
+        sid = str(request["session_id"])
+        self.port.encoder_of[sid] = int(request["encoder"])
+        sink = Sink(asyncio.get_running_loop())
+        self.inbox.put(TurnRequest(sid, rows, int(request["adapter_hash"]), params_from_json(request["params"]), False, sink))
+        self.wake.set()
+        generated = 0
+        try:
+            while True:
+                kind, a, b = await sink.queue.get()
+                if kind == "error":
+                    yield {"error": a}
+                    return
+                if a >= 0:
+                    generated += 1
+                    yield {"token": int(a)}
+                if b:
+                    self.stats.add(turns=1, generated_tokens=generated)
+                    self.stats.flush()
+                    yield {"finish": b}
+                    return
+        finally:
+            sink.closed = True
+
+
+async def serve(settings: WorkerSettings) -> None:
+    loop = asyncio.get_running_loop()
+    runtime = make_runtime(loop)
+    step_client = await runtime.endpoint(f"{NAMESPACE}.encoder.step").client()
+    control_client = await runtime.endpoint(f"{NAMESPACE}.encoder.control").client()
+    worker = DecoderWorker(settings, step_client, control_client, loop)
+    endpoint = runtime.endpoint(f"{NAMESPACE}.decoder.turn")
+    worker.stats.instance_id = endpoint.connection_id()
+    worker.stats.flush()
+    LOG.warning("%s serving (instance %s)", settings.name, worker.stats.instance_id)
+    await asyncio.gather(endpoint.serve_endpoint(worker.turn),
+                         announce_ready(runtime, f"{NAMESPACE}.decoder.turn", settings, worker.stats.instance_id))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvloop
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    uvloop.run(serve(WorkerSettings.from_args("decoder", argv)))
+
+
+if __name__ == "__main__":
+    main()

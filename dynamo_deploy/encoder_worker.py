@@ -1,0 +1,204 @@
+"""The encoder component: encoder engine, the sessions' encoder state, the MoL2 router step, hand-over out.
+
+Endpoints (namespace `mol2`, component `encoder`):
+- `generate`: registered with Dynamo's OpenAI frontend (token ids in, token ids out). Finds the conversation's
+  session, encodes the new user turn (or rebuilds the session from the whole prompt), routes it, and streams the
+  turn from the decoder worker that holds the session (`Client.direct` to that instance), sending the hand-over
+  rows and the ADAPTER_HASH with the request.
+- `step`: the decoder's per-token call: each active session's newest tokens -> their hand-over rows.
+- `control`: rollback / end of a session's turn (the decoder's clean-up calls).
+Frontend -> encoder affinity is Dynamo's (`--router-session-affinity-ttl-secs` with `x-dynamo-session-id`, which
+reaches the worker as `agent_context.session_id`); encoder -> decoder is direct routing by the decoder instance id
+kept in the session's record here. A session whose decoder is gone, or whose prompt does not continue what the
+worker holds, is rebuilt from the prompt on a live decoder (a fresh internal session id, so nothing stale is reused).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Callable
+
+import numpy as np
+
+from build_engines.data.tokenizer import ChatTokenizer
+from tritonserver_backend.counters import Counters
+from tritonserver_backend.encoder_service import EncoderService
+from tritonserver_backend.engines import open_engine
+from tritonserver_backend.errors import ServingError, UnknownSession
+from tritonserver_backend.registry import Registry
+from tritonserver_backend.router_service import RouterService
+
+from .conversation import SessionRecord, continuation, fingerprint, reply_ids, split_turn
+from .requests import openai_finish, params_to_json, sampling_params
+from .wire import nbytes, pack
+from .worker_common import MODEL_NAME, NAMESPACE, WorkerSettings, WorkerStats, announce_ready, make_runtime
+
+LOG = logging.getLogger("mol2.encoder")
+MAX_RECORDS = 10_000
+
+
+class DecoderLost(RuntimeError):
+    """The decoder worker could not be reached before the turn started: rebuild elsewhere."""
+
+
+class EncoderWorker:
+    def __init__(self, settings: WorkerSettings, decoders: Any) -> None:
+        self.settings, self.decoders = settings, decoders
+        self.counters = Counters()
+        self.stats = WorkerStats(settings, self.counters)
+        engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir)
+        self.encoder = EncoderService(engine, max_context=settings.max_context, counters=self.counters)
+        self.router = RouterService(settings.model_dir, Registry(settings.registry_root), self.counters, engine)
+        self.tokenizer = ChatTokenizer.load(settings.model_dir)
+        self.records: OrderedDict[str, SessionRecord] = OrderedDict()
+        self.dead: set[int] = set()
+        self._serial = itertools.count()
+        self._next = itertools.count()
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="encoder-engine")  # the services are single-threaded
+
+    async def run(self, call: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, call, *args)
+
+    # ------------------------------------------------------------------ the frontend's endpoint
+    async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        prompt = [int(t) for t in request["token_ids"]]
+        key = (request.get("agent_context") or {}).get("session_id") or "anon-" + fingerprint(prompt, self.tokenizer.end_of_turn_id)
+        params = sampling_params(request)
+        for _ in range(1 + len(self.decoders.instance_ids())):
+            try:
+                async for chunk in self._turn(key, prompt, params):
+                    yield chunk
+                return
+            except DecoderLost as exc:
+                LOG.warning("%s: %s; rebuilding the session on another decoder", self.settings.name, exc)
+        raise RuntimeError("no decoder worker could take the turn")
+
+    async def _turn(self, key: str, prompt: list[int], params: Any) -> AsyncIterator[dict[str, Any]]:
+        record = self.records.get(key)
+        new = continuation(record, prompt)
+        live = [i for i in self.decoders.instance_ids() if i not in self.dead]
+        if not live:
+            raise RuntimeError("no decoder worker is registered")
+        encoded = None
+        if record is not None and new is not None and record.decoder_instance in live:
+            try:
+                encoded = await self.run(self.encoder.encode_turn, record.session_id, np.asarray(new, np.int64), None, False)
+                sid, target, rebuilt = record.session_id, record.decoder_instance, False
+            except UnknownSession:  # evicted here meanwhile: rebuild below
+                encoded = None
+        if encoded is None:
+            history, turn = split_turn(self.tokenizer, prompt)
+            if record is not None:
+                await self.run(self.encoder.end, record.session_id)
+            sid = f"{key}#{self.settings.index}.{next(self._serial)}"
+            target = live[next(self._next) % len(live)]
+            rebuilt = len(history) > 1
+            encoded = await self.run(self.encoder.encode_turn, sid, np.asarray(turn, np.int64), np.asarray(history, np.int64), True)
+        h19, handover = encoded
+        routed = (await self.run(self.router.route, [h19], [None]))[0]
+        if isinstance(routed, Exception):
+            await self.run(self.encoder.rollback, sid)
+            raise routed
+        record = SessionRecord(sid, decoder_instance=target, turns=(record.turns if record else 0))
+        self.records[key] = record
+        self.records.move_to_end(key)
+        while len(self.records) > MAX_RECORDS:
+            self.records.popitem(last=False)
+        sent_at = time.time()
+        t0 = time.perf_counter()
+        payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": int(routed),
+                   "params": params_to_json(params), "handover": pack(handover), "sent_at": sent_at}
+        self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(handover), handover_turn_rows=int(handover["positions"].size),
+                       handover_turn_pack_s=time.perf_counter() - t0)
+        generated: list[int] = []
+        started = False
+        try:
+            stream = await self.decoders.direct(payload, target)
+            async for chunk in stream:
+                data = chunk.data()
+                if "error" in data:
+                    raise ServingError(data["error"])
+                started = True
+                if "token" in data:
+                    generated.append(int(data["token"]))
+                    yield {"token_ids": [int(data["token"])], "index": 0}
+                if "finish" in data:
+                    record.expected = prompt + reply_ids(self.tokenizer, generated)
+                    record.turns += 1
+                    self.stats.add(turns=1, rebuilds=int(rebuilt))
+                    self.stats.log_turn(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id),
+                                        decoder=target, rebuilt=rebuilt, prompt_tokens=len(prompt), new_tokens=int(handover["positions"].size),
+                                        adapter_hash=int(routed), tokens=generated)
+                    self.stats.flush()
+                    yield {"token_ids": [], "index": 0, "finish_reason": openai_finish(data["finish"])}
+                    return
+            raise ServingError(f"decoder {target} ended the turn's stream without a finish")
+        except ServingError:
+            self.records.pop(key, None)  # never continue a session whose last turn failed: the next one rebuilds
+            raise
+        except Exception as exc:  # noqa: BLE001 - a transport failure
+            self.records.pop(key, None)
+            if started:
+                raise
+            self.dead.add(target)
+            await self.run(self.encoder.rollback, sid)
+            raise DecoderLost(f"decoder instance {target} unreachable ({exc!r})") from exc
+
+    # ------------------------------------------------------------------ the decoder's endpoints
+    async def step(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        t0 = time.perf_counter()
+        try:
+            rows = await self.run(self.encoder.encode_step, list(request["sessions"]), np.asarray(request["tokens"], np.int64),
+                                  bool(request["turn_done"]))
+        except ServingError as exc:
+            yield {"error": str(exc)}
+            return
+        compute = time.perf_counter() - t0
+        packed = [pack(r) for r in rows]
+        self.stats.add(step_calls=1, step_rows=sum(int(r["positions"].size) for r in rows), step_bytes=sum(nbytes(r) for r in rows),
+                       step_compute_s=compute)
+        yield {"rows": packed, "compute_s": compute}
+
+    async def control(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        op, sid = request.get("op"), str(request.get("session_id"))
+        if op == "rollback":
+            await self.run(self.encoder.rollback, sid)
+        elif op == "end":
+            await self.run(self.encoder.end, sid)
+        yield {"ok": op in ("rollback", "end")}
+
+
+async def serve(settings: WorkerSettings) -> None:
+    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+
+    loop = asyncio.get_running_loop()
+    runtime = make_runtime(loop)
+    decoders = await runtime.endpoint(f"{NAMESPACE}.decoder.turn").client()
+    worker = EncoderWorker(settings, decoders)
+    generate = runtime.endpoint(f"{NAMESPACE}.encoder.generate")
+    step = runtime.endpoint(f"{NAMESPACE}.encoder.step")
+    control = runtime.endpoint(f"{NAMESPACE}.encoder.control")
+    worker.stats.instance_id = step.connection_id()
+    worker.stats.flush()
+    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, generate,
+                         str(settings.run_dir / "model"), MODEL_NAME, worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+    LOG.warning("%s serving (instance %s)", settings.name, worker.stats.instance_id)
+    await asyncio.gather(generate.serve_endpoint(worker.generate), step.serve_endpoint(worker.step),
+                         control.serve_endpoint(worker.control),
+                         announce_ready(runtime, f"{NAMESPACE}.encoder.step", settings, worker.stats.instance_id))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvloop
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    uvloop.run(serve(WorkerSettings.from_args("encoder", argv)))
+
+
+if __name__ == "__main__":
+    main()

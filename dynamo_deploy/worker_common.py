@@ -1,0 +1,114 @@
+"""What every worker process shares: its settings, the Dynamo runtime on file discovery, and its stats file.
+
+Each worker writes `<run_dir>/workers/<role>-<index>.json` after every turn (routing counters written/read/applied,
+hand-over bytes and times, turns served) and appends one line per turn to `<run_dir>/turns.jsonl`: that is what
+`scripts/dynamo_up.py status`, the tests and docs/scale_out.md read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tritonserver_backend.counters import Counters
+
+NAMESPACE = "mol2"
+MODEL_NAME = "mol2-small"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    role: str  # "encoder" | "decoder"
+    index: int
+    run_dir: Path
+    model_dir: Path
+    engine_dir: Path
+    registry_root: Path
+    backend: str = "onnx"
+    max_context: int = 2048
+
+    @classmethod
+    def from_args(cls, role: str, argv: list[str] | None = None) -> "WorkerSettings":
+        p = argparse.ArgumentParser(description=f"mol2 {role} worker on NVIDIA Dynamo")
+        p.add_argument("--index", type=int, required=True)
+        p.add_argument("--run-dir", type=Path, required=True)
+        p.add_argument("--model-dir", type=Path, required=True)
+        p.add_argument("--engine-dir", type=Path, required=True)
+        p.add_argument("--registry-root", type=Path, required=True)
+        p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
+        p.add_argument("--max-context", type=int, default=2048)
+        a = p.parse_args(argv)
+        return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+def discovery_env(run_dir: Path) -> dict[str, str]:
+    """Dynamo with no external services: discovery in files under the run folder, TCP requests, ZMQ events."""
+    return {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(run_dir / "discovery"), "DYN_REQUEST_PLANE": "tcp",
+            "DYN_EVENT_PLANE": "zmq", "DYN_LOG": os.environ.get("DYN_LOG", "warn")}
+
+
+def make_runtime(loop: asyncio.AbstractEventLoop):  # type: ignore[no-untyped-def]
+    from dynamo.runtime import DistributedRuntime
+
+    return DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
+
+
+class WorkerStats:
+    """Counters mirrored from the services plus transfer figures, flushed to the worker's JSON file."""
+
+    def __init__(self, settings: WorkerSettings, counters: Counters) -> None:
+        self.settings = settings
+        self.counts: Counter[str] = Counter()  # "counter/adapter" -> n
+        self.figures: Counter[str] = Counter()  # bytes, seconds, calls
+        self.instance_id: int | None = None
+        self._lock = threading.Lock()
+        counters.listener = self._mirror
+        (settings.run_dir / "workers").mkdir(parents=True, exist_ok=True)
+
+    def _mirror(self, counter: str, adapter: str, amount: int) -> None:
+        with self._lock:
+            self.counts[f"{counter}/{adapter}"] += amount
+
+    def add(self, **figures: float) -> None:
+        with self._lock:
+            for k, v in figures.items():
+                self.figures[k] += v
+
+    def flush(self) -> None:
+        with self._lock:
+            data = {"role": self.settings.role, "index": self.settings.index, "pid": os.getpid(),
+                    "instance_id": self.instance_id, "counters": dict(self.counts), "figures": dict(self.figures),
+                    "time": time.time()}
+        path = self.settings.run_dir / "workers" / f"{self.settings.name}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+
+    def log_turn(self, **entry: Any) -> None:
+        line = json.dumps({"worker": self.settings.name, "instance_id": self.instance_id, "time": time.time(), **entry})
+        with open(self.settings.run_dir / "turns.jsonl", "a") as f:  # one short line per write: appends stay whole
+            f.write(line + "\n")
+
+
+def ready_file(settings: WorkerSettings) -> Path:
+    return settings.run_dir / "workers" / f"{settings.name}.ready"
+
+
+async def announce_ready(runtime, path: str, settings: WorkerSettings, instance_id: int) -> None:  # type: ignore[no-untyped-def]
+    """Write the ready file once discovery lists this worker's endpoint (what other workers' clients will see)."""
+    client = await runtime.endpoint(path).client()
+    while instance_id not in client.instance_ids():
+        await asyncio.sleep(0.1)
+    ready_file(settings).write_text(str(instance_id))
