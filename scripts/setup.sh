@@ -10,3 +10,4 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install --quiet --upgrade pip >/dev/null
 .venv/bin/python -m pip install --quiet -e ".[dev,serve]"
 .venv/bin/python -c 'import torch, numpy; assert numpy.__version__.startswith("1."), numpy.__version__; print(f"environment ready: torch {torch.__version__}, numpy {numpy.__version__}")'
+bash scripts/setup_dynamo.sh  # NVIDIA Dynamo in its own .venv-dynamo (the scale-out deployment and its tests)
