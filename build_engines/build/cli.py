@@ -2,10 +2,10 @@
 
     python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
     python -m build_engines build --model DIR --out DIR --format trt        # needs TensorRT and an NVIDIA GPU
-    python -m build_engines build --model DIR --out DIR --quant fp8        # ModelOpt builds (not yet)
+    python -m build_engines build --model DIR --out DIR --quant fp8        # ModelOpt PTQ (fp8 | int8; nvfp4 needs a GPU)
 
 Exit codes: 0 built or reused (an up-to-date directory is reused, say --force to rebuild), 1 the build failed,
-2 bad use or a missing prerequisite (TensorRT for --format trt, a quantized mode not built yet).
+2 bad use or a missing prerequisite (TensorRT for --format trt, a GPU for --quant nvfp4).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="engine directory to write (or reuse)")
     p.add_argument("--format", choices=FORMATS, default="onnx")
     p.add_argument("--quant", choices=QUANT_MODES, default="none")
+    p.add_argument("--data", type=Path, default=Path("artifacts/data"),
+                   help="prepared corpora, read for held-out text only when <model>/heldout/ is absent (quantized builds)")
     p.add_argument("--force", action="store_true", help="rebuild even when the directory is up to date")
     p.add_argument("--max-batch", type=int, default=64, help="TensorRT profiles: most rows per step")
     p.add_argument("--max-context", type=int, default=8192, help="TensorRT profiles: longest session")
@@ -81,7 +83,20 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
     t0 = time.time()
     model_dir = args.model.resolve()
     onnx_dir = args.out / "onnx" if args.format == "trt" else args.out
-    graphs, parity = build_onnx(model_dir, onnx_dir)
+    quant = None
+    if args.quant == "none":
+        graphs, parity = build_onnx(model_dir, onnx_dir)
+    else:  # fp32 graphs first (checked against their modules), then ModelOpt PTQ of them into the engine directory
+        import shutil
+
+        from .quant_build import build_quantized
+
+        fp32_dir = args.out / ".fp32"
+        try:
+            fp32_graphs, parity = build_onnx(model_dir, fp32_dir)
+            graphs, quant = build_quantized(model_dir, fp32_dir, fp32_graphs, onnx_dir, args.quant, args.data)
+        finally:
+            shutil.rmtree(fp32_dir, ignore_errors=True)
     if args.format == "trt":
         from .trt_build import TrtLimits, build_trt
 
@@ -98,6 +113,7 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
         "config": cfg.to_dict(),
         "graphs": graphs,
         "parity_max_abs": parity,
+        **({"quant": quant} if quant else {}),
         "command": "python -m build_engines build " + shlex.join(["--model", str(args.model), "--out", str(args.out), "--format",
                                                                   args.format, "--quant", args.quant]),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

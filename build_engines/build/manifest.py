@@ -19,9 +19,11 @@ MANIFEST = "manifest.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 BUILDER_SOURCES = tuple(f"build_engines/export/{m}.py" for m in ("common", "decoder_step", "encoder_step", "graph_ops", "layout",
                                                                    "onnx_export", "pointer_step")) + (
-    "build_engines/build/onnx_build.py", "build_engines/build/trt_build.py", "build_engines/model",
+    "build_engines/build/onnx_build.py", "build_engines/build/trt_build.py", "build_engines/build/quant_build.py",
+    "build_engines/quantize", "build_engines/model",
     "build_engines/routing/pointer_head.py", "plugins")  # what decides the graphs' content (not the runtime's row handling)
-SOURCE_FILES = ("config.json", "model.safetensors", "router/router.safetensors", "router/router_config.json")
+SOURCE_FILES = ("config.json", "model.safetensors", "router/router.safetensors", "router/router_config.json",
+                "heldout/val.jsonl")  # the last: calibration text of quantized builds
 
 
 def sha256_file(path: Path) -> str:

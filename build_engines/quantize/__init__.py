@@ -1,24 +1,35 @@
 """Quantized builds (ModelOpt post-training quantization): the `--quant` option of `python -m build_engines build`.
 
-Only `none` is built today; fp8, int8 and nvfp4 are the ModelOpt issue's work. The plumbing is here so the build
-command, the manifest and the runtimes already carry the choice.
+`fp8` and `int8` are built on CPU: ModelOpt ONNX PTQ of the encoder and decoder graphs, calibrated on held-out text,
+standard QuantizeLinear/DequantizeLinear that onnxruntime runs (docs/quantization.md). `nvfp4` is refused on a
+machine without an NVIDIA GPU: ModelOpt's NVFP4 quantizers run only on CUDA tensors.
 """
 
 from __future__ import annotations
 
 QUANT_MODES = ("none", "fp8", "int8", "nvfp4")
-BUILT_MODES = ("none",)
+BUILT_MODES = ("none", "fp8", "int8")
 
 
 class QuantizationUnavailable(RuntimeError):
-    """A quantized build that this checkout cannot produce; the message says why."""
+    """A quantized build that this checkout cannot produce here; the message says why."""
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
 
 
 def check_quant(mode: str) -> None:
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown --quant {mode!r}; choose one of {list(QUANT_MODES)}")
-    if mode not in BUILT_MODES:
+    if mode == "nvfp4":
+        where = ("this machine has no CUDA device (torch.cuda.is_available() is False)" if not cuda_available()
+                 else "the nvfp4 engine path (calibration on the GPU, FP4 Q/DQ export) is not written yet")
         raise QuantizationUnavailable(
-            f"--quant {mode} is not implemented yet: ModelOpt post-training quantization of the encoder and decoder "
-            f"(calibrated on held-out corpus text, Q/DQ that onnxruntime runs on CPU; nvfp4 on a GPU) is the quantized-builds "
-            f"issue's work. Build with --quant none.")
+            f"--quant nvfp4 needs an NVIDIA GPU: ModelOpt's NVFP4 quantization runs only on CUDA tensors (and its "
+            f"engines need a Blackwell-class GPU with TensorRT to run in FP4); {where}. Build --quant fp8 or int8 on CPU.")

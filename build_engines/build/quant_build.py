@@ -1,0 +1,94 @@
+"""Quantized ONNX engines: fp32 graphs in, ModelOpt PTQ (calibrated on held-out text) out, checked on other text.
+
+Steps: calibration feeds from the committed held-out `val` text through the fp32 graphs (`quantize/calibration.py`),
+ModelOpt ONNX PTQ of the encoder and decoder in the quantization venv (`quantize/ptq_worker.py`), the pointer kept
+in fp32 (it is 0.1 MB and runs once per turn), then a check on held-out `test` text: the quantized engines'
+perplexity against the fp32 engines' for base text and each adapter on its own domain. Beyond `CHECK_BOUND` the build
+fails and nothing is written.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from build_engines.export.layout import StepLayout
+from build_engines.formats.checkpoint import load_config
+from build_engines.quantize.calibration import write_calibration
+from build_engines.quantize.heldout import load_heldout, token_sequences
+from build_engines.quantize.scoring import bundled_adapters, perplexity
+from build_engines.quantize.venv import run_worker
+
+from .onnx_build import GRAPH_FILES, describe, ort_runner
+
+QUANTIZED = ("encoder", "decoder")
+CHECK_BOUND = {"fp8": 0.02, "int8": 0.03}  # relative perplexity change vs fp32 on the check text (issue #13)
+CHECK_TOKENS = 128  # per domain, one sequence: a guard against a broken engine, not the evaluation (scripts/eval_quant.py)
+
+
+class QuantCheckError(RuntimeError):
+    """A quantized engine drifts from the fp32 engine beyond the bound."""
+
+
+def build_quantized(model_dir: Path, fp32_dir: Path, fp32_graphs: dict[str, Any], out: Path, mode: str,
+                    data_dir: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Quantize the fp32 graphs in `fp32_dir` (described by `fp32_graphs`) into `out`; returns (graph descriptions,
+    the manifest's `quant` section)."""
+    import onnx
+
+    cfg = load_config(model_dir)
+    layout = StepLayout(cfg)
+    fp32 = {name: ort_runner(fp32_dir / GRAPH_FILES[name]) for name in QUANTIZED}
+    adapters = bundled_adapters(model_dir, layout)
+    val = load_heldout(model_dir, "val", data_dir)
+    calib_dir = out / ".calibration"
+    t0 = time.time()
+    calib = write_calibration(calib_dir, layout, fp32["encoder"], fp32["decoder"], val, model_dir / "tokenizer.json", adapters)
+    calib_seconds = time.time() - t0
+    reports = {}
+    try:
+        for name in tqdm(QUANTIZED, desc=f"ModelOpt {mode} PTQ", unit="graph"):
+            reports[name] = run_worker(fp32_dir / GRAPH_FILES[name], out / GRAPH_FILES[name], mode, calib_dir)
+    finally:
+        shutil.rmtree(calib_dir, ignore_errors=True)
+    shutil.copyfile(fp32_dir / GRAPH_FILES["pointer"], out / GRAPH_FILES["pointer"])
+    ios = {"encoder": (layout.encoder_inputs(), layout.encoder_outputs()), "decoder": (layout.decoder_inputs(), layout.decoder_outputs())}
+    graphs = {"pointer": {**fp32_graphs["pointer"], "quantized": False}}  # the same file, copied
+    for name in QUANTIZED:
+        path = out / GRAPH_FILES[name]
+        graphs[name] = {**describe(onnx.load(str(path)), path, *ios[name]), "quantized": True}
+    check = check_quantized(model_dir, fp32, out, layout, adapters, mode, data_dir)
+    quant = {
+        "mode": mode,
+        "method": "ModelOpt ONNX PTQ (modelopt.onnx.quantization.quantize) of every weight MatMul/Gemm of the encoder and "
+                  "decoder graphs; activations per tensor, weights per channel (int8) / per tensor (fp8); LoRA products, "
+                  "attention products and the pointer graph stay fp32; mol2 local functions inlined",
+        "calibration": {**val.describe(), **calib.describe(), "seconds": round(calib_seconds, 1)},
+        "graphs": reports,
+        "check": check,
+    }
+    return graphs, quant
+
+
+def check_quantized(model_dir: Path, fp32: dict, out: Path, layout: StepLayout, adapters, mode: str,  # type: ignore[no-untyped-def]
+                    data_dir: Path | None) -> dict[str, Any]:
+    """Perplexity of fp32 and quantized engines on held-out `test` text: base on base text, each adapter on its domain."""
+    test = load_heldout(model_dir, "test", data_dir)
+    sequences = token_sequences(test, model_dir / "tokenizer.json", CHECK_TOKENS, 1)
+    quant = {name: ort_runner(out / GRAPH_FILES[name]) for name in QUANTIZED}
+    figures = {}
+    for kind, seqs in tqdm(sequences.items(), desc="checking perplexity", unit="domain", leave=False):
+        slot = adapters.slot_of_kind.get(kind, 0)
+        a = perplexity(layout, fp32["encoder"], fp32["decoder"], adapters.bank, seqs, slot)
+        b = perplexity(layout, quant["encoder"], quant["decoder"], adapters.bank, seqs, slot)
+        figures[f"{kind}/{adapters.name_of_slot[slot]}"] = {"fp32": round(a, 4), mode: round(b, 4), "relative": round(b / a - 1, 5)}
+    worst = max(abs(f["relative"]) for f in figures.values())
+    result = {"text": test.describe(), "tokens_per_domain": CHECK_TOKENS, "perplexity": figures, "worst_relative": worst,
+              "bound": CHECK_BOUND[mode]}
+    if worst > CHECK_BOUND[mode]:
+        raise QuantCheckError(f"{mode} engines' perplexity differs from fp32 by {worst:.2%} (> {CHECK_BOUND[mode]:.0%}): {figures}")
+    return result
