@@ -1,0 +1,136 @@
+"""The loopback Dynamo deployment (real processes: Dynamo's frontend, encoder and decoder workers on the ONNX engines)
+against the single-server path (`InProcessPipeline`, which the Triton tests hold equal to the served ensemble)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from dynamo_deploy.client import Conversation
+from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment, read_turns
+from tests.conftest import EMBEDDED
+from tritonserver_backend.pipeline import InProcessPipeline
+from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.sampling import SamplingParams
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")]
+MAX_TOKENS = 16
+CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "Make the header sticky with a shadow.",
+                "git log --oneline shows nothing, why?", "Thanks, that helps."]
+OPENERS = ["Hello there, any plans today?", "import numpy as np\nx = np.zeros(3)", "The button colour looks off on mobile.",
+           "How do I squash my last two commits?"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _deploy(tmp: Path, engines: Path, encoders: int, decoders: int) -> Deployment:
+    if not DYNAMO_PYTHON.exists():
+        pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
+    d = Deployment(tmp, EMBEDDED, engines, encoders=encoders, decoders=decoders, http_port=_port())
+    try:
+        d.start(timeout_s=300)
+    except BaseException:
+        d.stop()
+        raise
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, default_engines) -> InProcessPipeline:  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("reference_registry")
+    ensure_registry(root, EMBEDDED)
+    return InProcessPipeline(EMBEDDED, root, max_context=2048, backend="onnx", engine_dir=default_engines)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
+    d = _deploy(tmp_path_factory.mktemp("dynamo-2x2"), default_engines, encoders=2, decoders=2)
+    yield d
+    d.stop()
+
+
+def _reference_turns(pipe: InProcessPipeline, session: str, texts: list[str]) -> list[list[int]]:
+    return [pipe.chat(session, t, new_session=(i == 0), params=SamplingParams(max_tokens=MAX_TOKENS)).token_ids
+            for i, t in enumerate(texts)]
+
+
+def _served(run_dir: Path, session: str) -> list[dict]:
+    return [t for t in read_turns(run_dir) if t["session"] == session]
+
+
+def test_routed_conversation_equals_single_server(fleet, reference) -> None:  # type: ignore[no-untyped-def]
+    conv = Conversation(fleet.url, "equal-0")
+    replies = [conv.say(text, max_tokens=MAX_TOKENS) for text in CONVERSATION]
+    expected = _reference_turns(reference, "ref-equal-0", CONVERSATION)
+    served = _served(fleet.run_dir, "equal-0")
+    assert [t["tokens"] for t in served] == expected  # token for token, every turn
+    for reply, ids in zip(replies, expected):
+        assert reply["text"] == reference.text.decode(ids)  # and the text the client got
+        assert reply["usage"]["completion_tokens"] == len(ids)
+    assert not any(t["rebuilt"] for t in served)
+    assert [t["new_tokens"] for t in served[1:]] == [len(reference.text.tokenizer.turn({"role": "user", "content": c}, True))
+                                                     for c in CONVERSATION[1:]]  # later turns encode only the new turn
+    assert len({t["adapter_hash"] for t in served}) > 1  # the router chose more than one adapter along the way
+
+
+def test_concurrent_sessions_stay_on_their_workers(fleet, reference) -> None:  # type: ignore[no-untyped-def]
+    texts = {f"conc-{i}": [opener, *CONVERSATION[1:3]] for i, opener in enumerate(OPENERS)}
+    errors: list[BaseException] = []
+
+    def talk(session: str) -> None:
+        try:
+            conv = Conversation(fleet.url, session)
+            for text in texts[session]:
+                conv.say(text, max_tokens=MAX_TOKENS)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=talk, args=(s,)) for s in texts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    placements = {}
+    for session, session_texts in texts.items():
+        served = _served(fleet.run_dir, session)
+        assert len(served) == len(session_texts)
+        assert len({(t["worker"], t["decoder"]) for t in served}) == 1, served  # every turn on the same pair of workers
+        assert not any(t["rebuilt"] for t in served)
+        assert [t["tokens"] for t in served] == _reference_turns(reference, f"ref-{session}", session_texts)
+        placements[session] = (served[0]["worker"], served[0]["decoder"])
+    print("placements:", placements)
+    decoders = {d for _, d in placements.values()}
+    assert len(decoders) == 2, placements  # both decoder workers took sessions
+    stats = fleet.stats()
+    written = sum(v for w in stats.values() if w["role"] == "encoder" for k, v in w["counters"].items() if k.startswith("routing_decisions_written"))
+    applied = sum(v for w in stats.values() if w["role"] == "decoder" for k, v in w["counters"].items() if k.startswith("routing_decisions_applied"))
+    assert written == applied == len(read_turns(fleet.run_dir))
+
+
+def test_killed_decoder_rebuilds_elsewhere_with_same_tokens(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
+    d = _deploy(tmp_path / "dynamo-1x2", default_engines, encoders=1, decoders=2)
+    try:
+        conv = Conversation(d.url, "killed-0")
+        for text in CONVERSATION[:2]:
+            conv.say(text, max_tokens=MAX_TOKENS)
+        before = _served(d.run_dir, "killed-0")
+        victim_id = before[-1]["decoder"]
+        victim = next(n for n, w in d.stats().items() if w["instance_id"] == victim_id)
+        d.kill(victim)
+        for text in CONVERSATION[2:]:
+            conv.say(text, max_tokens=MAX_TOKENS)
+        served = _served(d.run_dir, "killed-0")
+        assert served[2]["rebuilt"] and served[2]["decoder"] != victim_id  # rebuilt from the conversation elsewhere
+        assert not any(t["rebuilt"] for t in served[3:]) and {t["decoder"] for t in served[2:]} == {served[2]["decoder"]}
+        assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-killed-0", CONVERSATION)  # as if undisturbed
+    finally:
+        d.stop()
