@@ -142,3 +142,38 @@ def read_stats(run_dir: Path) -> dict[str, dict]:
 def read_turns(run_dir: Path) -> list[dict]:
     path = run_dir / "turns.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def stop_recorded(run_dir: Path, grace_s: float = 10.0) -> list[str]:
+    """Stop a deployment started by another process (its pids in deployment.json): frontend first, then the workers."""
+    state_file = run_dir / "deployment.json"
+    if not state_file.exists():
+        return []
+    pids: dict[str, int] = json.loads(state_file.read_text())["pids"]
+    stopped = []
+    for name in sorted(pids, key=lambda n: n != "frontend"):
+        pid = pids[name]
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.1)
+        if _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+        stopped.append(name)
+    state_file.unlink()
+    return stopped
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a child of this process that exited but was not reaped yet counts as gone
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True

@@ -1,0 +1,72 @@
+"""Start, inspect and stop a loopback NVIDIA Dynamo deployment of the embedded default (docs/scale_out.md).
+
+  .venv/bin/python scripts/dynamo_up.py start --encoders 2 --decoders 2 --port 18080   # returns once it serves
+  curl -s 127.0.0.1:18080/v1/chat/completions -H 'x-dynamo-session-id: s1' -H 'content-type: application/json' \\
+       -d '{"model": "mol2-small", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 24}'
+  .venv/bin/python scripts/dynamo_up.py status      # routing counters (written/read/applied) and transfers per worker
+  .venv/bin/python scripts/dynamo_up.py stop
+
+Discovery is Dynamo's file backend under --run-dir (no etcd, no NATS); the workers run in .venv-dynamo
+(scripts/setup_dynamo.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dynamo_deploy.launcher import Deployment, read_stats, stop_recorded  # noqa: E402
+
+DEFAULT_RUN_DIR = ROOT / "artifacts" / "dynamo"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=["start", "status", "stop"])
+    p.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR)
+    p.add_argument("--encoders", type=int, default=1)
+    p.add_argument("--decoders", type=int, default=1)
+    p.add_argument("--port", type=int, default=18080)
+    p.add_argument("--model-dir", type=Path, default=ROOT / "embedded" / "mol2-small")
+    p.add_argument("--engine-dir", type=Path, default=ROOT / "artifacts" / "engines" / "mol2-small")
+    p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
+    p.add_argument("--max-context", type=int, default=2048)
+    a = p.parse_args(argv)
+    if a.command == "start":
+        if (a.run_dir / "deployment.json").exists():
+            print(f"a deployment is already recorded in {a.run_dir}; stop it first", file=sys.stderr)
+            return 1
+        d = Deployment(a.run_dir, a.model_dir, a.engine_dir, a.encoders, a.decoders, a.port, a.backend, a.max_context)
+        t0 = time.monotonic()
+        print(f"starting {a.encoders} encoder + {a.decoders} decoder workers and the frontend (logs in {a.run_dir / 'logs'}) ...", flush=True)
+        try:
+            d.start()
+        except BaseException:
+            d.stop()
+            raise
+        print(f"serving {d.url}/v1/chat/completions (model mol2-small) after {time.monotonic() - t0:.1f} s")
+        return 0
+    if a.command == "status":
+        for name, w in read_stats(a.run_dir).items():
+            c = w["counters"]
+            show = {k.split("/")[0].replace("routing_decisions_", ""): 0 for k in c if k.startswith("routing_decisions")}
+            for k, v in c.items():
+                if k.startswith("routing_decisions"):
+                    show[k.split("/")[0].replace("routing_decisions_", "")] += v
+            f = w["figures"]
+            print(f"{name:10s} instance {w['instance_id']} pid {w['pid']}: turns {int(f.get('turns', 0))}, routing {show}, "
+                  f"hand-over {int(f.get('handover_turn_bytes', 0))} B in {int(f.get('handover_turns', 0))} turns, "
+                  f"steps {int(f.get('step_calls', 0))} ({int(f.get('step_bytes', 0))} B), rebuilds {int(f.get('rebuilds', 0))}")
+        return 0
+    stopped = stop_recorded(a.run_dir)
+    print(f"stopped {', '.join(stopped) if stopped else 'nothing (no deployment recorded)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
