@@ -33,6 +33,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quant", choices=QUANT_MODES, default="none")
     p.add_argument("--data", type=Path, default=Path("artifacts/data"),
                    help="prepared corpora, read for held-out text only when <model>/heldout/ is absent (quantized builds)")
+    p.add_argument("--reuse-fp32", type=Path, default=None,
+                   help="quantized builds: take the fp32 graphs from this engine directory when it is up to date for the "
+                        "same checkpoint (skips the export, about a minute), else export them")
     p.add_argument("--force", action="store_true", help="rebuild even when the directory is up to date")
     p.add_argument("--max-batch", type=int, default=64, help="TensorRT profiles: most rows per step")
     p.add_argument("--max-context", type=int, default=8192, help="TensorRT profiles: longest session")
@@ -89,14 +92,22 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
     else:  # fp32 graphs first (checked against their modules), then ModelOpt PTQ of them into the engine directory
         import shutil
 
+        from .manifest import read_manifest
         from .quant_build import build_quantized
 
-        fp32_dir = args.out / ".fp32"
-        try:
-            fp32_graphs, parity = build_onnx(model_dir, fp32_dir)
-            graphs, quant = build_quantized(model_dir, fp32_dir, fp32_graphs, onnx_dir, args.quant, args.data)
-        finally:
-            shutil.rmtree(fp32_dir, ignore_errors=True)
+        reuse = args.reuse_fp32
+        if reuse is not None and stale_reason(reuse, model_dir, BuildSettings("onnx", "none", settings.opset)) is None:
+            print(f"taking the fp32 graphs from {reuse} (up to date)", flush=True)
+            fp32 = read_manifest(reuse) or {}
+            graphs, quant = build_quantized(model_dir, reuse, fp32["graphs"], onnx_dir, args.quant, args.data)
+            parity = fp32["parity_max_abs"]
+        else:
+            fp32_dir = args.out / ".fp32"
+            try:
+                fp32_graphs, parity = build_onnx(model_dir, fp32_dir)
+                graphs, quant = build_quantized(model_dir, fp32_dir, fp32_graphs, onnx_dir, args.quant, args.data)
+            finally:
+                shutil.rmtree(fp32_dir, ignore_errors=True)
     if args.format == "trt":
         from .trt_build import TrtLimits, build_trt
 

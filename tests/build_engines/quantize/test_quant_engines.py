@@ -1,0 +1,140 @@
+"""The embedded default's fp8 and int8 engines (ModelOpt PTQ, built or reused like `default_engines`): standard Q/DQ
+only, LoRA inputs never quantized, perplexity within the issue's bounds on held-out text, bounded replay's source
+independence bit for bit, and a routed conversation through the serving pipeline on them."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from build_engines.build.cli import main as build
+from build_engines.build.onnx_build import GRAPH_FILES, ort_runner
+from build_engines.export.layout import StepLayout
+from build_engines.export.parity import HANDOVER
+from build_engines.export.rows import (
+    DecoderRow,
+    EncoderRow,
+    absorb_decoder,
+    absorb_encoder,
+    decoder_inputs,
+    encoder_inputs,
+)
+from build_engines.formats.checkpoint import load_config
+from build_engines.quantize.scoring import bundled_adapters
+from tests.conftest import DEFAULT_ENGINES, EMBEDDED
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("onnxruntime")
+WEIGHT_TYPE = {"int8": "INT8", "fp8": "FLOAT8E4M3FN"}
+BOUND = {"fp8": 0.02, "int8": 0.03}
+PASS_THROUGH = {"Gather", "Reshape", "Transpose", "Flatten", "Unsqueeze", "Squeeze", "Slice", "Identity", "Cast"}
+
+
+@pytest.fixture(scope="module", params=["int8", "fp8"])
+def quantized(request, default_engines):  # type: ignore[no-untyped-def]
+    mode = request.param
+    out = DEFAULT_ENGINES.parent / f"mol2-small-{mode}"
+    code = build(["--model", str(EMBEDDED), "--out", str(out), "--quant", mode, "--reuse-fp32", str(default_engines)])
+    assert code == 0, f"python -m build_engines build --quant {mode} exited {code}"
+    return mode, out, json.loads((out / "manifest.json").read_text())
+
+
+def test_graphs_hold_standard_qdq_with_quantized_weights(quantized) -> None:  # type: ignore[no-untyped-def]
+    mode, out, manifest = quantized
+    assert manifest["settings"]["quant"] == mode
+    calib = manifest["quant"]["calibration"]
+    assert calib["split"] == "val" and calib["tokens"] >= 4096 and calib["encoder_feeds"] > 0 and calib["decoder_feeds"] > 0
+    for name in ("encoder", "decoder"):
+        model = onnx.load(str(out / GRAPH_FILES[name]))
+        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}, "no TensorRT or other custom domain left"
+        inits = {t.name: t for t in model.graph.initializer}
+        weights = collections.Counter(onnx.TensorProto.DataType.Name(inits[n.input[0]].data_type)
+                                      for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits)
+        assert weights[WEIGHT_TYPE[mode]] >= 20, f"{name}: weights stored as {WEIGHT_TYPE[mode]}: {weights}"
+        assert sum(n.op_type == "QuantizeLinear" for n in model.graph.node) >= 15, "activations are quantized too"
+    fp32_bytes = json.loads((DEFAULT_ENGINES / "manifest.json").read_text())["graphs"]["decoder"]["bytes"]
+    assert manifest["graphs"]["decoder"]["bytes"] < 0.8 * fp32_bytes, "quantized weights make the engine smaller"
+
+
+def test_lora_inputs_stay_in_high_precision(quantized) -> None:  # type: ignore[no-untyped-def]
+    _, out, _ = quantized
+    model = onnx.load(str(out / GRAPH_FILES["decoder"]))
+    consumers = collections.defaultdict(list)
+    for node in model.graph.node:
+        for name in node.input:
+            consumers[name].append(node)
+    frontier = [i.name for i in model.graph.input if i.name.startswith(("lora_a.", "lora_b."))]
+    assert len(frontier) == 44
+    reached_matmul = 0
+    while frontier:
+        for node in consumers[frontier.pop()]:
+            assert node.op_type != "QuantizeLinear", f"a LoRA factor is quantized at {node.name}"
+            if node.op_type in PASS_THROUGH:
+                frontier.extend(node.output)
+            reached_matmul += node.op_type == "MatMul"
+    assert reached_matmul >= 44, "every LoRA factor reaches its product in fp32"
+
+
+def test_perplexity_stays_within_the_bound_of_the_fp32_engine(quantized) -> None:  # type: ignore[no-untyped-def]
+    mode, _, manifest = quantized
+    check = manifest["quant"]["check"]
+    print(f"{mode} vs fp32 on held-out test text:", json.dumps(check["perplexity"]))
+    assert set(check["perplexity"]) == {"base/base", "chat/L0_chat", "agent/L1_agent", "code/L2_code", "design/L3_design"}
+    assert all(abs(f["relative"]) <= BOUND[mode] for f in check["perplexity"].values())
+    assert any(f["relative"] != 0 for f in check["perplexity"].values()), "the engines are quantized (not the fp32 ones)"
+
+
+def test_replay_is_independent_of_the_source_adapter_on_the_quantized_engine(quantized) -> None:  # type: ignore[no-untyped-def]
+    """One history decoded under base and two different adapters, then replayed under a fixed target: identical
+    logits and rings, bit for bit (the bundled adapters, held-out-like random tokens)."""
+    _, out, _ = quantized
+    layout = StepLayout(load_config(EMBEDDED))
+    bank = bundled_adapters(EMBEDDED, layout).bank
+    enc_o, dec_o = ort_runner(out / GRAPH_FILES["encoder"]), ort_runner(out / GRAPH_FILES["decoder"])
+    rng = np.random.default_rng()
+    history = rng.integers(0, layout.cfg.vocab_size, (1, 150))
+    later = rng.integers(0, layout.cfg.vocab_size, (6, 1))
+    erow = EncoderRow.empty(layout)
+
+    def prefill(tokens):  # type: ignore[no-untyped-def]
+        result = enc_o(encoder_inputs(layout, [erow], tokens))
+        absorb_encoder(layout, [erow], result, tokens.shape[1])
+        return result
+
+    first = prefill(history)
+    steps = [prefill(t[None]) for t in later]
+    for target in (1, 3):
+        results = []
+        for source in (0, 2, 4):
+            drow = DecoderRow.empty(layout)
+            drow.absorb(layout, {k: first[k][0] for k in HANDOVER})
+            feed = {**decoder_inputs(layout, [drow], None, [source]), **bank}
+            absorb_decoder([drow], dec_o(feed), feed, True, [source])
+            for step in steps:
+                drow.absorb(layout, {k: step[k][0] for k in HANDOVER})
+                feed = {**decoder_inputs(layout, [drow], [{k: step[k][0] for k in HANDOVER[:4]}], [source]), **bank}
+                absorb_decoder([drow], dec_o(feed), feed, False, [source])
+            results.append(dec_o({**decoder_inputs(layout, [drow], None, [target]), **bank}))
+        for other in results[1:]:
+            assert np.array_equal(other["logits"], results[0]["logits"]) and np.array_equal(other["ring_rows"], results[0]["ring_rows"])
+    base = dec_o({**decoder_inputs(layout, [drow], None, [0]), **bank})
+    assert not np.array_equal(results[0]["logits"], base["logits"]), "the target adapter changes the logits (not vacuous)"
+
+
+def test_a_routed_conversation_runs_on_the_quantized_engines(quantized, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from tritonserver_backend.pipeline import InProcessPipeline
+    from tritonserver_backend.registry_init import ensure_registry
+    from tritonserver_backend.sampling import SamplingParams
+
+    mode, out, _ = quantized
+    ensure_registry(tmp_path, EMBEDDED)
+    pipe = InProcessPipeline(EMBEDDED, tmp_path, backend="onnx", engine_dir=out)
+    turns = [("Hi! How was your day?", None, True), ("Make the header sticky with a shadow.", "L3_design", False),
+             ("Thanks, that helps.", "base", False)]
+    replies = [pipe.chat("s", text, adapter=a, new_session=new, params=SamplingParams(max_tokens=16)) for text, a, new in turns]
+    assert [r.adapter for r in replies][1:] == ["L3_design", "base"]
+    assert all(len(r.token_ids) > 0 for r in replies)
