@@ -40,6 +40,9 @@ class TurnRequest:
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     history: str | None = None
     end_session: bool = False
 
@@ -53,6 +56,9 @@ class TurnRequest:
             c.TOP_P: self.top_p,
             c.SEED: self.seed,
             c.STOP: self.stop,
+            c.FREQUENCY_PENALTY: self.frequency_penalty,
+            c.PRESENCE_PENALTY: self.presence_penalty,
+            c.REPETITION_PENALTY: self.repetition_penalty,
             c.HISTORY: self.history,
             c.END_SESSION: self.end_session or None,
         }

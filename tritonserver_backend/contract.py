@@ -45,6 +45,10 @@ TEMPERATURE = TensorSpec("temperature", "FP32", (1,), True, "0 = greedy (default
 TOP_P = TensorSpec("top_p", "FP32", (1,), True, "nucleus sampling mass (default 1.0)")
 SEED = TensorSpec("seed", "INT64", (1,), True, "sampling seed (default 0): same seed, same reply")
 STOP = TensorSpec("stop", "BYTES", (-1,), True, "stop strings; generation ends when the reply contains one")
+FREQUENCY_PENALTY = TensorSpec("frequency_penalty", "FP32", (1,), True, "[-2, 2]: subtracted from a token's logit once per time it appeared in the reply (default 0)")
+PRESENCE_PENALTY = TensorSpec("presence_penalty", "FP32", (1,), True, "[-2, 2]: subtracted from the logit of a token that appeared in the reply (default 0)")
+REPETITION_PENALTY = TensorSpec("repetition_penalty", "FP32", (1,), True, "(0, 10]: divides a positive (multiplies a negative) logit of a token seen in the reply (default 1)")
+PENALTIES = (FREQUENCY_PENALTY, PRESENCE_PENALTY, REPETITION_PENALTY)
 END_SESSION = TensorSpec("end_session", "BOOL", (1,), True, "true drops the session after this turn")
 
 TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,), doc="one streamed piece of the reply")
@@ -94,21 +98,21 @@ class ModelSpec:
     max_batch_size: int = 0
 
 
-PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP), (TOKEN_IDS, PREFIX_IDS, START))
+PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES), (TOKEN_IDS, PREFIX_IDS, START))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 # the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two
 # more IPC round trips) per streamed token per session, the largest per-token cost of the batched path (docs/load.md)
 DECODER = ModelSpec(
     "decoder",
-    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION, CONTROL),
+    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, CONTROL),
     (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON),
     decoupled=True,
 )
 ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
 SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION), (RESULT,))
 ENSEMBLE_NAME = "mol2"
-ENSEMBLE_INPUTS = (SESSION_ID, TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, END_SESSION)
+ENSEMBLE_INPUTS = (SESSION_ID, TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON)
 MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN, SESSION_CONTROL)
 

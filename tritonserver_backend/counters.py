@@ -8,6 +8,8 @@ from collections import Counter
 WRITTEN, READ, APPLIED = "routing_decisions_written", "routing_decisions_read", "routing_decisions_applied"
 REPLAYS, REPLAY_TOKENS, EXPLICIT = "replays", "replay_tokens", "explicit_overrides"
 REJECTED = "routing_decisions_rejected"
+ENCODED_TOKENS = "encoded_tokens"  # the encoder's, labelled by kind (TURN: user turns and rebuilt history, STEP: replies)
+TURN, STEP = "turn", "step"
 DESCRIPTIONS = {
     WRITTEN: "routing decisions written by the router (explicit overrides included)",
     READ: "routing decisions read by the decoder",
@@ -16,6 +18,7 @@ DESCRIPTIONS = {
     REPLAYS: "bounded replays run by the decoder",
     REPLAY_TOKENS: "positions replayed through the decoder",
     EXPLICIT: "requests whose explicit adapter overrode the router",
+    ENCODED_TOKENS: "tokens run through the encoder (kind=turn: user turns and any rebuilt history; kind=step: generated tokens fed back)",
 }
 
 

@@ -136,7 +136,7 @@ class DecoderService:
     def choose(self, turn: Turn) -> int | None:
         """Sample the turn's next token; None when the turn ends here (end-of-turn sampled)."""
         assert turn.logits is not None
-        token = turn.sampler(torch.from_numpy(turn.logits))
+        token = turn.sampler(torch.from_numpy(turn.logits), turn.generated)
         if token == self.tokenizer.end_of_turn_id:
             turn.finish = FINISH_EOT
             return None

@@ -15,6 +15,8 @@ import numpy as np
 
 from build_engines.export.rows import HANDOVER_KEYS, EncoderRow, absorb_encoder, encoder_inputs
 
+from . import counters as k
+from .counters import Counters
 from .engines import StepEngine
 from .errors import BadRequest, ServerBusy
 from .session_store import SessionStore
@@ -31,12 +33,14 @@ class _InFlight:
 
 class EncoderService:
     def __init__(self, engine: StepEngine, budget_bytes: int = 2 << 30, max_context: int = DEFAULT_MAX_CONTEXT,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0) -> None:
-        """`max_turns` bounds the turns in flight (active + queued at the decoder); 0 = no bound."""
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0, counters: Counters | None = None) -> None:
+        """`max_turns` bounds the turns in flight (active + queued at the decoder); 0 = no bound. `counters` count the
+        tokens encoded (what shows that a continued conversation encodes only its new turn)."""
         self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
         self.max_context, self.prefill_chunk, self.max_turns = max_context, prefill_chunk, max_turns
         self.sessions: SessionStore[EncoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
         self._in_flight: dict[str, _InFlight] = {}
+        self.counters = counters or Counters()
 
     # ------------------------------------------------------------------ a user turn
     def encode_turn(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None,
@@ -70,6 +74,7 @@ class EncoderService:
         handover["positions"] = np.arange(first, row.position, dtype=np.int64)
         self._in_flight[session_id] = _InFlight(self.sessions.get(session_id) if existed else None)
         self.sessions.put(session_id, row)
+        self.counters.add(k.ENCODED_TOKENS, k.TURN, int(ids_all.size))
         h19 = handover.pop("h19")[-ids.size:].mean(0)
         return h19.astype(np.float32), handover
 
@@ -98,6 +103,7 @@ class EncoderService:
         starts = [r.position for r in rows]
         out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens.astype(np.int64)))
         absorb_encoder(self.layout, rows, out, tokens.shape[1])
+        self.counters.add(k.ENCODED_TOKENS, k.STEP, int(tokens.size))
         if turn_done:
             for s in session_ids:
                 self._in_flight.pop(s, None)

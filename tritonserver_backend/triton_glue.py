@@ -115,6 +115,9 @@ def sampling_params(request: Any) -> "SamplingParams":
         top_p=float(read(request, c.TOP_P, 1.0)),
         seed=int(read(request, c.SEED, 0)),
         stop=tuple(read(request, c.STOP, [])),
+        frequency_penalty=float(read(request, c.FREQUENCY_PENALTY, 0.0)),
+        presence_penalty=float(read(request, c.PRESENCE_PENALTY, 0.0)),
+        repetition_penalty=float(read(request, c.REPETITION_PENALTY, 1.0)),
     )
 
 
@@ -177,8 +180,9 @@ def bls_control(session_id: str, action: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- metrics
-def export_counters(counters: Counters, names: list[str]) -> None:
-    """Mirror `counters` into Triton custom metrics `mol2_<counter>{adapter="..."}` on the metrics port."""
+def export_counters(counters: Counters, names: list[str], label: str = "adapter") -> None:
+    """Mirror `counters` into Triton custom metrics `mol2_<counter>{<label>="..."}` on the metrics port (the second key
+    of a count is the adapter for the routing counters, the kind of tokens for the encoder's)."""
     pb_utils = pb()
     families = {n: pb_utils.MetricFamily(name=f"mol2_{n}", description=DESCRIPTIONS[n], kind=pb_utils.MetricFamily.COUNTER) for n in names}
     metrics: dict[tuple[str, str], Any] = {}
@@ -188,7 +192,7 @@ def export_counters(counters: Counters, names: list[str]) -> None:
             return
         key = (counter, adapter)
         if key not in metrics:
-            metrics[key] = families[counter].Metric(labels={"adapter": adapter})
+            metrics[key] = families[counter].Metric(labels={label: adapter})
         metrics[key].increment(amount)
 
     counters.listener = listener

@@ -3,7 +3,9 @@
 import triton_python_backend_utils as pb_utils  # noqa: F401
 
 from tritonserver_backend import contract as c
+from tritonserver_backend import counters as k
 from tritonserver_backend import triton_glue as glue
+from tritonserver_backend.counters import Counters
 from tritonserver_backend.encoder_service import EncoderService
 from tritonserver_backend.handover_codec import to_arrays
 
@@ -12,8 +14,10 @@ class TritonPythonModel:
     def initialize(self, args):
         params, model_dir, _ = glue.setup(args)
         max_turns = int(params["max_active_turns"]) + int(params["max_queued_turns"])
+        counters = Counters()
+        glue.export_counters(counters, [k.ENCODED_TOKENS], label="kind")
         self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]), int(params["max_context"]),
-                                      int(params["prefill_chunk"]), max_turns)
+                                      int(params["prefill_chunk"]), max_turns, counters)
 
     def execute(self, requests):
         responses = []

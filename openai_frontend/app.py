@@ -1,0 +1,107 @@
+"""The FastAPI application: `/v1/chat/completions`, `/v1/models`, `/health`, errors in the OpenAI format.
+
+Streaming answers are server-sent events of `chat.completion.chunk` objects ending with `data: [DONE]`. The first
+token is awaited before the response starts, so an error before the reply (bad parameter, unknown adapter, busy
+server) still gets its HTTP status, and the routed adapter can travel as the `x-mol2-adapter` header as well as in
+every chunk. An error after the reply started is sent as an `error` event (the status line is gone by then).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import responses as r
+from .errors import APIError, unavailable
+from .schemas import ChatRequest
+from .service import Answer, ChatService
+
+ADAPTER_HEADER = "x-mol2-adapter"
+REUSED_HEADER = "x-mol2-session-reused"
+CACHED_HEADER = "x-mol2-cached-tokens"
+
+
+def _sse(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode("utf-8")
+
+
+def _headers(answer: Answer) -> dict[str, str]:
+    return {ADAPTER_HEADER: answer.adapter, REUSED_HEADER: "true" if answer.reused else "false", CACHED_HEADER: str(answer.cached_tokens)}
+
+
+def create_app(service: ChatService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await service.stream.close()
+
+    app = FastAPI(title="mol2 OpenAI-compatible frontend", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), "invalid_request_error").body(), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not await service.stream.ready():
+            raise unavailable(f"tritonserver at {service.stream.url} is not ready")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        return JSONResponse(r.model_list(await _safe(service.models())))
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str) -> JSONResponse:
+        known = await _safe(service.models())
+        if model_id not in known:
+            raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model_not_found", "model")
+        return JSONResponse(r.model_card(model_id, int(time.time())))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        chat = ChatRequest.parse(await request.body())
+        answer = await _safe(service.start(chat))
+        cid, created = r.completion_id(), int(time.time())
+        if not chat.stream:
+            text = await _safe(answer.collect())
+            use = r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
+            return JSONResponse(r.completion(cid, created, chat.model, text, r.finish_reason(answer.finish), answer.adapter, use),
+                                headers=_headers(answer))
+        return StreamingResponse(_events(chat, answer, cid, created), media_type="text/event-stream", headers=_headers(answer))
+
+    return app
+
+
+async def _events(chat: ChatRequest, answer: Answer, cid: str, created: int) -> AsyncIterator[bytes]:
+    yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"role": "assistant", "content": ""}))
+    try:
+        async for delta in answer.deltas():
+            yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"content": delta}))
+    except APIError as exc:
+        yield _sse(exc.body())
+        return
+    yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {}, r.finish_reason(answer.finish)))
+    if chat.include_usage:
+        yield _sse(r.usage_chunk(cid, created, chat.model, answer.adapter, r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)))
+    yield b"data: [DONE]\n\n"
+
+
+async def _safe(awaitable):  # type: ignore[no-untyped-def]
+    """Await, turning a lost connection to tritonserver into a 503 (other APIErrors pass as they are)."""
+    try:
+        return await awaitable
+    except APIError:
+        raise
+    except (ConnectionError, OSError) as exc:
+        raise unavailable(f"tritonserver is not reachable: {exc}") from None

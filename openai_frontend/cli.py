@@ -1,0 +1,48 @@
+"""`python -m openai_frontend` (and `scripts/openai_server.py`): the OpenAI-compatible frontend on one port, forwarding
+to a running tritonserver's gRPC port."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BUDGET = 2 << 30  # the server's session_budget_bytes default (tritonserver_backend.repository)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="openai_server", description=__doc__.splitlines()[0])
+    p.add_argument("--triton-url", default="127.0.0.1:8001", help="tritonserver's gRPC address host:port")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (loopback by default)")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--model-dir", type=Path, default=ROOT / "embedded" / "mol2-small",
+                   help="the served model's folder: its tokenizer counts prompt tokens, its config sizes sessions")
+    p.add_argument("--cache-budget-bytes", type=int, default=DEFAULT_BUDGET,
+                   help="bound of the conversation-prefix cache, in server session bytes (use the server's session_budget_bytes)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from build_engines.data.tokenizer import ChatTokenizer
+
+    from .app import create_app
+    from .prefix_cache import PrefixCache
+    from .service import ChatService
+    from .session_cost import SessionCost
+    from .triton_stream import TritonStream
+
+    cache = PrefixCache(args.cache_budget_bytes, SessionCost.of_model(args.model_dir))
+    return create_app(ChatService(TritonStream(args.triton_url), ChatTokenizer.load(args.model_dir), cache))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    app = build(args)
+    print(f"OpenAI frontend on http://{args.host}:{args.port}/v1 -> tritonserver gRPC {args.triton_url}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio")  # grpc.aio needs asyncio's loop
+    return 0

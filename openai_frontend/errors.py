@@ -1,0 +1,67 @@
+"""Errors in the OpenAI format (`{"error": {"message", "type", "param", "code"}}`) with the status codes OpenAI
+clients act on: 400 retry is pointless, 404 the model id is wrong, 429/503 back off and retry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class APIError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": "1"} if self.status in (429, 503) else {}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", None, param)
+
+
+def unknown_model(model: str, known: list[str]) -> APIError:
+    return APIError(404, f"The model '{model}' does not exist; served models: {', '.join(known)}", "invalid_request_error",
+                    "model_not_found", "model")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, "server_error", "service_unavailable")
+
+
+# Triton's per-request messages (tritonserver_backend.errors) -> status, type, code. Order matters: first match wins.
+_TRITON_CLASSES: tuple[tuple[str, int, str, str | None], ...] = (
+    ("server busy", 429, "rate_limit_error", "server_busy"),
+    ("still answering its previous turn", 429, "rate_limit_error", "session_busy"),
+    ("unknown adapter", 404, "invalid_request_error", "model_not_found"),
+    ("unknown session", 409, "invalid_request_error", "session_lost"),
+    ("was evicted", 409, "invalid_request_error", "session_lost"),
+    ("was ended", 409, "invalid_request_error", "session_lost"),
+    ("internal error", 500, "server_error", None),
+    ("failed to connect", 503, "server_error", "service_unavailable"),
+    ("unavailable", 503, "server_error", "service_unavailable"),
+)
+
+
+def from_triton(message: str) -> APIError:
+    """A Triton error message as the OpenAI error a client should see (anything unclassified is the client's 400:
+    the server's own checks name bad parameters, over-long input and malformed text)."""
+    lowered = message.lower()
+    for needle, status, kind, code in _TRITON_CLASSES:
+        if needle in lowered:
+            return APIError(status, message, kind, code)
+    return APIError(400, message, "invalid_request_error", None)
+
+
+def session_lost(error: APIError) -> bool:
+    """The server no longer holds the session the cache pointed at: rebuild it from the messages instead."""
+    return error.code == "session_lost"

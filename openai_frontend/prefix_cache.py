@@ -1,0 +1,81 @@
+"""Conversation prefix -> the server session that holds it, so a conversation continued by resending its messages
+(the OpenAI API is stateless) reuses the session's encoder state and global KV instead of re-encoding everything.
+
+A key is the SHA-256 of the model id and the exact message list (roles and contents) the session has absorbed: its
+earlier turns and the reply the server gave, as the frontend returned it. A request looks up the key of its messages
+before the new user message: the longest prefix a session can continue from, because the tensor API appends a user
+turn and then the server's own reply, and cannot absorb assistant text it did not generate. Any other prefix
+(edited history, a switched model id, a lost entry) is rebuilt from the messages with the `history` input.
+
+`take` removes the entry it returns: a session serves one request at a time, so two concurrent requests that resend
+the same conversation never share (or see) one session; the second rebuilds its own. The turn's outcome is stored
+under its new key with `put`. Entries are evicted least recently used once their estimated bytes pass the budget
+(the server's `session_budget_bytes`; it evicts its own sessions by the same rule, and a session the server dropped
+first is detected at the next turn and rebuilt).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from .schemas import Message
+from .session_cost import SessionCost
+
+
+def prefix_key(model: str, messages: Sequence[Message]) -> str:
+    canonical = json.dumps([model, [list(m) for m in messages]], ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Entry:
+    session_id: str
+    tokens: int  # positions the session holds (what its bytes grow with)
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, cost: SessionCost) -> None:
+        self.budget_bytes, self.cost = budget_bytes, cost
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = self.evictions = 0
+
+    def take(self, key: str) -> Entry | None:
+        """Claim the session holding this prefix (removed: nobody else may continue it meanwhile)."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            self._bytes -= self.cost.bytes(entry.tokens)
+            return entry
+
+    def put(self, key: str, entry: Entry) -> list[Entry]:
+        """Remember a session under the prefix it now holds; returns the entries evicted to stay within the budget."""
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= self.cost.bytes(old.tokens)
+            self._entries[key] = entry
+            self._bytes += self.cost.bytes(entry.tokens)
+            evicted = []
+            while len(self._entries) > 1 and self._bytes > self.budget_bytes:
+                _, gone = self._entries.popitem(last=False)
+                self._bytes -= self.cost.bytes(gone.tokens)
+                evicted.append(gone)
+            self.evictions += len(evicted)
+            return evicted
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes

@@ -1,0 +1,134 @@
+"""The `POST /v1/chat/completions` body: pydantic checks the types, `ChatRequest.parse` the meaning.
+
+Unknown fields are ignored (as OpenAI-compatible servers do: clients send `user`, `metadata`, ...); features this
+server cannot honour (`n` > 1, tools, log-probabilities, non-text content) are refused with a 400 naming the field
+instead of being silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from . import model_ids
+from .errors import APIError, bad_request
+
+MAX_TOKENS_LIMIT = 4096  # tritonserver_backend.sampling.MAX_TOKENS_LIMIT (not imported: it pulls torch)
+MAX_STOP = 4
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class MessageIn(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class ChatBody(BaseModel):
+    model: str
+    messages: list[MessageIn] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    n: int = 1
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # extension (vLLM, TensorRT-LLM have it too)
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+
+
+Message = tuple[str, str]  # (role, content) with roles normalised to system / user / assistant
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    adapter: str | None  # explicit adapter (None: MoL2 routes)
+    messages: tuple[Message, ...]
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    seed: int | None
+    stop: tuple[str, ...]
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    repetition_penalty: float | None
+
+    @property
+    def earlier(self) -> tuple[Message, ...]:
+        """Everything before the new user message: what a reusable session must already hold."""
+        return self.messages[:-1]
+
+    @property
+    def last(self) -> str:
+        return self.messages[-1][1]
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "ChatRequest":
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            body = ChatBody.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise bad_request(f"{where}: {first['msg']}", param=where) from None
+        return cls.from_body(body)
+
+    @classmethod
+    def from_body(cls, body: ChatBody) -> "ChatRequest":
+        if body.n != 1:
+            raise bad_request("only n=1 is supported", "n")
+        if body.logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if body.tools or body.functions:
+            raise bad_request("tools and function calling are not supported", "tools")
+        try:
+            adapter = model_ids.parse(body.model)
+        except ValueError:
+            raise APIError(404, f"The model '{body.model}' does not exist; model ids are 'mol2' (MoL2 routing), 'mol2:base' "
+                                "and 'mol2:<adapter>' (GET /v1/models lists them)", "invalid_request_error", "model_not_found", "model") from None
+        messages = tuple(_message(i, m) for i, m in enumerate(body.messages))
+        if messages[-1][0] != "user":
+            raise bad_request(f"the last message must come from the user, got role '{messages[-1][0]}'", "messages")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        if len(stop) > MAX_STOP or any(not s for s in stop):
+            raise bad_request(f"stop takes up to {MAX_STOP} non-empty strings", "stop")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return cls(body.model, adapter, messages, body.stream, bool(body.stream_options and body.stream_options.include_usage),
+                   max_tokens, body.temperature, body.top_p, body.seed, stop, body.frequency_penalty, body.presence_penalty,
+                   body.repetition_penalty)
+
+
+def _message(i: int, m: MessageIn) -> Message:
+    role = ROLES.get(m.role)
+    if role is None:
+        raise bad_request(f"messages[{i}].role '{m.role}' is not supported (system, developer, user, assistant)", f"messages.{i}.role")
+    if m.content is None:
+        raise bad_request(f"messages[{i}].content is missing", f"messages.{i}.content")
+    text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+    return role, text

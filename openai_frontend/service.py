@@ -1,0 +1,151 @@
+"""One chat completion: which server session answers it, the turn itself, and what the cache learns from it.
+
+A request whose earlier messages are exactly what a cached session holds continues that session: only the new user
+message is sent (and encoded). Otherwise it starts a fresh session with `new_session` and the earlier messages as
+`history` (the server's rebuild path). Either way the request is the same tensor-API turn a client of the `mol2`
+ensemble would send, so the reply is the one that conversation gets there. A cached session the server has meanwhile
+evicted fails before anything is encoded and is rebuilt at once; the client never sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from build_engines.data.tokenizer import ChatTokenizer, Message
+from tritonserver_backend.client import TurnRequest
+
+from . import model_ids
+from .errors import APIError, session_lost, unknown_model
+from .prefix_cache import Entry, PrefixCache, prefix_key
+from .schemas import ChatRequest
+from .stop_text import StopText
+from .triton_stream import Piece, TritonStream
+
+ADAPTER_LIST_TTL_S = 2.0
+
+
+@dataclass
+class Answer:
+    """A turn under way: the first piece is in (so errors before the reply became HTTP errors and the adapter is
+    known for the response header); `deltas` streams the reply text and, at its end, records the session."""
+
+    service: "ChatService"
+    request: ChatRequest
+    session_id: str
+    reused: bool
+    prompt_tokens: int
+    cached_tokens: int
+    first: Piece
+    rest: AsyncIterator[Piece]
+    adapter: str = ""
+    finish: str = ""
+    completion_tokens: int = 0
+    text: str = ""
+    _stop: StopText = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.adapter = self.first.adapter
+        self._stop = StopText(self.request.stop)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        complete = False
+        try:
+            piece = self.first
+            while True:
+                out = self._take(piece)
+                if out:
+                    yield out
+                if piece.finish:
+                    break
+                piece = await anext(self.rest)
+            tail = self._stop.flush()
+            self.text = self._stop.emitted
+            if tail:
+                yield tail
+            complete = True
+        finally:
+            if not complete:
+                await self.rest.aclose()  # the client left: the stream cancels the turn on the server
+            else:
+                self.service.remember(self)
+
+    def _take(self, piece: Piece) -> str:
+        self.adapter = piece.adapter or self.adapter
+        self.finish = piece.finish or self.finish
+        if piece.token_id < 0:
+            return ""
+        self.completion_tokens += 1
+        return self._stop.feed(piece.text)
+
+    async def collect(self) -> str:
+        return "".join([d async for d in self.deltas()])
+
+
+class ChatService:
+    def __init__(self, stream: TritonStream, tokenizer: ChatTokenizer, cache: PrefixCache) -> None:
+        self.stream, self.tokenizer, self.cache = stream, tokenizer, cache
+        self._adapters: list[str] = []
+        self._adapters_at = 0.0
+        self.reused = self.rebuilt = self.started = 0
+
+    # ------------------------------------------------------------------ models
+    async def adapters(self, fresh: bool = False) -> list[str]:
+        if fresh or time.monotonic() - self._adapters_at > ADAPTER_LIST_TTL_S:
+            self._adapters = await self.stream.adapters()
+            self._adapters_at = time.monotonic()
+        return self._adapters
+
+    async def models(self) -> list[str]:
+        return model_ids.served(await self.adapters())
+
+    async def check_model(self, request: ChatRequest) -> None:
+        adapter = request.adapter
+        if adapter is None or adapter == model_ids.BASE:
+            return
+        if adapter not in await self.adapters() and adapter not in await self.adapters(fresh=True):
+            raise unknown_model(request.model, model_ids.served(self._adapters))
+
+    # ------------------------------------------------------------------ a completion
+    async def start(self, request: ChatRequest) -> Answer:
+        await self.check_model(request)
+        prompt_tokens = len(self.tokenizer.chat([Message(r, t) for r, t in request.messages]))
+        entry = self.cache.take(prefix_key(request.model, request.earlier)) if request.earlier else None
+        if entry is not None:
+            try:
+                return await self._open(request, entry.session_id, False, prompt_tokens, entry.tokens)
+            except APIError as exc:
+                if not session_lost(exc):
+                    raise
+        return await self._open(request, f"oai-{uuid.uuid4().hex}", True, prompt_tokens, 0)
+
+    async def _open(self, request: ChatRequest, session_id: str, new: bool, prompt_tokens: int, cached: int) -> Answer:
+        history = json.dumps([{"role": r, "content": t} for r, t in request.earlier]) if new and request.earlier else None
+        turn = TurnRequest(session_id, request.last, new_session=new, adapter=request.adapter, max_tokens=request.max_tokens,
+                           temperature=request.temperature, top_p=request.top_p, seed=request.seed,
+                           stop=list(request.stop) or None, frequency_penalty=request.frequency_penalty,
+                           presence_penalty=request.presence_penalty, repetition_penalty=request.repetition_penalty,
+                           history=history)
+        pieces = self.stream.turn(turn)
+        try:
+            first = await anext(pieces)
+        except BaseException:
+            await pieces.aclose()
+            raise
+        if new:
+            self.rebuilt += bool(request.earlier)
+            self.started += not request.earlier
+        else:
+            self.reused += 1
+        return Answer(self, request, session_id, not new, prompt_tokens, cached, first, pieces)
+
+    def remember(self, answer: Answer) -> None:
+        """The session now holds the request's messages and the reply as returned: continuable under that prefix."""
+        if answer.finish == "cancelled":
+            return
+        held = answer.request.messages + (("assistant", answer.text),)
+        tokens = answer.prompt_tokens + answer.completion_tokens + 1  # + the end-of-turn the server appends
+        self.cache.put(prefix_key(answer.request.model, held), Entry(answer.session_id, tokens))

@@ -1,0 +1,144 @@
+"""The async gRPC side: one turn of the `mol2` ensemble as an async stream of pieces, the adapter list, cancel.
+
+One bidirectional stream per turn over one shared channel (tritonclient's asyncio client), so the event loop serves
+every HTTP request without a thread each. The request iterator stays open until the final response: closing our half
+early is legal gRPC, but keeping it open means nothing depends on how Triton treats a half-closed decoupled stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from tritonserver_backend import contract as c
+from tritonserver_backend.client import TurnRequest
+
+from .errors import APIError, from_triton, unavailable
+
+
+@dataclass(frozen=True)
+class Piece:
+    token_id: int  # -1 on the final response
+    text: str
+    adapter: str
+    finish: str  # "" while streaming
+
+
+def _array(spec: c.TensorSpec, value: Any) -> np.ndarray:
+    if spec.dtype == "BYTES":
+        items = value if isinstance(value, list) else [value]
+        return np.array([v.encode("utf-8") for v in items], dtype=np.object_)
+    return np.asarray([value], dtype=spec.numpy_dtype)
+
+
+def _text(result: Any, spec: c.TensorSpec) -> str:
+    value = result.as_numpy(spec.name)
+    return "" if value is None else value.reshape(-1)[0].decode("utf-8", errors="replace")
+
+
+def _message(error: Any) -> str:
+    return error.message() if hasattr(error, "message") else str(error)
+
+
+class TritonStream:
+    def __init__(self, url: str) -> None:
+        import tritonclient.grpc.aio as grpc_aio
+
+        self._aio = grpc_aio
+        self.url = url
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """Made at first use: a grpc.aio channel belongs to the event loop it was created on (uvicorn's)."""
+        if self._client is None:
+            self._client = self._aio.InferenceServerClient(self.url)
+        return self._client
+
+    def _inputs(self, tensors: dict[c.TensorSpec, Any]) -> list[Any]:
+        out = []
+        for spec, value in tensors.items():
+            arr = _array(spec, value)
+            inp = self._aio.InferInput(spec.name, list(arr.shape), spec.dtype)
+            inp.set_data_from_numpy(arr)
+            out.append(inp)
+        return out
+
+    async def turn(self, request: TurnRequest) -> AsyncIterator[Piece]:
+        """The turn's pieces, the last one with its finish reason; a Triton error raises the matching APIError. If the
+        consumer stops early (the HTTP client left), the turn is cancelled on the server (session_control)."""
+        done = asyncio.Event()
+        inputs = self._inputs(request.tensors())
+        outputs = [self._aio.InferRequestedOutput(s.name) for s in c.ENSEMBLE_OUTPUTS]
+
+        async def requests() -> AsyncIterator[dict]:
+            yield {"model_name": c.ENSEMBLE_NAME, "inputs": inputs, "outputs": outputs}
+            await done.wait()
+
+        stream = self.client.stream_infer(requests())
+        finished = False
+        try:
+            async for result, error in stream:
+                if error is not None:
+                    finished = True  # the server ended the request itself: nothing to cancel
+                    raise from_triton(_message(error))
+                token = result.as_numpy(c.TOKEN_ID_OUT.name)
+                if token is None:
+                    continue
+                piece = Piece(int(token.reshape(-1)[0]), _text(result, c.TEXT_OUTPUT), _text(result, c.ADAPTER_NAME),
+                              _text(result, c.FINISH_REASON))
+                finished = bool(piece.finish)
+                yield piece
+                if finished:
+                    return
+            raise unavailable("tritonserver closed the stream before the reply ended")
+        except self._aio.InferenceServerException as exc:
+            raise _transport_error(exc) from None
+        finally:
+            done.set()
+            if not finished:
+                stream.cancel()
+                await asyncio.shield(self._cancel_quietly(request.session_id))
+
+    async def _cancel_quietly(self, session_id: str) -> None:
+        try:
+            await self.cancel(session_id)
+        except Exception:  # noqa: BLE001 - best effort: the turn may have ended meanwhile, or the server be gone
+            pass
+
+    async def _infer(self, model: str, tensors: dict[c.TensorSpec, Any], output: c.TensorSpec) -> str:
+        try:
+            result = await self.client.infer(model, self._inputs(tensors), outputs=[self._aio.InferRequestedOutput(output.name)])
+        except self._aio.InferenceServerException as exc:
+            raise _transport_error(exc) from None
+        return result.as_numpy(output.name).reshape(-1)[0].decode("utf-8")
+
+    async def adapters(self) -> list[str]:
+        """Names of the loaded adapters (`adapter_admin` list, open to everyone)."""
+        answer = json.loads(await self._infer(c.ADMIN.name, {c.ACTION: "list"}, c.RESULT))
+        return [a["name"] for a in answer["adapters"]]
+
+    async def cancel(self, session_id: str) -> dict:
+        return json.loads(await self._infer(c.SESSION_CONTROL.name, {c.SESSION_ID: session_id, c.CONTROL_ACTION: "cancel"}, c.RESULT))
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client.is_server_ready())
+        except Exception:  # noqa: BLE001 - not reachable is "not ready"
+            return False
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+def _transport_error(exc: Any) -> APIError:
+    message = _message(exc)
+    status = str(getattr(exc, "status", lambda: "")() or "")
+    if "UNAVAILABLE" in status or "failed to connect" in message.lower() or "connection refused" in message.lower():
+        return unavailable(f"tritonserver is not reachable: {message}")
+    return from_triton(message)

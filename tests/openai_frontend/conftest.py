@@ -1,0 +1,63 @@
+"""A real tritonserver (the embedded default) and the real frontend process beside it, on loopback ports, shared by this
+package's slow tests.
+
+The server runs the PyTorch reference engine: it needs no engine build, so these tests neither wait for nor rewrite
+the shared ONNX engines in artifacts/engines (what the frontend does is the same on every engine backend)."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import pytest
+
+from tests.tiny import PROJECT_ROOT
+
+EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
+
+
+@pytest.fixture(scope="session")
+def triton(tmp_path_factory):  # type: ignore[no-untyped-def]
+    pytest.importorskip("tritonclient.grpc", reason="install the serve extra: pip install -e '.[serve]'")
+    from tritonserver_backend.launcher import TritonServer
+    from tritonserver_backend.repository import build_repository
+
+    work = tmp_path_factory.mktemp("openai-triton")
+    # one turn in flight at most: a second concurrent turn is the busy case (429)
+    params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
+              "engine_backend": "torch", "max_active_turns": "1", "max_queued_turns": "0"}
+    srv = TritonServer(work_dir=work / "server")
+    srv.start(build_repository(work / "repo", params))
+    try:
+        srv.wait_ready(240)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def frontend(triton, tmp_path_factory):  # type: ignore[no-untyped-def]
+    from openai_frontend.process import FrontendProcess
+
+    log = tmp_path_factory.mktemp("openai-frontend") / "frontend.log"
+    proc = FrontendProcess(triton.grpc_url, EMBEDDED, log_file=log).start()
+    try:
+        proc.wait_ready(60)
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def client(frontend):  # type: ignore[no-untyped-def]
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=frontend.base_url, api_key="unused", max_retries=0, timeout=120)
+    yield c
+    c.close()
+
+
+def encoded_tokens(triton, kind: str = "turn") -> int:  # type: ignore[no-untyped-def]
+    """The encoder's `mol2_encoded_tokens{kind=...}` counter from the metrics port (0 before its first increment)."""
+    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
+    m = re.search(rf'^mol2_encoded_tokens{{kind="{kind}"}} (\S+)$', text, re.M)
+    return int(float(m.group(1))) if m else 0

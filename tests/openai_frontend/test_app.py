@@ -1,0 +1,204 @@
+"""The frontend against real processes: tritonserver + `python -m openai_frontend` on loopback, driven by the real
+`openai` package, compared with the tensor API (`tritonserver_backend.client.GrpcChat`) on the same server."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from build_engines.data.tokenizer import ChatTokenizer, Message
+from tests.openai_frontend.conftest import EMBEDDED, encoded_tokens
+from tritonserver_backend.client import GrpcChat, TurnRequest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built"),
+]
+TOKENS = 8
+TURNS = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "git log --oneline shows nothing, why?"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ChatTokenizer:
+    return ChatTokenizer.load(EMBEDDED)
+
+
+def _tensor_api(triton, session: str, turns: list[str], adapter: str | None = None) -> list:  # type: ignore[no-untyped-def]
+    chat = GrpcChat(triton.grpc_url)
+    try:
+        return [chat.turn(TurnRequest(session, t, new_session=i == 0, adapter=adapter, max_tokens=TOKENS)) for i, t in enumerate(turns)]
+    finally:
+        chat.close()
+
+
+def test_models_list_routing_base_and_every_loaded_adapter(client) -> None:  # type: ignore[no-untyped-def]
+    ids = [m.id for m in client.models.list().data]
+    assert ids[:2] == ["mol2", "mol2:base"]
+    assert {"mol2:L0_chat", "mol2:L1_agent", "mol2:L2_code", "mol2:L3_design"} <= set(ids)
+    assert client.models.retrieve("mol2:L2_code").id == "mol2:L2_code"
+
+
+def test_resent_conversation_reuses_its_session_and_equals_the_tensor_api(client, triton, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    want = _tensor_api(triton, "tensor-conv", TURNS)
+    messages: list[dict] = []
+    for i, (text, ref) in enumerate(zip(TURNS, want)):
+        messages.append({"role": "user", "content": text})
+        before = encoded_tokens(triton)
+        raw = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=TOKENS)
+        done = raw.parse()
+        encoded = encoded_tokens(triton) - before
+        reply = done.choices[0].message.content
+        assert ref.error is None and reply == ref.text, (i, reply, ref.text)
+        assert done.adapter == ref.adapter == raw.headers["x-mol2-adapter"], "the routed adapter is reported (field and header)"
+        assert done.usage.completion_tokens == len(ref.token_ids)
+        assert done.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+        if i == 0:
+            assert encoded == len(tokenizer.chat([Message("user", text)]))
+            assert raw.headers["x-mol2-session-reused"] == "false"
+        else:  # only the new user message went through the encoder: the session held everything before it
+            assert encoded == len(tokenizer.turn(Message("user", text), generation_prompt=True)), (i, encoded)
+            assert raw.headers["x-mol2-session-reused"] == "true"
+            assert done.usage.prompt_tokens_details.cached_tokens > 0
+        messages.append({"role": "assistant", "content": reply})
+
+
+def test_unknown_prefix_is_rebuilt_from_history_like_the_tensor_api(client, triton, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    earlier = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there."},
+               {"role": "assistant", "content": "Hi, what do you need?"}]
+    last = "Center a div with flexbox."
+    before = encoded_tokens(triton)
+    done = client.chat.completions.create(model="mol2", messages=[*earlier, {"role": "user", "content": last}], max_tokens=TOKENS)
+    encoded = encoded_tokens(triton) - before
+    assert encoded == len(tokenizer.chat([Message(m["role"], m["content"]) for m in earlier] + [Message("user", last)]))
+    assert done.usage.prompt_tokens == encoded and done.usage.prompt_tokens_details.cached_tokens == 0
+    chat = GrpcChat(triton.grpc_url)
+    ref = chat.turn(TurnRequest("tensor-rebuilt", last, new_session=True, history=json.dumps(earlier), max_tokens=TOKENS))
+    chat.close()
+    assert done.choices[0].message.content == ref.text and done.adapter == ref.adapter
+
+
+def test_streaming_equals_non_streaming_and_ends_with_done(client, frontend) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+
+    messages = [{"role": "user", "content": "Tell me about ships."}]
+    full = client.chat.completions.create(model="mol2", messages=messages, max_tokens=TOKENS)
+    stream = client.chat.completions.create(model="mol2", messages=messages, max_tokens=TOKENS, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert {ch.model_extra["adapter"] for ch in chunks} == {full.adapter}
+    body = {"model": "mol2", "messages": messages, "max_tokens": TOKENS, "stream": True}
+    with httpx.stream("POST", f"{frontend.base_url}/chat/completions", json=body, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+
+
+@pytest.mark.parametrize("adapter", ["L2_code", "L0_chat", "base"])
+def test_explicit_model_ids_choose_the_adapter(client, triton, adapter: str) -> None:  # type: ignore[no-untyped-def]
+    text = "import os\nprint(os.listdir('.'))"
+    raw = client.chat.completions.with_raw_response.create(model=f"mol2:{adapter}", messages=[{"role": "user", "content": text}], max_tokens=TOKENS)
+    done = raw.parse()
+    ref = _tensor_api(triton, f"tensor-explicit-{adapter}", [text], adapter=adapter)[0]
+    assert done.adapter == raw.headers["x-mol2-adapter"] == adapter == ref.adapter
+    assert done.model == f"mol2:{adapter}" and done.choices[0].message.content == ref.text
+
+
+def test_routed_turn_reports_mol2s_choice(client, triton) -> None:  # type: ignore[no-untyped-def]
+    texts = {"import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n        yield from files": "L2_code",
+             ".card { display: flex; justify-content: space-between; padding: 1rem; }": "L3_design"}
+    for text, expected in texts.items():
+        done = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": text}], max_tokens=TOKENS)
+        ref = _tensor_api(triton, f"tensor-routed-{expected}", [text])[0]
+        assert done.adapter == ref.adapter, "the frontend reports the router's decision"
+        assert done.adapter == expected, f"MoL2 routed {text[:20]!r} to {done.adapter}"
+
+
+def test_penalties_reach_the_sampler(client) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": ".card { display: flex; justify-content: space-between; padding: 1rem; }"}]
+    plain = client.chat.completions.create(model="mol2", messages=messages, max_tokens=24)
+    penalised = client.chat.completions.create(model="mol2", messages=messages, max_tokens=24, presence_penalty=2.0,
+                                               frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5})
+    assert plain.choices[0].message.content != penalised.choices[0].message.content
+
+
+def test_stop_string_is_cut_from_the_reply(client) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": "Tell me about ships."}]
+    full = client.chat.completions.create(model="mol2", messages=messages, max_tokens=TOKENS).choices[0].message.content
+    stop = full.strip()[len(full.strip()) // 2:][:3]
+    assert stop, full
+    cut = client.chat.completions.create(model="mol2", messages=messages, max_tokens=TOKENS, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].message.content
+    assert full.startswith(cut.choices[0].message.content)
+
+
+def test_bad_requests_get_openai_errors_and_lose_nothing(client, frontend) -> None:  # type: ignore[no-untyped-def]
+    import httpx
+    import openai
+
+    user = [{"role": "user", "content": "hi"}]
+    cases = [
+        (dict(model="gpt-4o", messages=user), openai.NotFoundError, "model_not_found"),
+        (dict(model="mol2:L9_missing", messages=user), openai.NotFoundError, "model_not_found"),
+        (dict(model="mol2", messages=user, n=2), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, temperature=5.0), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, max_tokens=0), openai.BadRequestError, None),
+        (dict(model="mol2", messages=[{"role": "assistant", "content": "hello"}]), openai.BadRequestError, None),
+        (dict(model="mol2", messages=[]), openai.BadRequestError, None),
+        (dict(model="mol2", messages=[{"role": "tool", "content": "x"}]), openai.BadRequestError, None),
+    ]
+    for kwargs, error, code in cases:
+        with pytest.raises(error) as info:
+            client.chat.completions.create(**kwargs)
+        assert info.value.body and info.value.body.get("message"), kwargs
+        if code:
+            assert info.value.code == code
+    resp = httpx.post(f"{frontend.base_url}/chat/completions", content=b"{not json", timeout=30)
+    assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
+    assert httpx.get(f"{frontend.base_url}/nothing-here", timeout=30).status_code == 404
+    done = client.chat.completions.create(model="mol2", messages=user, max_tokens=TOKENS)
+    assert done.choices[0].message.content is not None, "the server still answers after the bad requests"
+
+
+def test_busy_server_answers_429_and_recovers(client) -> None:  # type: ignore[no-untyped-def]
+    """The test server admits one turn at a time: a second turn while a long one streams is refused at once."""
+    import openai
+
+    stream = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": "Tell me a long story."}],
+                                            max_tokens=400, stream=True)
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    with pytest.raises(openai.RateLimitError) as info:
+        client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
+    assert "busy" in info.value.message
+    rest = list(stream)
+    assert rest and rest[-1].choices[0].finish_reason in ("stop", "length")
+    done = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
+    assert done.usage.completion_tokens >= 1
+
+
+def test_unreachable_triton_is_503(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import openai
+
+    from openai_frontend.process import FrontendProcess
+    from tritonserver_backend.launcher import free_port
+
+    with FrontendProcess(f"127.0.0.1:{free_port()}", EMBEDDED, log_file=tmp_path / "log") as proc:
+        threading.Event().wait(0)  # nothing to wait for: /health is not ready by design, poll the models route
+        c = openai.OpenAI(base_url=proc.base_url, api_key="unused", max_retries=0, timeout=30)
+        for _ in range(100):
+            try:
+                c.models.list()
+            except openai.APIConnectionError:
+                threading.Event().wait(0.2)  # the frontend is still starting
+                continue
+            except openai.InternalServerError as exc:
+                assert exc.status_code == 503 and "not reachable" in exc.message
+                break
+        else:
+            pytest.fail("the frontend never answered")
