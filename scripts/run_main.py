@@ -3,7 +3,8 @@
 Steps: build a model repository for the embedded default (configs from the tensor contract, a fresh adapter
 registry), start tritonserver on free loopback ports, wait until ready, run a conversation that visits several
 domains (routed turns and one explicit override) over gRPC streaming, print every streamed reply with the adapter
-chosen, show the routing counters from the metrics port, and stop the server.
+chosen, show the routing counters from the metrics port, and stop the server. With --openai the OpenAI-compatible
+frontend (docs/openai.md) starts beside the server and a short conversation goes through it with the `openai` client.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "main")
     p.add_argument("--engines", type=Path, default=ROOT / "artifacts" / "engines" / "mol2-small", help="ONNX engine directory (built or reused)")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--openai", action="store_true", help="also start the OpenAI-compatible frontend and talk to it with the openai client")
+    p.add_argument("--openai-port", type=int, default=0, help="the frontend's port (0: a free one)")
     args = p.parse_args()
     if not (args.model / "model.safetensors").exists():
         print(f"{args.model} has no model: build it with `python -m build_engines default`", file=sys.stderr)
@@ -66,6 +69,8 @@ def main() -> int:
             how = "explicit override" if adapter else "routed by MoL2"
             print(f"\n  -> adapter {reply.adapter} ({how}); {len(reply.token_ids)} tokens in {time.perf_counter() - t0:.2f} s; finish: {reply.finish_reason}")
         chat.close()
+        if args.openai and openai_conversation(server, args) != 0:
+            return 1
         metrics = urllib.request.urlopen(server.metrics_url).read().decode()
         print("\nrouting counters (Triton custom metrics):")
         for line in metrics.splitlines():
@@ -74,6 +79,31 @@ def main() -> int:
     finally:
         server.stop()
         print("server stopped")
+    return 0
+
+
+def openai_conversation(server: TritonServer, args: argparse.Namespace) -> int:
+    """The frontend beside the server, two turns with the real `openai` client (the second resends the first)."""
+    import openai
+
+    from openai_frontend.process import FrontendProcess
+
+    frontend = FrontendProcess(server.grpc_url, args.model.resolve(), port=args.openai_port or None, log_file=args.work / "openai_frontend.log")
+    with frontend:
+        print(f"\nOpenAI frontend: {frontend.base_url} (ready after {frontend.wait_ready(60):.1f} s)")
+        client = openai.OpenAI(base_url=frontend.base_url, api_key="unused")
+        messages: list[dict] = []
+        for text in ("Hi! Can you help me with some CSS?", ".card { display: flex; justify-content: space-between; }"):
+            messages.append({"role": "user", "content": text})
+            raw = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=args.max_tokens)
+            done = raw.parse()
+            reply = done.choices[0].message.content
+            print(f"[openai] user: {text}\n[openai] assistant: {reply}")
+            print(f"  -> adapter {done.adapter} (x-mol2-adapter: {raw.headers['x-mol2-adapter']}); session reused: "
+                  f"{raw.headers['x-mol2-session-reused']}; usage {done.usage.prompt_tokens} prompt "
+                  f"({done.usage.prompt_tokens_details.cached_tokens} cached) + {done.usage.completion_tokens} completion tokens")
+            messages.append({"role": "assistant", "content": reply})
+        client.close()
     return 0
 
 
