@@ -1,0 +1,77 @@
+"""Measure the hand-over on a loopback deployment: bytes and time per turn (the new turn's rows, encoder -> decoder)
+and per generated token (the decoder's step call to the encoder: one token in, one row out), against the size of a
+full decoder-state transfer at the same context. Prints a markdown table for docs/scale_out.md.
+
+  .venv/bin/python -m dynamo_deploy.measure [--turns 6 --tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from build_engines.export.rows import DecoderRow
+
+from .client import Conversation
+from .launcher import PROJECT_ROOT, Deployment, read_turns
+
+TEXTS = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "Make the header sticky with a shadow.",
+         "git log --oneline shows nothing, why?", "Can you explain that again, more slowly please?", "Thanks, that helps."]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--port", type=int, default=18095)
+    a = p.parse_args(argv)
+    model = PROJECT_ROOT / "embedded" / "mol2-small"
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Deployment(Path(tmp), model, PROJECT_ROOT / "artifacts" / "engines" / "mol2-small", 1, 1, a.port)
+        d.start()
+        try:
+            conv = Conversation(d.url, "measure")
+            wall = []
+            for i in range(a.turns):
+                t0 = time.perf_counter()
+                conv.say(TEXTS[i % len(TEXTS)], max_tokens=a.tokens)
+                wall.append(time.perf_counter() - t0)
+                print(f"turn {i + 1}/{a.turns}: {wall[-1]:.2f} s", flush=True)
+            stats, turns = d.stats(), read_turns(d.run_dir)
+        finally:
+            d.stop()
+    enc, dec = stats["encoder-0"]["figures"], stats["decoder-0"]["figures"]
+    generated = sum(len(t["tokens"]) for t in turns)
+    context = turns[-1]["prompt_tokens"] + len(turns[-1]["tokens"]) + 1
+    full = _decoder_state_bytes(model, context)
+    print()
+    print("| measured on loopback (1 encoder + 1 decoder worker, ONNX engines) | value |")
+    print("|---|---|")
+    print(f"| turns / generated tokens / final context | {len(turns)} / {generated} / {context} positions |")
+    print(f"| turn hand-over: rows (new positions) per turn | {dec['handover_turn_rows'] / dec['handover_turns']:.1f} |")
+    print(f"| turn hand-over: bytes per turn (raw; base64 on the wire is 4/3 of it) | {dec['handover_turn_bytes'] / dec['handover_turns']:.0f} B "
+          f"({dec['handover_turn_bytes'] / dec['handover_turn_rows']:.0f} B per position) |")
+    print(f"| turn hand-over: encoder send -> decoder unpacked | {1e3 * dec['handover_turn_transfer_s'] / dec['handover_turns']:.2f} ms per turn |")
+    print(f"| per-token step: bytes (one row back, plus the token) | {dec['step_bytes'] / dec['step_rows']:.0f} B per token |")
+    print(f"| per-token step: round trip decoder -> encoder -> decoder | {1e3 * dec['step_rtt_s'] / dec['step_calls']:.2f} ms per call |")
+    print(f"| per-token step: of which the encoder engine | {1e3 * enc['step_compute_s'] / enc['step_calls']:.2f} ms per call |")
+    print(f"| per-token step: transport + (de)serialisation | {1e3 * (dec['step_rtt_s'] - dec['step_encoder_compute_s']) / dec['step_calls']:.2f} ms per call |")
+    print(f"| a full decoder-state transfer at {context} positions (global-KV mirror + W rows + rings) | {full} B |")
+    print(f"| client wall time per turn ({a.tokens} tokens) | {1e3 * sum(wall) / len(wall):.0f} ms |")
+    return 0
+
+
+def _decoder_state_bytes(model: Path, context: int) -> int:
+    """The bytes of a decoder session row after `context` positions: what moving a session without the hand-over
+    design (a full state transfer) would cost."""
+    from tritonserver_backend.engines import open_engine
+
+    engine = open_engine("torch", model)
+    fixed = DecoderRow.empty(engine.layout).nbytes()  # the last W rows and the rings
+    return int(fixed + context * 4 * (engine.cfg.head_dim + engine.cfg.index_head_dim))  # + the fp32 global-KV mirror
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
