@@ -28,12 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from doc_sections import write_section  # noqa: E402
+
 from build_engines.build.cli import main as build_engines  # noqa: E402
 from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.lora import decoder_lora_modules, random_adapter_weights, save_adapter  # noqa: E402
 from build_engines.model.config import get_preset  # noqa: E402
 from build_engines.verify.plan import plan  # noqa: E402
-from doc_sections import write_section  # noqa: E402
 from tritonserver_backend.pipeline import InProcessPipeline  # noqa: E402
 from tritonserver_backend.registry_init import ensure_registry  # noqa: E402
 from tritonserver_backend.sampling import SamplingParams  # noqa: E402

@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from doc_sections import write_section  # noqa: E402
+
 from build_engines.build.cli import main as build_engines  # noqa: E402
 from build_engines.export.rows import (  # noqa: E402
     HANDOVER_FIELDS,
@@ -43,7 +45,6 @@ from build_engines.export.rows import (  # noqa: E402
 from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.lora import AdapterBank  # noqa: E402
 from build_engines.lora.stacked import stack_adapters  # noqa: E402
-from doc_sections import write_section  # noqa: E402
 from tritonserver_backend.engines import open_engine  # noqa: E402
 
 MODEL = ROOT / "embedded" / "mol2-small"

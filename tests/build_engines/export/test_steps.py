@@ -114,3 +114,30 @@ def test_engines_doc_carries_the_current_graph_contract() -> None:
     head, _ = load_router_head(EMBEDDED, cfg.dim)
     doc = (PROJECT_ROOT / "docs" / "engines.md").read_text()
     assert layout_markdown(StepLayout(cfg), head.cfg.width) in doc, "docs/engines.md is stale: paste layout_markdown() again"
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_pooled_selection_equals_masking_every_stored_entry(trial: int) -> None:
+    """The decoder's re-index layers score only the candidate pool; the entries they pick (ties included: many scores
+    are exactly equal) must be the ones the reference picks by scoring every entry and masking all but the pool."""
+    from build_engines.export.common import candidate_pool_ids
+    from build_engines.model.attention import candidate_entry_mask
+    from build_engines.model.attention import select_top as reference_select_top
+
+    g = torch.Generator().manual_seed(trial)
+    B, S, N, block, C, k = 2, 6, 96, 8, 4, 10
+    scores = torch.randint(0, 3, (B, S, N), generator=g).float()  # few distinct values: ties everywhere
+    positions = torch.randint(0, N, (B, S), generator=g)
+    candidates = torch.stack([torch.randperm(N // block, generator=g)[:C] for _ in range(B * S)]).view(B, S, C)
+    candidates[0, 0, 1:] = -1  # a short pool
+    entries = torch.arange(N).view(1, 1, N)
+    keep = candidate_entry_mask(candidates, N, block) & (entries < (positions + 1).unsqueeze(-1))
+    want = reference_select_top(torch.where(keep, scores, torch.tensor(float("-inf"))), k)
+
+    ids = candidate_pool_ids(candidates, block)
+    pool_scores = torch.gather(scores, -1, ids.clamp(min=0))
+    pool_keep = (ids >= 0) & (ids < (positions + 1).unsqueeze(-1))
+    picked = reference_select_top(torch.where(pool_keep, pool_scores, torch.tensor(float("-inf"))), k)
+    got = torch.where(picked < 0, picked, torch.gather(ids, -1, picked.clamp(min=0)))
+    assert torch.equal(got, want)
+    assert (want[0, 0] >= 0).sum() <= block  # the short pool really was short
