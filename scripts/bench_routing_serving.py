@@ -187,6 +187,7 @@ def main() -> int:
         server.stop()
     same = all(run["replies"] == calibration["replies"] for s in SETUPS[:2] for run in results[s])
     text = render(args, results, same, calibration)
+    plot(args.out.parent / "figures" / "routing_serving.png", results)
     write_section(args.out, text, SECTION, title="# Benchmarks: the article's serving results, reproduced")
     print(text)
     return 0
@@ -219,8 +220,29 @@ def render(args, results: dict[str, list[dict]], same: bool, calibration: dict) 
         "- Outside the engine, routing is a second request that must see the conversation (here a throw-away session rebuilt "
         "from `history`): it re-encodes the whole conversation per turn, and MoL also decodes a label. The article: "
         "-42.9% (MoL2 outside), -50.1% (Contextual MoL), -60.2% (MoL).",
+        "",
+        "![throughput by routing placement](figures/routing_serving.png)",
     ]
     return "\n".join(lines)
+
+
+def plot(path: Path, results: dict[str, list[dict]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = [statistics.median(run["tok_s"] for run in results[s]) for s in SETUPS]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.barh(range(len(SETUPS)), values, color=["grey", "tab:green", "tab:orange", "tab:red", "tab:purple"])
+    ax.set_yticks(range(len(SETUPS)), [s.replace(" (cost stand-in)", "*") for s in SETUPS])
+    ax.invert_yaxis()
+    ax.set_xlabel("answer tokens/s (median over rounds)")
+    ax.set_title("Throughput by where routing runs")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

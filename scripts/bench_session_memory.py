@@ -91,6 +91,7 @@ def main() -> int:
         result = pipe.chat(session, MESSAGES[(k - 1) % len(MESSAGES)], adapter=name, params=params)
         rows.append({"k": k, "adapter": result.adapter, **state_bytes(pipe, session)})
     text = render(args, rows, pipe.engine.describe())
+    plot(args.out.parent / "figures" / "session_memory.png", rows)
     write_section(args.out, text, SECTION, title="# Benchmarks: the article's serving results, reproduced")
     print(text)
     return 0
@@ -131,8 +132,30 @@ def render(args, rows: list[dict], engine: str) -> str:  # type: ignore[no-untyp
         "- A per-adapter-KV system holds one copy per adapter visited; its bytes are k x one copy (a copy's size does not "
         "depend on the adapter that computed it).",
     ]
-    lines += [""] + v41_table()
+    lines += ["", "![session memory](figures/session_memory.png)", ""] + v41_table()
     return "\n".join(lines)
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = [r["k"] for r in rows]
+    ours = [(r["encoder"] + r["decoder"]) / 1e6 for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(k, ours, "o-", label="one shared history (measured)")
+    ax.plot(k, [n * o for n, o in zip(k, ours)], "s--", label="one copy per adapter (k x measured)")
+    ax.set_xlabel("adapters visited")
+    ax.set_ylabel("session state, MB")
+    ax.set_title("Session memory vs adapters visited")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def v41_table() -> list[str]:
