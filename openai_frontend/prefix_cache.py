@@ -1,11 +1,14 @@
 """Conversation prefix -> the server session that holds it, so a conversation continued by resending its messages
 (the OpenAI API is stateless) reuses the session's encoder state and global KV instead of re-encoding everything.
 
-A key is the SHA-256 of the model id and the exact message list (roles and contents) the session has absorbed: its
-earlier turns and the reply the server gave, as the frontend returned it. A request looks up the key of its messages
+A key is the SHA-256 of the exact message list (roles and contents) the session has absorbed: its earlier turns and
+the reply the server gave, as the frontend returned it. The model id is not part of it: every adapter shares one
+history (the encoder state and global KV do not depend on the adapter), so a conversation that continues under another
+model id (`mol2:L2_code` after `mol2`, say) continues the same session and the server switches adapter with a bounded
+replay, instead of re-encoding the whole conversation. A request looks up the key of its messages
 before the new user message: the longest prefix a session can continue from, because the tensor API appends a user
 turn and then the server's own reply, and cannot absorb assistant text it did not generate. Any other prefix
-(edited history, a switched model id, a lost entry) is rebuilt from the messages with the `history` input.
+(edited history, a lost entry) is rebuilt from the messages with the `history` input.
 
 `take` removes the entry it returns: a session serves one request at a time, so two concurrent requests that resend
 the same conversation never share (or see) one session; the second rebuilds its own. The turn's outcome is stored
@@ -27,8 +30,8 @@ from .schemas import Message
 from .session_cost import SessionCost
 
 
-def prefix_key(model: str, messages: Sequence[Message]) -> str:
-    canonical = json.dumps([model, [list(m) for m in messages]], ensure_ascii=False, separators=(",", ":"))
+def prefix_key(messages: Sequence[Message]) -> str:
+    canonical = json.dumps([list(m) for m in messages], ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 

@@ -113,7 +113,7 @@ class ChatService:
     async def start(self, request: ChatRequest) -> Answer:
         await self.check_model(request)
         prompt_tokens = len(self.tokenizer.chat([Message(r, t) for r, t in request.messages]))
-        entry = self.cache.take(prefix_key(request.model, request.earlier)) if request.earlier else None
+        entry = self.cache.take(prefix_key(request.earlier)) if request.earlier else None
         if entry is not None:
             try:
                 return await self._open(request, entry.session_id, False, prompt_tokens, entry.tokens)
@@ -148,4 +148,4 @@ class ChatService:
             return
         held = answer.request.messages + (("assistant", answer.text),)
         tokens = answer.prompt_tokens + answer.completion_tokens + 1  # + the end-of-turn the server appends
-        self.cache.put(prefix_key(answer.request.model, held), Entry(answer.session_id, tokens))
+        self.cache.put(prefix_key(held), Entry(answer.session_id, tokens))

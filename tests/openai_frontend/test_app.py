@@ -64,6 +64,30 @@ def test_resent_conversation_reuses_its_session_and_equals_the_tensor_api(client
         messages.append({"role": "assistant", "content": reply})
 
 
+def test_switching_model_id_mid_conversation_keeps_the_session(client, triton, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Adapters share one history: a conversation continued under another model id continues its session (only the
+    new message is encoded; the server switches adapter by bounded replay) and equals the tensor API's per-turn
+    adapters on one session."""
+    adapters = ["L0_chat", "L2_code", "L3_design"]
+    chat = GrpcChat(triton.grpc_url)
+    try:
+        want = [chat.turn(TurnRequest("tensor-switch", t, new_session=i == 0, adapter=a, max_tokens=TOKENS))
+                for i, (t, a) in enumerate(zip(TURNS, adapters))]
+    finally:
+        chat.close()
+    messages: list[dict] = []
+    for i, (text, adapter, ref) in enumerate(zip(TURNS, adapters, want)):
+        messages.append({"role": "user", "content": text})
+        before = encoded_tokens(triton)
+        raw = client.chat.completions.with_raw_response.create(model=f"mol2:{adapter}", messages=messages, max_tokens=TOKENS)
+        done = raw.parse()
+        assert done.choices[0].message.content == ref.text and done.adapter == adapter == ref.adapter, (i, adapter)
+        if i > 0:
+            assert raw.headers["x-mol2-session-reused"] == "true", f"turn {i} under {adapter} rebuilt the conversation"
+            assert encoded_tokens(triton) - before == len(tokenizer.turn(Message("user", text), generation_prompt=True))
+        messages.append({"role": "assistant", "content": done.choices[0].message.content})
+
+
 def test_unknown_prefix_is_rebuilt_from_history_like_the_tensor_api(client, triton, tokenizer) -> None:  # type: ignore[no-untyped-def]
     earlier = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there."},
                {"role": "assistant", "content": "Hi, what do you need?"}]
