@@ -1,6 +1,6 @@
 """The OpenAI frontend under a chat workload: NVIDIA AIPerf against it, and its overhead against the direct gRPC path.
 
-    .venv/bin/python scripts/bench_openai.py [--engine-backend torch|onnx] [--concurrency 4] [--requests 32] [--tokens 32]
+    .venv/bin/python scripts/bench_openai.py [--engine-backend onnx|torch] [--concurrency 4] [--requests 32] [--tokens 32]
 
 Starts tritonserver (embedded default) and the frontend on loopback ports, then, in one run:
 1. the same prompts through the tensor API (GrpcChat, gRPC streaming) and through the frontend (the `openai` client,
@@ -125,7 +125,7 @@ def run_aiperf(base_url: str, args: argparse.Namespace, work: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engine-backend", default="torch", choices=["torch", "onnx"])
+    p.add_argument("--engine-backend", default="onnx", choices=["torch", "onnx"], help="onnx: the served default (built or reused)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--tokens", type=int, default=32)
@@ -138,7 +138,11 @@ def main() -> int:
     shutil.rmtree(args.work, ignore_errors=True)
     params = {"model_dir": str(EMBEDDED), "registry_root": str(args.work / "registry"), "engine_backend": args.engine_backend}
     if args.engine_backend == "onnx":
+        from build_engines.build.cli import main as build_engines
+
         params["engine_dir"] = str(ROOT / "artifacts" / "engines" / "mol2-small")
+        if build_engines(["--model", str(EMBEDDED), "--out", params["engine_dir"]]) != 0:
+            return 1
     server = TritonServer(work_dir=args.work / "server")
     server.start(build_repository(args.work / "repo", params))
     try:
