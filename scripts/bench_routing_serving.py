@@ -29,7 +29,6 @@ import json
 import re
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from concurrent_clients import run_together  # noqa: E402
 from doc_sections import write_section  # noqa: E402
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
@@ -119,30 +119,13 @@ def conversation(chat: GrpcChat, sid: str, index: int, turns: int, tokens: int, 
 
 def run_setup(url: str, args, tag: str, fixed: dict[int, list[str]] | None, router: Router | None) -> dict:  # type: ignore[no-untyped-def]
     chats = [GrpcChat(url) for _ in range(args.sessions)]
-    out: dict[int, tuple[list[list[int]], list[str], int]] = {}
-    errors: list[str] = []
     times: list[float] = []
-    barrier = threading.Barrier(args.sessions + 1)
-
-    def client(i: int) -> None:
-        barrier.wait()
-        try:
-            out[i] = conversation(chats[i], f"{tag}-{i}", i, args.turns, args.tokens, fixed[i] if fixed else None, router, times)
-        except Exception as exc:  # noqa: BLE001
-            errors.append(str(exc))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(args.sessions)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    for chat in chats:
-        chat.close()
-    if errors:
-        raise RuntimeError(f"{tag}: {len(errors)} sessions failed: {errors[:2]}")
+    try:
+        wall, out = run_together(args.sessions, lambda i: conversation(chats[i], f"{tag}-{i}", i, args.turns, args.tokens,
+                                                                       fixed[i] if fixed else None, router, times), tag)
+    finally:
+        for chat in chats:
+            chat.close()
     generated = sum(v[2] for v in out.values())
     return {"wall": wall, "tokens": generated, "tok_s": generated / wall, "turn_s": statistics.median(times),
             "replies": {i: v[0] for i, v in out.items()}, "adapters": {i: v[1] for i, v in out.items()}}

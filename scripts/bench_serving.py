@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from tritonserver_backend.launcher import TritonServer  # noqa: E402
 from tritonserver_backend.repository import build_repository  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
+from concurrent_clients import run_together  # noqa: E402
 from doc_sections import write_section  # noqa: E402
 
 MODEL = ROOT / "embedded" / "mol2-small"
@@ -72,30 +72,13 @@ def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0) ->
     """`sessions` concurrent conversations (numbered first, first + 1, ...) -> wall time, tokens, replies by number,
     aggregate decode tokens/s."""
     chats = [GrpcChat(url) for _ in range(sessions)]
-    results: dict[int, list[list[int]]] = {}
-    errors: list[str] = []
     windows: list[tuple[float, float, int]] = []
-    barrier = threading.Barrier(sessions + 1)
-
-    def client(i: int) -> None:
-        barrier.wait()
-        try:
-            results[first + i] = conversation(chats[i], f"{tag}-{first + i}", first + i, tokens, windows)
-        except Exception as exc:  # noqa: BLE001
-            errors.append(str(exc))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(sessions)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    for chat in chats:
-        chat.close()
-    if errors:
-        raise RuntimeError(f"{len(errors)} sessions failed: {errors[:3]}")
+    try:
+        wall, out = run_together(sessions, lambda i: conversation(chats[i], f"{tag}-{first + i}", first + i, tokens, windows), tag)
+    finally:
+        for chat in chats:
+            chat.close()
+    results = {first + i: replies for i, replies in out.items()}
     generated = sum(len(r) for replies in results.values() for r in replies)
     return wall, generated, results, decode_rate(windows)
 
