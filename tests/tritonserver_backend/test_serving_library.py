@@ -199,3 +199,26 @@ def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # typ
     finally:
         pipeline.registry.put("L3_design", entry.path, entry.description)
     assert description_of(EMBEDDED / "adapters" / "L3_design")
+
+
+@needs_default
+def test_session_state_does_not_grow_with_the_adapters_it_visits(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """One history for every adapter: a session that visits four adapters holds exactly the arrays (shapes and bytes)
+    of a twin that stays on one, once both hold the same positions; only the one set of decoder rings is adapter-
+    dependent, and a switch rebuilds it in place (docs/benchmarks.md measures the same on the served engines)."""
+    params = SamplingParams(max_tokens=4)
+    texts = ["Hello, how are you?", "def f(x):\n    return x", "Make the title bold.", "ls -la /tmp"]
+    adapters = [e.name for e in pipeline.registry.entries()][:4]
+    for i, text in enumerate(texts):
+        pipeline.chat("visits", text, adapter=adapters[i % len(adapters)], new_session=i == 0, params=params)
+        pipeline.chat("stays", text, adapter=adapters[0], new_session=i == 0, params=params)
+
+    def state(sid: str) -> tuple[int, list[tuple[int, ...]], int]:
+        enc, dec = pipeline.encoder.sessions.get(sid), pipeline.decoder.sessions.get(sid)
+        shapes = [enc.rings.shape, *(a.shape for a in enc.kv.values()), dec.kv.shape, dec.rings.shape,
+                  *(a.shape for a in dec.recent.values())]
+        return dec.position, shapes, enc.nbytes() + dec.nbytes()
+
+    visits, stays = state("visits"), state("stays")
+    assert visits[0] == stays[0], f"the twins must hold the same positions (replies ended early: {visits[0]} vs {stays[0]})"
+    assert visits == stays
