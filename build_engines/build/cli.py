@@ -119,8 +119,8 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
     return {
         "settings": settings.as_dict(),
         "exporter": "torch.onnx.export(dynamo=True), mol2 ops as local functions",
-        "source": {"model_dir": str(model_dir), "files": source_digest(model_dir)},
-        "builder": {"code_digest": builder_digest(), **tool_versions()},
+        "source": {"model_dir": str(model_dir), "files": source_digest(model_dir, args.quant)},
+        "builder": {"code_digest": builder_digest(args.quant), **tool_versions()},
         "config": cfg.to_dict(),
         "graphs": graphs,
         "parity_max_abs": parity,

@@ -19,11 +19,12 @@ MANIFEST = "manifest.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 BUILDER_SOURCES = tuple(f"build_engines/export/{m}.py" for m in ("common", "decoder_step", "encoder_step", "graph_ops", "layout",
                                                                    "onnx_export", "pointer_step")) + (
-    "build_engines/build/onnx_build.py", "build_engines/build/trt_build.py", "build_engines/build/quant_build.py",
-    "build_engines/quantize", "build_engines/model",
-    "build_engines/routing/pointer_head.py", "plugins")  # what decides the graphs' content (not the runtime's row handling)
-SOURCE_FILES = ("config.json", "model.safetensors", "router/router.safetensors", "router/router_config.json",
-                "heldout/val.jsonl")  # the last: calibration text of quantized builds
+    "build_engines/build/onnx_build.py", "build_engines/build/trt_build.py", "build_engines/model",
+    "build_engines/routing/pointer_head.py", "plugins")  # what decides the fp32 graphs' content (not the runtime's row handling)
+QUANT_BUILDER_SOURCES = ("build_engines/build/quant_build.py", "build_engines/quantize")  # quantized builds only
+CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "router/router.safetensors",
+                    "router/router_config.json")  # what every engine is computed from (a release checkpoint is sharded)
+CALIBRATION_FILES = ("heldout/val.jsonl",)  # calibration text: keys ModelOpt-calibrated builds only
 
 
 def sha256_file(path: Path) -> str:
@@ -34,15 +35,26 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def source_digest(model_dir: Path) -> dict[str, str]:
-    """sha256 of each checkpoint file an engine depends on (adapters are inputs, not part of an engine)."""
-    return {name: sha256_file(model_dir / name) for name in SOURCE_FILES if (model_dir / name).exists()}
+def calibrated(quant: str) -> bool:
+    """Whether a build of this quantization mode is calibrated on held-out text (ModelOpt PTQ)."""
+    return quant in ("fp8", "int8", "nvfp4")
 
 
-def builder_digest() -> str:
-    """One hash over the sources that decide what a build writes: a code change makes old engines stale."""
+def source_digest(model_dir: Path, quant: str = "none") -> dict[str, str]:
+    """sha256 of each checkpoint file an engine of mode `quant` depends on (adapters are inputs, not part of an engine).
+
+    Why per mode: calibration text changes only what ModelOpt calibrates, so it must not make fp32 engines stale."""
+    patterns = CHECKPOINT_FILES + (CALIBRATION_FILES if calibrated(quant) else ())
+    files = sorted({p for pattern in patterns for p in model_dir.glob(pattern) if p.is_file()})
+    return {str(p.relative_to(model_dir)): sha256_file(p) for p in files}
+
+
+def builder_digest(quant: str = "none") -> str:
+    """One hash over the sources that decide what a build writes: a code change makes old engines stale.
+
+    The quantization code keys quantized builds only, so editing it leaves fp32 engines current."""
     h = hashlib.sha256()
-    for entry in BUILDER_SOURCES:
+    for entry in BUILDER_SOURCES + (QUANT_BUILDER_SOURCES if quant != "none" else ()):
         root = PROJECT_ROOT / entry
         files = [root] if root.is_file() else sorted(root.rglob("*.py"))
         for f in files:
@@ -85,9 +97,9 @@ def stale_reason(engine_dir: Path, model_dir: Path, settings: BuildSettings) -> 
         return "no manifest"
     if manifest.get("settings") != settings.as_dict():
         return f"built with {manifest.get('settings')}, asked for {settings.as_dict()}"
-    if manifest.get("source", {}).get("files") != source_digest(model_dir):
+    if manifest.get("source", {}).get("files") != source_digest(model_dir, settings.quant):
         return "the checkpoint changed"
-    if manifest.get("builder", {}).get("code_digest") != builder_digest():
+    if manifest.get("builder", {}).get("code_digest") != builder_digest(settings.quant):
         return "the builder code changed"
     for name, graph in manifest.get("graphs", {}).items():
         path = engine_dir / graph["file"]
