@@ -206,6 +206,29 @@ def test_busy_server_answers_429_and_recovers(client) -> None:  # type: ignore[n
     assert done.usage.completion_tokens >= 1
 
 
+def test_client_that_leaves_mid_stream_cancels_its_turn(client, triton) -> None:  # type: ignore[no-untyped-def]
+    """Closing the SSE stream cancels the turn on the server: its per-token encoder steps stop far short of max_tokens
+    and the test server's one admission slot is free again for the next request."""
+    import time
+
+    long, story = 120, [{"role": "user", "content": "Tell me a long story."}]
+    whole = client.chat.completions.create(model="mol2", messages=story, max_tokens=long)
+    assert whole.usage.completion_tokens == long, "left alone, this turn runs to max_tokens (else the test proves nothing)"
+    steps_before = encoded_tokens(triton, "step")
+    stream = client.chat.completions.create(model="mol2", messages=story, max_tokens=long, stream=True)
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    stream.close()
+    time.sleep(1.0)
+    settled = encoded_tokens(triton, "step")
+    time.sleep(1.0)
+    assert encoded_tokens(triton, "step") == settled, "nothing decodes after the client left"
+    assert settled - steps_before < long // 2, f"the abandoned turn ran on: {settled - steps_before} steps"
+    done = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
+    assert done.usage.completion_tokens >= 1, "the slot of the abandoned turn was freed"
+
+
 def test_unreachable_triton_is_503(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import openai
 
