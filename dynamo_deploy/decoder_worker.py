@@ -25,7 +25,8 @@ from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
 
 from .remote_encoder import RemoteEncoderPort
 from .requests import params_from_json
-from .wire import nbytes, unpack
+from .transfer import HandoverChannel
+from .wire import nbytes
 from .worker_common import NAMESPACE, WorkerSettings, WorkerStats, announce_ready, make_runtime
 
 LOG = logging.getLogger("mol2.decoder")
@@ -52,6 +53,7 @@ class DecoderWorker:
         tokenizer = ChatTokenizer.load(settings.model_dir)
         self.decoder = DecoderService(engine, Registry(settings.registry_root), tokenizer, self.counters, max_context=settings.max_context)
         self.port = RemoteEncoderPort(step_client, control_client, loop, self.stats)
+        self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
         self.scheduler = TurnScheduler(self.decoder, self.port, self._emit, self._fail)
         self.inbox: queue.SimpleQueue[TurnRequest] = queue.SimpleQueue()
         self.wake = threading.Event()
@@ -81,7 +83,7 @@ class DecoderWorker:
         sink.put(("error", f"{type(exc).__name__}: {exc}", None))
 
     async def turn(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
-        rows = unpack(request["handover"])
+        rows, _ = await self.channel.take(request["handover"])  # NIXL: read in full before the turn is admitted
         self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(rows), handover_turn_rows=int(rows["positions"].size),
                        handover_turn_transfer_s=time.time() - float(request["sent_at"]))
         sid = str(request["session_id"])
@@ -114,6 +116,7 @@ async def serve(settings: WorkerSettings) -> None:
     step_client = await runtime.endpoint(f"{NAMESPACE}.encoder.step").client()
     control_client = await runtime.endpoint(f"{NAMESPACE}.encoder.control").client()
     worker = DecoderWorker(settings, step_client, control_client, loop)
+    await worker.channel.start()
     endpoint = runtime.endpoint(f"{NAMESPACE}.decoder.turn")
     worker.stats.instance_id = endpoint.connection_id()
     worker.stats.flush()

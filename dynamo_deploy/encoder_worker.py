@@ -35,6 +35,7 @@ from tritonserver_backend.router_service import RouterService
 
 from .conversation import SessionRecord, continuation, fingerprint, reply_ids, split_turn
 from .requests import openai_finish, params_to_json, sampling_params
+from .transfer import HandoverChannel
 from .wire import nbytes, pack
 from .worker_common import MODEL_NAME, NAMESPACE, WorkerSettings, WorkerStats, announce_ready, make_runtime
 
@@ -55,6 +56,7 @@ class EncoderWorker:
         self.encoder = EncoderService(engine, max_context=settings.max_context, counters=self.counters)
         self.router = RouterService(settings.model_dir, Registry(settings.registry_root), self.counters, engine)
         self.tokenizer = ChatTokenizer.load(settings.model_dir)
+        self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
         self.records: OrderedDict[str, SessionRecord] = OrderedDict()
         self.dead: set[int] = set()
         self._serial = itertools.count()
@@ -95,7 +97,7 @@ class EncoderWorker:
             history, turn = split_turn(self.tokenizer, prompt)
             if record is not None:
                 await self.run(self.encoder.end, record.session_id)
-            sid = f"{key}#{self.settings.index}.{next(self._serial)}"
+            sid = f"{key}#{self.stats.instance_id}.{next(self._serial)}"  # unique across restarts: never meets a stale session
             target = live[next(self._next) % len(live)]
             rebuilt = len(history) > 1
             encoded = await self.run(self.encoder.encode_turn, sid, np.asarray(turn, np.int64), np.asarray(history, np.int64), True)
@@ -111,8 +113,9 @@ class EncoderWorker:
             self.records.popitem(last=False)
         sent_at = time.time()
         t0 = time.perf_counter()
+        wire, held = await self.channel.offer(handover)
         payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": int(routed),
-                   "params": params_to_json(params), "handover": pack(handover), "sent_at": sent_at}
+                   "params": params_to_json(params), "handover": wire, "sent_at": sent_at}
         self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(handover), handover_turn_rows=int(handover["positions"].size),
                        handover_turn_pack_s=time.perf_counter() - t0)
         generated: list[int] = []
@@ -133,7 +136,8 @@ class EncoderWorker:
                     self.stats.add(turns=1, rebuilds=int(rebuilt))
                     self.stats.log_turn(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id),
                                         decoder=target, rebuilt=rebuilt, prompt_tokens=len(prompt), new_tokens=int(handover["positions"].size),
-                                        adapter_hash=int(routed), tokens=generated)
+                                        adapter_hash=int(routed), tokens=generated, transport=next(iter(wire)),
+                                        handover_bytes=nbytes(handover))
                     self.stats.flush()
                     yield {"token_ids": [], "index": 0, "finish_reason": openai_finish(data["finish"])}
                     return
@@ -146,6 +150,8 @@ class EncoderWorker:
             if started:
                 raise
             self.dead.add(target)
+            if held is not None:
+                held.cancel()  # nobody will read the buffer: release it now
             await self.run(self.encoder.rollback, sid)
             raise DecoderLost(f"decoder instance {target} unreachable ({exc!r})") from exc
 
@@ -180,6 +186,7 @@ async def serve(settings: WorkerSettings) -> None:
     runtime = make_runtime(loop)
     decoders = await runtime.endpoint(f"{NAMESPACE}.decoder.turn").client()
     worker = EncoderWorker(settings, decoders)
+    await worker.channel.start()
     generate = runtime.endpoint(f"{NAMESPACE}.encoder.generate")
     step = runtime.endpoint(f"{NAMESPACE}.encoder.step")
     control = runtime.endpoint(f"{NAMESPACE}.encoder.control")

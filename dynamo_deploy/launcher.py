@@ -36,6 +36,7 @@ class Deployment:
     backend: str = "onnx"
     max_context: int = 2048
     affinity_ttl_s: int = 3600
+    nixl_threshold_bytes: int = 1 << 20  # hand-overs from this size move through NIXL (0: all inline)
     python: Path = field(default_factory=lambda: Path(os.environ.get("MOL2_DYNAMO_PYTHON", DYNAMO_PYTHON)))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -68,7 +69,8 @@ class Deployment:
         self.procs[f"{role}-{index}"] = self._spawn(f"{role}-{index}", [
             "-m", f"dynamo_deploy.{role}_worker", "--index", str(index), "--run-dir", str(self.run_dir),
             "--model-dir", str(self.model_dir), "--engine-dir", str(self.engine_dir),
-            "--registry-root", str(self.run_dir / "registry"), "--backend", self.backend, "--max-context", str(self.max_context)])
+            "--registry-root", str(self.run_dir / "registry"), "--backend", self.backend, "--max-context", str(self.max_context),
+            "--nixl-threshold-bytes", str(self.nixl_threshold_bytes)])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")

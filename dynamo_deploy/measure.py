@@ -1,13 +1,15 @@
 """Measure the hand-over on a loopback deployment: bytes and time per turn (the new turn's rows, encoder -> decoder)
 and per generated token (the decoder's step call to the encoder: one token in, one row out), against the size of a
-full decoder-state transfer at the same context. Prints a markdown table for docs/scale_out.md.
+full decoder-state transfer at the same context; then the hand-over of a rebuild (the whole conversation resent under
+new session ids, every position from 0) by the transport the threshold picks. Prints markdown for docs/scale_out.md.
 
-  .venv/bin/python -m dynamo_deploy.measure [--turns 6 --tokens 32]
+  .venv/bin/python -m dynamo_deploy.measure [--turns 6 --tokens 32 --nixl-threshold-bytes 1048576]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,10 +28,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--port", type=int, default=18095)
+    p.add_argument("--nixl-threshold-bytes", type=int, default=1 << 20)
+    p.add_argument("--rebuilds", type=int, default=5)
     a = p.parse_args(argv)
     model = PROJECT_ROOT / "embedded" / "mol2-small"
     with tempfile.TemporaryDirectory() as tmp:
-        d = Deployment(Path(tmp), model, PROJECT_ROOT / "artifacts" / "engines" / "mol2-small", 1, 1, a.port)
+        d = Deployment(Path(tmp), model, PROJECT_ROOT / "artifacts" / "engines" / "mol2-small", 1, 1, a.port,
+                       nixl_threshold_bytes=a.nixl_threshold_bytes)
         d.start()
         try:
             conv = Conversation(d.url, "measure")
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                 wall.append(time.perf_counter() - t0)
                 print(f"turn {i + 1}/{a.turns}: {wall[-1]:.2f} s", flush=True)
             stats, turns = d.stats(), read_turns(d.run_dir)
+            rebuilds = _rebuilds(d, conv, a.rebuilds)
         finally:
             d.stop()
     enc, dec = stats["encoder-0"]["figures"], stats["decoder-0"]["figures"]
@@ -60,7 +66,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| per-token step: transport + (de)serialisation | {1e3 * (dec['step_rtt_s'] - dec['step_encoder_compute_s']) / dec['step_calls']:.2f} ms per call |")
     print(f"| a full decoder-state transfer at {context} positions (global-KV mirror + W rows + rings) | {full} B |")
     print(f"| client wall time per turn ({a.tokens} tokens) | {1e3 * sum(wall) / len(wall):.0f} ms |")
+    size, transport, times = rebuilds
+    print(f"\n| rebuild hand-over (threshold {a.nixl_threshold_bytes} B) | bytes | transport | encoder send -> decoder has the rows "
+          f"(median of {len(times)}; first) |\n|---|---|---|---|")
+    print(f"| whole conversation from position 0 | {size} B | {transport} | {1e3 * statistics.median(times):.2f} ms; "
+          f"{1e3 * times[0]:.2f} ms |")
     return 0
+
+
+def _rebuilds(d: Deployment, conv: Conversation, n: int) -> tuple[int, str, list[float]]:
+    """Resend the conversation so far under fresh session ids: each is a rebuild whose hand-over carries every
+    position. -> its bytes, its transport, the decoder's send->received time of each."""
+    times, size, transport = [], 0, ""
+    for i in range(n):
+        before = d.stats()["decoder-0"]["figures"].get("handover_turn_transfer_s", 0.0)
+        Conversation(d.url, f"rebuild-{i}", messages=list(conv.messages[:-2])).say(conv.messages[-2]["content"], max_tokens=1)
+        times.append(d.stats()["decoder-0"]["figures"]["handover_turn_transfer_s"] - before)
+        last = read_turns(d.run_dir)[-1]
+        assert last["rebuilt"] and last["session"] == f"rebuild-{i}", last
+        size, transport = last["handover_bytes"], last["transport"]
+    return size, transport, times
 
 
 def _decoder_state_bytes(model: Path, context: int) -> int:

@@ -34,6 +34,7 @@ class WorkerSettings:
     registry_root: Path
     backend: str = "onnx"
     max_context: int = 2048
+    nixl_threshold: int = 1 << 20  # hand-overs of at least this many bytes move through NIXL; <= 0: all inline
 
     @classmethod
     def from_args(cls, role: str, argv: list[str] | None = None) -> "WorkerSettings":
@@ -45,8 +46,11 @@ class WorkerSettings:
         p.add_argument("--registry-root", type=Path, required=True)
         p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
         p.add_argument("--max-context", type=int, default=2048)
+        p.add_argument("--nixl-threshold-bytes", type=int, default=1 << 20,
+                       help="hand-overs of at least this many bytes move through NIXL, smaller ones inline; 0 = never NIXL")
         a = p.parse_args(argv)
-        return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context)
+        return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context,
+                   a.nixl_threshold_bytes)
 
     @property
     def name(self) -> str:

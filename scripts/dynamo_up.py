@@ -36,12 +36,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-dir", type=Path, default=ROOT / "artifacts" / "engines" / "mol2-small")
     p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
     p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--nixl-threshold-bytes", type=int, default=1 << 20, help="hand-overs from this size move through NIXL; 0: all inline")
     a = p.parse_args(argv)
     if a.command == "start":
         if (a.run_dir / "deployment.json").exists():
             print(f"a deployment is already recorded in {a.run_dir}; stop it first", file=sys.stderr)
             return 1
-        d = Deployment(a.run_dir, a.model_dir, a.engine_dir, a.encoders, a.decoders, a.port, a.backend, a.max_context)
+        d = Deployment(a.run_dir, a.model_dir, a.engine_dir, a.encoders, a.decoders, a.port, a.backend, a.max_context,
+                       nixl_threshold_bytes=a.nixl_threshold_bytes)
         t0 = time.monotonic()
         print(f"starting {a.encoders} encoder + {a.decoders} decoder workers and the frontend (logs in {a.run_dir / 'logs'}) ...", flush=True)
         try:
@@ -60,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                     show[k.split("/")[0].replace("routing_decisions_", "")] += v
             f = w["figures"]
             print(f"{name:10s} instance {w['instance_id']} pid {w['pid']}: turns {int(f.get('turns', 0))}, routing {show}, "
-                  f"hand-over {int(f.get('handover_turn_bytes', 0))} B in {int(f.get('handover_turns', 0))} turns, "
+                  f"hand-over {int(f.get('handover_turn_bytes', 0))} B in {int(f.get('handover_turns', 0))} turns "
+                  f"(inline {int(f.get('sent_inline_bytes', 0) + f.get('received_inline_bytes', 0))} B, "
+                  f"NIXL {int(f.get('sent_nixl_bytes', 0) + f.get('received_nixl_bytes', 0))} B), "
                   f"steps {int(f.get('step_calls', 0))} ({int(f.get('step_bytes', 0))} B), rebuilds {int(f.get('rebuilds', 0))}")
         return 0
     stopped = stop_recorded(a.run_dir)

@@ -31,10 +31,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _deploy(tmp: Path, engines: Path, encoders: int, decoders: int) -> Deployment:
+def _deploy(tmp: Path, engines: Path, encoders: int, decoders: int, **options: int) -> Deployment:
     if not DYNAMO_PYTHON.exists():
         pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
-    d = Deployment(tmp, EMBEDDED, engines, encoders=encoders, decoders=decoders, http_port=_port())
+    d = Deployment(tmp, EMBEDDED, engines, encoders=encoders, decoders=decoders, http_port=_port(), **options)
     try:
         d.start(timeout_s=300)
     except BaseException:
@@ -116,8 +116,13 @@ def test_concurrent_sessions_stay_on_their_workers(fleet, reference) -> None:  #
     assert written == applied == len(read_turns(fleet.run_dir))
 
 
+NIXL_THRESHOLD = 192 << 10  # above every single turn's hand-over here (<= ~120 KB), below a rebuild of three turns
+
+
 def test_killed_decoder_rebuilds_elsewhere_with_same_tokens(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
-    d = _deploy(tmp_path / "dynamo-1x2", default_engines, encoders=1, decoders=2)
+    """Also the hand-over's transport rule: turns below the threshold inline, the rebuild's long hand-over through NIXL,
+    with the tokens of the single-server path either way."""
+    d = _deploy(tmp_path / "dynamo-1x2", default_engines, encoders=1, decoders=2, nixl_threshold_bytes=NIXL_THRESHOLD)
     try:
         conv = Conversation(d.url, "killed-0")
         for text in CONVERSATION[:2]:
@@ -132,5 +137,15 @@ def test_killed_decoder_rebuilds_elsewhere_with_same_tokens(tmp_path, default_en
         assert served[2]["rebuilt"] and served[2]["decoder"] != victim_id  # rebuilt from the conversation elsewhere
         assert not any(t["rebuilt"] for t in served[3:]) and {t["decoder"] for t in served[2:]} == {served[2]["decoder"]}
         assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-killed-0", CONVERSATION)  # as if undisturbed
+        assert [t["transport"] for t in served] == ["nixl" if t["handover_bytes"] >= NIXL_THRESHOLD else "inline" for t in served]
+        assert served[2]["transport"] == "nixl" and all(t["transport"] == "inline" for t in served[:2] + served[3:])
+        stats = d.stats()
+        received = {k: sum(w["figures"].get(k, 0) for n, w in stats.items() if w["role"] == "decoder")
+                    for k in ("received_nixl_bytes", "received_inline_bytes")}
+        sent = {k: stats["encoder-0"]["figures"].get(k, 0) for k in ("sent_nixl_bytes", "sent_inline_bytes")}
+        assert received["received_nixl_bytes"] == sent["sent_nixl_bytes"] == served[2]["handover_bytes"]  # per-worker counters
+        inline = sum(t["handover_bytes"] for t in served) - served[2]["handover_bytes"]
+        assert received["received_inline_bytes"] == inline  # the decoders got exactly the inline turns
+        assert sent["sent_inline_bytes"] > inline  # + the first try of turn 3, offered to the dead decoder
     finally:
         d.stop()
