@@ -41,6 +41,7 @@ from typing import Any
 from build_engines.data.corpora import reader
 from build_engines.data.corpora.errors import CorporaError
 from build_engines.data.corpora.output import write_json, write_jsonl
+from build_engines.routing import requests
 
 MAX_QUERY_CHARS = 400
 MAX_SNIPPET_LINES = 6
@@ -54,15 +55,22 @@ ADAPTER_TASK = "adapter_routing"
 BENCHMARK_TASK = "adapter_benchmark"
 ADAPTER_TASKS = (ADAPTER_TASK, BENCHMARK_TASK)
 RECIPES = ("A", "B", "C")
-FILES = ("generic", "adapter")
+FILES = ("generic", "adapter", "requests")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
+# What the router reads for each adapter (through the token embedding only). Written for requests as well as
+# excerpts: each names the things a user asks about in that domain (a flag, a function, a property, a feeling),
+# since those words are what a request shares with its description.
 ADAPTER_DESCRIPTIONS: dict[str, str] = {
-    "L0_chat": "chats casually in everyday conversation: small talk, feelings, opinions and personal back-and-forth",
-    "L1_agent": "uses command-line tools: shell commands with their options, flags and arguments, as in Unix man pages",
-    "L2_code": "writes, reads and explains Python source code: functions, classes, imports and standard library calls",
-    "L3_design": "styles and marks up web pages: CSS and SCSS rules, selectors, colours, layout and HTML elements",
+    "L0_chat": "chats casually in everyday conversation: small talk, feelings, opinions, plans, jokes and personal "
+               "back-and-forth",
+    "L1_agent": "uses command-line tools and answers questions about them: shell commands in a terminal with their "
+                "options, flags and arguments, as in Unix man pages",
+    "L2_code": "writes, reads, fixes and explains Python code: functions, classes, methods, modules, imports, "
+               "docstrings and standard library calls",
+    "L3_design": "styles and lays out web pages: CSS and SCSS properties and values, selectors, colours, spacing, "
+                 "centring, flexbox and grid layout, HTML elements",
 }
 
 # The corpus kind whose held-out documents give each adapter's routing snippets.
@@ -475,16 +483,24 @@ def _counts(items: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 
 
 def write_routing_data(data_dir: str | Path, out_dir: str | Path, seed: int = DEFAULT_SEED,
-                       per_domain: int = DEFAULT_PER_DOMAIN) -> dict[str, Any]:
-    """Build both item sets and write `generic.jsonl`, `adapter.jsonl` and `manifest.json`; return the manifest."""
+                       per_domain: int = DEFAULT_PER_DOMAIN, *,
+                       request_train_per_domain: int = requests.DEFAULT_REQUEST_TRAIN_PER_DOMAIN,
+                       request_bench_per_domain: int = requests.DEFAULT_REQUEST_BENCH_PER_DOMAIN) -> dict[str, Any]:
+    """Build the three item sets and write `generic.jsonl`, `adapter.jsonl` (document windows), `requests.jsonl`
+    (request-style items and the natural-request benchmark, see `requests`) and `manifest.json`; return the
+    manifest."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     data_manifest = reader.load_manifest(data_dir)
     generic = build_generic_items(data_dir, seed)
     drawn: dict[str, Any] = {}
     adapter = build_adapter_items(data_dir, seed, per_domain, stats=drawn)
+    request_drawn: dict[str, Any] = {}
+    request_items = requests.build_request_items(data_dir, ADAPTER_DESCRIPTIONS, ADAPTER_KINDS, seed,
+                                                 request_train_per_domain, request_bench_per_domain,
+                                                 stats=request_drawn)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {name: write_jsonl(out_dir / f"{name}.jsonl", rows, out_dir)
-             for name, rows in (("generic", generic), ("adapter", adapter))}
+             for name, rows in (("generic", generic), ("adapter", adapter), ("requests", request_items))}
     manifest = {
         "format_version": FORMAT_VERSION,
         "generator": "python -m build_engines.routing.data",
@@ -492,8 +508,10 @@ def write_routing_data(data_dir: str | Path, out_dir: str | Path, seed: int = DE
         "per_domain": per_domain,
         "data_manifest_sha256": hashlib.sha256(json.dumps(data_manifest, sort_keys=True).encode()).hexdigest(),
         "files": files,
-        "counts": {"generic": _counts(generic), "adapter": _counts(adapter)},
+        "counts": {"generic": _counts(generic), "adapter": _counts(adapter), "requests": _counts(request_items)},
         "adapter_snippets_drawn": drawn,
+        "requests": requests.manifest_record(request_items, request_drawn, seed, request_train_per_domain,
+                                             request_bench_per_domain),
         "adapter_descriptions": ADAPTER_DESCRIPTIONS,
         "settings": {"max_query_chars": MAX_QUERY_CHARS, "max_snippet_lines": MAX_SNIPPET_LINES,
                      "train_fraction": TRAIN_FRACTION, "train_per_domain_factor": TRAIN_PER_DOMAIN_FACTOR,
@@ -504,7 +522,7 @@ def write_routing_data(data_dir: str | Path, out_dir: str | Path, seed: int = DE
 
 
 def load_items(out_dir: str | Path, name: str) -> list[dict[str, Any]]:
-    """The items of `generic` or `adapter` (a trailing `.jsonl` is accepted)."""
+    """The items of `generic`, `adapter` or `requests` (a trailing `.jsonl` is accepted)."""
     out_dir = Path(out_dir)
     name = name.removesuffix(".jsonl")
     if name not in FILES:

@@ -48,8 +48,8 @@ def _man(split: str, d: int) -> str:
 
 
 def _code(split: str, d: int) -> str:
-    return "\n".join(f"def {split}_func_{d}_{k}(value):\n    result = value * {k} + {d}\n    return result\n"
-                     for k in range(10))
+    return "\n".join(f"def {split}_func_{d}_{k}(value):\n    \"\"\"Return the value times {k} plus {d}.\"\"\"\n"
+                     f"    result = value * {k} + {d}\n    return result\n" for k in range(10))
 
 
 def _design(split: str, d: int) -> str:
