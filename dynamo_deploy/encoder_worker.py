@@ -69,6 +69,10 @@ class EncoderWorker:
     # ------------------------------------------------------------------ the frontend's endpoint
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         prompt = [int(t) for t in request["token_ids"]]
+        if not prompt or prompt[-1] != self.tokenizer.special_ids["<|assistant|>"]:
+            # e.g. a request Dynamo migrated mid-reply (prompt + partial reply): continuing it would encode the partial
+            # reply as a user turn, silently wrong; the client retries the turn instead
+            raise ValueError("the prompt must end with the assistant prompt (a chat request, not a partial reply)")
         key = (request.get("agent_context") or {}).get("session_id") or "anon-" + fingerprint(prompt, self.tokenizer.end_of_turn_id)
         params = sampling_params(request)
         for _ in range(1 + len(self.decoders.instance_ids())):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -147,5 +148,45 @@ def test_killed_decoder_rebuilds_elsewhere_with_same_tokens(tmp_path, default_en
         inline = sum(t["handover_bytes"] for t in served) - served[2]["handover_bytes"]
         assert received["received_inline_bytes"] == inline  # the decoders got exactly the inline turns
         assert sent["sent_inline_bytes"] > inline  # + the first try of turn 3, offered to the dead decoder
+    finally:
+        d.stop()
+
+
+def _say_until_served(conv: Conversation, text: str, within_s: float) -> tuple[int, float]:
+    """One turn, retried while the deployment answers with an HTTP error (a dead worker not yet dropped from
+    discovery): -> (failed tries, seconds until served). Only an error, never a reply, may precede the served one."""
+    t0, failures = time.monotonic(), 0
+    while True:
+        try:
+            conv.say(text, max_tokens=MAX_TOKENS)
+            return failures, time.monotonic() - t0
+        except RuntimeError as exc:  # HTTP error: the message was taken back, nothing was absorbed for the client
+            failures += 1
+            if time.monotonic() - t0 > within_s:
+                raise AssertionError(f"not served within {within_s:.0f} s after {failures} tries: {exc}") from None
+            time.sleep(1.0)
+
+
+def test_killed_encoder_rebuilds_on_the_other_with_same_tokens(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
+    """2 encoders: the session's encoder is SIGKILLed between turns. The frontend keeps the session pinned to it until
+    Dynamo's file discovery drops the dead instance (its lease, ~10 s measured); meanwhile the turn fails with an
+    HTTP error. Then the turn goes to the other encoder, which rebuilds the session from the resent conversation."""
+    d = _deploy(tmp_path / "dynamo-2x1", default_engines, encoders=2, decoders=1)
+    try:
+        conv = Conversation(d.url, "enc-killed-0")
+        for text in CONVERSATION[:2]:
+            conv.say(text, max_tokens=MAX_TOKENS)
+        victim = _served(d.run_dir, "enc-killed-0")[-1]["worker"]
+        d.kill(victim)
+        failures, waited = _say_until_served(conv, CONVERSATION[2], within_s=90)
+        print(f"encoder failover: {failures} failed tries, served after {waited:.1f} s")
+        for text in CONVERSATION[3:]:
+            conv.say(text, max_tokens=MAX_TOKENS)
+        served = _served(d.run_dir, "enc-killed-0")
+        assert len(served) == len(CONVERSATION)  # every failed try left no turn behind
+        assert served[2]["rebuilt"] and served[2]["worker"] != victim  # rebuilt from the resent conversation elsewhere
+        assert served[2]["new_tokens"] > sum(len(t["tokens"]) for t in served[:2])  # the whole conversation, from position 0
+        assert not any(t["rebuilt"] for t in served[3:]) and {t["worker"] for t in served[2:]} == {served[2]["worker"]}
+        assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-enc-killed-0", CONVERSATION)  # as if undisturbed
     finally:
         d.stop()
