@@ -34,6 +34,7 @@ from tritonserver_backend.registry import Registry
 from tritonserver_backend.router_service import RouterService
 
 from .conversation import SessionRecord, continuation, fingerprint, reply_ids, split_turn
+from .model_ids import explicit_adapter, explicit_ids
 from .requests import openai_finish, params_to_json, sampling_params
 from .transfer import HandoverChannel
 from .wire import nbytes, pack
@@ -75,16 +76,17 @@ class EncoderWorker:
             raise ValueError("the prompt must end with the assistant prompt (a chat request, not a partial reply)")
         key = (request.get("agent_context") or {}).get("session_id") or "anon-" + fingerprint(prompt, self.tokenizer.end_of_turn_id)
         params = sampling_params(request)
+        explicit = explicit_adapter(request.get("model"))  # an explicit adapter always wins over routing
         for _ in range(1 + len(self.decoders.instance_ids())):
             try:
-                async for chunk in self._turn(key, prompt, params):
+                async for chunk in self._turn(key, prompt, params, explicit):
                     yield chunk
                 return
             except DecoderLost as exc:
                 LOG.warning("%s: %s; rebuilding the session on another decoder", self.settings.name, exc)
         raise RuntimeError("no decoder worker could take the turn")
 
-    async def _turn(self, key: str, prompt: list[int], params: Any) -> AsyncIterator[dict[str, Any]]:
+    async def _turn(self, key: str, prompt: list[int], params: Any, explicit: str | None) -> AsyncIterator[dict[str, Any]]:
         record = self.records.get(key)
         new = continuation(record, prompt)
         live = [i for i in self.decoders.instance_ids() if i not in self.dead]
@@ -106,7 +108,7 @@ class EncoderWorker:
             rebuilt = len(history) > 1
             encoded = await self.run(self.encoder.encode_turn, sid, np.asarray(turn, np.int64), np.asarray(history, np.int64), True)
         h19, handover = encoded
-        routed = (await self.run(self.router.route, [h19], [None]))[0]
+        routed = (await self.run(self.router.route, [h19], [explicit]))[0]
         if isinstance(routed, Exception):
             await self.run(self.encoder.rollback, sid)
             raise routed
@@ -140,7 +142,7 @@ class EncoderWorker:
                     self.stats.add(turns=1, rebuilds=int(rebuilt))
                     self.stats.log_turn(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id),
                                         decoder=target, rebuilt=rebuilt, prompt_tokens=len(prompt), new_tokens=int(handover["positions"].size),
-                                        adapter_hash=int(routed), tokens=generated, transport=next(iter(wire)),
+                                        adapter_hash=int(routed), explicit=explicit, tokens=generated, transport=next(iter(wire)),
                                         handover_bytes=nbytes(handover))
                     self.stats.flush()
                     yield {"token_ids": [], "index": 0, "finish_reason": openai_finish(data["finish"])}
@@ -196,8 +198,12 @@ async def serve(settings: WorkerSettings) -> None:
     control = runtime.endpoint(f"{NAMESPACE}.encoder.control")
     worker.stats.instance_id = step.connection_id()
     worker.stats.flush()
+    model_path = str(settings.run_dir / "model")
     await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, generate,
-                         str(settings.run_dir / "model"), MODEL_NAME, worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+                         model_path, MODEL_NAME, worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+    for name in explicit_ids(Registry(settings.registry_root)):  # one LoRA card per explicit choice (model_ids.py)
+        await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, generate, model_path,
+                             worker_type=WorkerType.Aggregated, kv_cache_block_size=16, lora_name=name, base_model_path=model_path)
     LOG.warning("%s serving (instance %s)", settings.name, worker.stats.instance_id)
     await asyncio.gather(generate.serve_endpoint(worker.generate), step.serve_endpoint(worker.step),
                          control.serve_endpoint(worker.control),

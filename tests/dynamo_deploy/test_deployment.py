@@ -12,8 +12,10 @@ import pytest
 
 from dynamo_deploy.client import Conversation
 from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment, read_turns
+from dynamo_deploy.model_ids import model_id
 from tests.conftest import EMBEDDED
 from tritonserver_backend.pipeline import InProcessPipeline
+from tritonserver_backend.registry import Registry
 from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.sampling import SamplingParams
 
@@ -115,6 +117,32 @@ def test_concurrent_sessions_stay_on_their_workers(fleet, reference) -> None:  #
     written = sum(v for w in stats.values() if w["role"] == "encoder" for k, v in w["counters"].items() if k.startswith("routing_decisions_written"))
     applied = sum(v for w in stats.values() if w["role"] == "decoder" for k, v in w["counters"].items() if k.startswith("routing_decisions_applied"))
     assert written == applied == len(read_turns(fleet.run_dir))
+
+
+def test_explicit_adapter_wins_over_routing(fleet, reference) -> None:  # type: ignore[no-untyped-def]
+    """Model ids `mol2-small:<adapter>` / `mol2-small:base` (Dynamo LoRA cards) through the OpenAI frontend: the named
+    adapter answers even where the router would pick another, and routing resumes with `mol2-small`."""
+    assert {"mol2-small", "mol2-small:base", "mol2-small:L2_code", "mol2-small:L0_chat"} <= set(fleet._models())
+    texts = CONVERSATION[:4]
+    plan = [None, "base", "L2_code", None]  # explicit adapter per turn (None: routed)
+    would_route = [reference.chat("ref-explicit-probe", t, new_session=(i == 0), params=SamplingParams(max_tokens=MAX_TOKENS)).adapter
+                   for i, t in enumerate(texts)]
+    assert would_route[2] != "L2_code" and would_route[1] != "base"  # the explicit choice is not what routing gives
+    conv = Conversation(fleet.url, "explicit-0")
+    for text, adapter in zip(texts, plan):
+        conv.model = model_id(adapter)
+        conv.say(text, max_tokens=MAX_TOKENS)
+    served = _served(fleet.run_dir, "explicit-0")
+    expected = [reference.chat("ref-explicit-0", t, adapter=a, new_session=(i == 0), params=SamplingParams(max_tokens=MAX_TOKENS))
+                for i, (t, a) in enumerate(zip(texts, plan))]
+    registry = Registry(fleet.run_dir / "registry")
+    assert [t["explicit"] for t in served] == plan
+    assert [registry.name_of(t["adapter_hash"]) for t in served] == [r.adapter for r in expected]
+    assert [registry.name_of(t["adapter_hash"]) for t in served][1:3] == ["base", "L2_code"]
+    assert [t["tokens"] for t in served] == [r.token_ids for r in expected]
+    # the frontend's session affinity is by session id, across model ids: an adapter switch is a bounded replay on the
+    # session's own workers, not a rebuild
+    assert len({(t["worker"], t["decoder"]) for t in served}) == 1 and not any(t["rebuilt"] for t in served)
 
 
 NIXL_THRESHOLD = 192 << 10  # above every single turn's hand-over here (<= ~120 KB), below a rebuild of three turns
