@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,3 +36,31 @@ class Conversation:
         choice = out["choices"][0]
         self.messages.append({"role": "assistant", "content": choice["message"]["content"] or ""})
         return {"text": choice["message"]["content"] or "", "finish_reason": choice["finish_reason"], "usage": out.get("usage")}
+
+    def leave_mid_stream(self, text: str, after_chunks: int, max_tokens: int = 256, timeout_s: float = 300.0) -> str:
+        """A streamed turn whose client disconnects after `after_chunks` content chunks: -> the text it received. The
+        user message stays in `messages`; what the assistant message should be is the caller's choice (the server
+        keeps the partial reply it generated, which may be longer than what reached the client)."""
+        self.messages.append({"role": "user", "content": text})
+        body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        url = urllib.parse.urlparse(self.url)
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
+        conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                     {"content-type": "application/json", "x-dynamo-session-id": self.session_id})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read().decode(errors='replace')[:500]}")
+        received, chunks = [], 0
+        while chunks < after_chunks:
+            line = response.fp.readline().decode()
+            if not line:
+                break
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            delta = json.loads(line[5:])["choices"][0].get("delta", {}).get("content") or ""
+            if delta:
+                received.append(delta)
+                chunks += 1
+        conn.sock.shutdown(socket.SHUT_RDWR)  # leave: the frontend sees the connection close mid-stream
+        conn.close()
+        return "".join(received)

@@ -92,6 +92,7 @@ class DecoderWorker:
         self.inbox.put(TurnRequest(sid, rows, int(request["adapter_hash"]), params_from_json(request["params"]), False, sink))
         self.wake.set()
         generated = 0
+        watcher = asyncio.ensure_future(self._stop_when_told(context, sink))
         try:
             while True:
                 kind, a, b = await sink.queue.get()
@@ -107,7 +108,20 @@ class DecoderWorker:
                     yield {"finish": b}
                     return
         finally:
+            watcher.cancel()
             sink.closed = True
+
+    @staticmethod
+    async def _stop_when_told(context: Any, sink: Sink) -> None:
+        """Dynamo's cancellation: when the caller (the session's encoder, for a client that left) stops the request's
+        context, the scheduler's next emit fails and the turn ends as "cancelled" at its next iteration, its partial
+        reply kept in the history like a reply cut by max_tokens (the Triton path's rule); the trailing step tells
+        the encoder what was kept."""
+        if context is None:
+            return
+        await context.async_killed_or_stopped()
+        sink.closed = True
+        LOG.warning("decoder: the caller stopped a turn; it ends as cancelled")
 
 
 async def serve(settings: WorkerSettings) -> None:

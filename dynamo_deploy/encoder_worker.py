@@ -16,6 +16,7 @@ worker holds, is rebuilt from the prompt on a live decoder (a fresh internal ses
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -42,10 +43,15 @@ from .worker_common import MODEL_NAME, NAMESPACE, WorkerSettings, WorkerStats, a
 
 LOG = logging.getLogger("mol2.encoder")
 MAX_RECORDS = 10_000
+SETTLE_TIMEOUT_S = 120.0  # a cancelled turn's decoder has this long to end it; else the session is rebuilt next turn
 
 
 class DecoderLost(RuntimeError):
     """The decoder worker could not be reached before the turn started: rebuild elsewhere."""
+
+
+class ClientLeft(Exception):
+    """Dynamo stopped the request's context: the client disconnected."""
 
 
 class EncoderWorker:
@@ -60,6 +66,9 @@ class EncoderWorker:
         self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
         self.records: OrderedDict[str, SessionRecord] = OrderedDict()
         self.dead: set[int] = set()
+        self.absorbed: dict[str, list[int]] = {}  # internal session id -> the tokens its turn in flight fed back here
+        self.settling: dict[str, asyncio.Future] = {}  # internal session id -> its turn's end: the reply it kept, or None
+        self._settles: set[asyncio.Task] = set()
         self._serial = itertools.count()
         self._next = itertools.count()
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="encoder-engine")  # the services are single-threaded
@@ -79,14 +88,15 @@ class EncoderWorker:
         explicit = explicit_adapter(request.get("model"))  # an explicit adapter always wins over routing
         for _ in range(1 + len(self.decoders.instance_ids())):
             try:
-                async for chunk in self._turn(key, prompt, params, explicit):
-                    yield chunk
+                async with contextlib.aclosing(self._turn(key, prompt, params, explicit, context)) as turn:
+                    async for chunk in turn:  # a client that leaves closes this generator, and so the turn's
+                        yield chunk
                 return
             except DecoderLost as exc:
                 LOG.warning("%s: %s; rebuilding the session on another decoder", self.settings.name, exc)
         raise RuntimeError("no decoder worker could take the turn")
 
-    async def _turn(self, key: str, prompt: list[int], params: Any, explicit: str | None) -> AsyncIterator[dict[str, Any]]:
+    async def _turn(self, key: str, prompt: list[int], params: Any, explicit: str | None, context: Any) -> AsyncIterator[dict[str, Any]]:
         record = self.records.get(key)
         new = continuation(record, prompt)
         live = [i for i in self.decoders.instance_ids() if i not in self.dead]
@@ -126,9 +136,19 @@ class EncoderWorker:
                        handover_turn_pack_s=time.perf_counter() - t0)
         generated: list[int] = []
         started = False
+        log = dict(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id), decoder=target,
+                   rebuilt=rebuilt, prompt_tokens=len(prompt), new_tokens=int(handover["positions"].size), adapter_hash=int(routed),
+                   explicit=explicit, transport=next(iter(wire)), handover_bytes=nbytes(handover))
+        self.absorbed[sid] = []
+        self.settling[sid] = asyncio.get_running_loop().create_future()
+        downstream = self._downstream_context()
+        left = asyncio.ensure_future(self._client_left(context))
+        settle_later = False
         try:
-            stream = await self.decoders.direct(payload, target)
+            stream = await self.decoders.direct(payload, target, context=downstream)
             async for chunk in stream:
+                if left.done():
+                    raise ClientLeft()
                 data = chunk.data()
                 if "error" in data:
                     raise ServingError(data["error"])
@@ -137,17 +157,26 @@ class EncoderWorker:
                     generated.append(int(data["token"]))
                     yield {"token_ids": [int(data["token"])], "index": 0}
                 if "finish" in data:
+                    self.settling.pop(sid, None)
                     record.expected = prompt + reply_ids(self.tokenizer, generated)
                     record.turns += 1
                     self.stats.add(turns=1, rebuilds=int(rebuilt))
-                    self.stats.log_turn(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id),
-                                        decoder=target, rebuilt=rebuilt, prompt_tokens=len(prompt), new_tokens=int(handover["positions"].size),
-                                        adapter_hash=int(routed), explicit=explicit, tokens=generated, transport=next(iter(wire)),
-                                        handover_bytes=nbytes(handover))
+                    self.stats.log_turn(**log, tokens=generated, finish=data["finish"])
                     self.stats.flush()
                     yield {"token_ids": [], "index": 0, "finish_reason": openai_finish(data["finish"])}
                     return
             raise ServingError(f"decoder {target} ended the turn's stream without a finish")
+        except (GeneratorExit, asyncio.CancelledError, ClientLeft) as exc:  # the client left mid-turn
+            if sid in self.settling:
+                settle_later = True
+                LOG.warning("%s: the client of %s left mid-turn (%s); stopping the decoder's turn", self.settings.name, key,
+                            type(exc).__name__)
+                downstream.stop_generating()  # the decoder ends the turn as "cancelled" and keeps the partial reply
+                task = asyncio.ensure_future(self._settle_cancelled(key, record, prompt, generated, log))
+                self._settles.add(task)
+                task.add_done_callback(self._settles.discard)
+            if not isinstance(exc, ClientLeft):
+                raise
         except ServingError:
             self.records.pop(key, None)  # never continue a session whose last turn failed: the next one rebuilds
             raise
@@ -160,6 +189,50 @@ class EncoderWorker:
                 held.cancel()  # nobody will read the buffer: release it now
             await self.run(self.encoder.rollback, sid)
             raise DecoderLost(f"decoder instance {target} unreachable ({exc!r})") from exc
+        finally:
+            left.cancel()
+            if not settle_later:
+                self.absorbed.pop(sid, None)
+                self.settling.pop(sid, None)
+
+    @staticmethod
+    def _downstream_context() -> Any:
+        """The decoder call's own Dynamo context: stopping it stops the decoder's turn, whatever the frontend does
+        with ours."""
+        from dynamo.runtime import Context
+
+        return Context()
+
+    @staticmethod
+    async def _client_left(context: Any) -> None:
+        if context is not None:
+            await context.async_killed_or_stopped()
+
+    async def _settle_cancelled(self, key: str, record: SessionRecord, prompt: list[int], streamed: list[int], log: dict[str, Any]) -> None:
+        """A turn whose client left: once the decoder has ended it (its trailing step reached `step` with turn_done),
+        the session holds the prompt plus the partial reply as the encoder absorbed it, like a reply cut by max_tokens
+        (the Triton path's rule). The record then continues under exactly that history; if the turn failed instead
+        (rolled back) or never ended, the record is dropped and the next turn rebuilds. A turn that arrives before
+        this settles finds no continuable record and rebuilds: never continued from a state that does not match."""
+        sid = record.session_id
+        future = self.settling.get(sid)
+        kept: list[int] | None = None
+        if future is not None:
+            try:
+                kept = await asyncio.wait_for(asyncio.shield(future), SETTLE_TIMEOUT_S)
+            except TimeoutError:
+                kept = None
+            self.settling.pop(sid, None)
+        if self.records.get(key) is not record:
+            return  # a newer turn of the conversation took over meanwhile
+        if kept is None:
+            self.records.pop(key, None)
+            return
+        record.expected = prompt + reply_ids(self.tokenizer, kept)
+        record.turns += 1
+        self.stats.add(turns=1, cancelled_turns=1, rebuilds=int(log["rebuilt"]))
+        self.stats.log_turn(**log, tokens=kept, finish="cancelled", client_tokens=len(streamed))
+        self.stats.flush()
 
     # ------------------------------------------------------------------ the decoder's endpoints
     async def step(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
@@ -171,13 +244,34 @@ class EncoderWorker:
             yield {"error": str(exc)}
             return
         compute = time.perf_counter() - t0
+        self._absorbed(list(request["sessions"]), request["tokens"], bool(request["turn_done"]))
         packed = [pack(r) for r in rows]
         self.stats.add(step_calls=1, step_rows=sum(int(r["positions"].size) for r in rows), step_bytes=sum(nbytes(r) for r in rows),
                        step_compute_s=compute)
         yield {"rows": packed, "compute_s": compute}
 
+    def _absorbed(self, sessions: list[str], tokens: list[list[int]], turn_done: bool) -> None:
+        """Track what each turn in flight fed back; at its end (trailing tokens + end-of-turn) that is the reply the
+        session keeps, which settles a cancelled turn."""
+        for sid, row in zip(sessions, tokens):
+            if sid in self.absorbed:
+                self.absorbed[sid].extend(int(t) for t in row)
+            if turn_done:
+                kept = self.absorbed.pop(sid, [])[:-1]  # without the end-of-turn
+                future = self.settling.get(sid)
+                if future is not None and not future.done():
+                    future.set_result(kept)
+
+    def _dropped(self, sid: str) -> None:
+        self.absorbed.pop(sid, None)
+        future = self.settling.get(sid)
+        if future is not None and not future.done():
+            future.set_result(None)
+
     async def control(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         op, sid = request.get("op"), str(request.get("session_id"))
+        if op in ("rollback", "end"):
+            self._dropped(sid)
         if op == "rollback":
             await self.run(self.encoder.rollback, sid)
         elif op == "end":

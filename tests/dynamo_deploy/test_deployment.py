@@ -145,6 +145,42 @@ def test_explicit_adapter_wins_over_routing(fleet, reference) -> None:  # type: 
     assert len({(t["worker"], t["decoder"]) for t in served}) == 1 and not any(t["rebuilt"] for t in served)
 
 
+def _wait_turns(run_dir: Path, session: str, n: int, within_s: float = 60.0) -> list[dict]:
+    deadline = time.monotonic() + within_s
+    while len(served := _served(run_dir, session)) < n:
+        assert time.monotonic() < deadline, f"{session}: {len(served)} turns logged, expected {n}"
+        time.sleep(0.1)
+    return served
+
+
+def test_client_leaving_mid_stream_cancels_the_turn_and_keeps_the_partial_reply(fleet, reference) -> None:  # type: ignore[no-untyped-def]
+    """A streamed turn whose client disconnects: Dynamo stops the encoder's request, the encoder stops the decoder's
+    (its own context), the decoder ends the turn early as "cancelled" and the session keeps the partial reply (the
+    Triton path's rule). A client that resends that partial reply continues the session without a rebuild, with the
+    tokens of the single-server path cut at the same length."""
+    long_tokens = 200
+    reference.chat("ref-cancel-full", CONVERSATION[0], new_session=True, params=SamplingParams(max_tokens=MAX_TOKENS))
+    full = reference.chat("ref-cancel-full", CONVERSATION[1], params=SamplingParams(max_tokens=long_tokens)).token_ids
+    conv = Conversation(fleet.url, "cancel-0")
+    conv.say(CONVERSATION[0], max_tokens=MAX_TOKENS)
+    received = conv.leave_mid_stream(CONVERSATION[1], after_chunks=3, max_tokens=long_tokens)
+    cancelled = _wait_turns(fleet.run_dir, "cancel-0", 2)[1]
+    kept = cancelled["tokens"]
+    assert cancelled["finish"] == "cancelled"
+    assert cancelled["client_tokens"] <= len(kept) < len(full)  # stopped early: the decoder did not run the turn out
+    assert kept == full[:len(kept)]  # the partial reply is the undisturbed reply's prefix
+    assert reference.text.decode(kept).startswith(received)  # the client got a prefix of it
+    conv.messages.append({"role": "assistant", "content": reference.text.tokenizer.decode(kept, skip_special=True)})
+    for text in CONVERSATION[2:4]:
+        conv.say(text, max_tokens=MAX_TOKENS)
+    served = _served(fleet.run_dir, "cancel-0")
+    assert not any(t["rebuilt"] for t in served) and len({(t["worker"], t["decoder"]) for t in served}) == 1
+    lengths = [MAX_TOKENS, len(kept), MAX_TOKENS, MAX_TOKENS]
+    expected = [reference.chat("ref-cancel-0", t, new_session=(i == 0), params=SamplingParams(max_tokens=n)).token_ids
+                for i, (t, n) in enumerate(zip(CONVERSATION[:4], lengths))]
+    assert [t["tokens"] for t in served] == expected
+
+
 NIXL_THRESHOLD = 192 << 10  # above every single turn's hand-over here (<= ~120 KB), below a rebuild of three turns
 
 
