@@ -1,15 +1,19 @@
 """Train and evaluate the MoL2 router on the embedded default; write docs/routing.md and the trained head.
 
-    .venv/bin/python scripts/train_router.py            # recipes A/B/C/H x 3 seeds, data-scaling sweep, final head
-    .venv/bin/python scripts/train_router.py --final-only --steps 1200   # only the shipped head (recipe H, seed 0)
+    .venv/bin/python scripts/train_router.py            # recipes A/B/C/H/R x 3 seeds, data-scaling sweep, final head
+    .venv/bin/python scripts/train_router.py --final-only --steps 1200 --final-seeds 3   # the shipped recipe (R) x 3
+                                                        # seeds at full length; seed 0 is shipped
 
 The study follows the article: generic pick-one questions rewritten from labelled sets (each with its own candidate
 set) plus adapter-domain user turns; recipe A = generic only, B = mixed, C = staged (generic, then adapter); the
 held-out adapter benchmark and per-source generic test accuracy; a sweep over the amount of adapter data. Recipe H
 is ours: B plus a copy of every training item encoded as a later turn (after a synthetic conversation prefix), since
-serving routes later turns on H19 computed with the history in the encoder. Every head is evaluated on first turns
-(the article's setting) and on the same test items as later turns. The head of recipe H (seed 0) becomes the
-embedded default's router (`<model>/router/`).
+serving routes later turns on H19 computed with the history in the encoder. Recipe R (shipped) is H plus
+request-style items (what users ask each adapter, `build_engines.routing.requests`), again as first and later turns.
+Every head is evaluated on two adapter benchmarks, the document-window benchmark and the natural-request benchmark
+(sources and phrasings disjoint from training, see `requests`), first turns (the article's setting) and the same
+items as later turns, per class and with a confusion matrix. The head of recipe R (seed 0) becomes the embedded
+default's router (`<model>/router/`).
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from build_engines.data.tokenizer import ChatTokenizer  # noqa: E402
 from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.model.network import EncoderEngine  # noqa: E402
-from build_engines.routing.data import load_items, write_routing_data  # noqa: E402
+from build_engines.routing.data import ADAPTER_DESCRIPTIONS, load_items, write_routing_data  # noqa: E402
+from build_engines.routing.report import adapter_scores, confusion_table, mean_std  # noqa: E402
 from build_engines.routing.train import (  # noqa: E402
     TaskSet,
     accuracy,
@@ -47,9 +53,16 @@ from build_engines.routing.train import (  # noqa: E402
 
 ADAPTER_TRAIN, ADAPTER_BENCH = "adapter_routing", "adapter_benchmark"
 ADAPTER_BENCH_HIST = "adapter_benchmark_later_turn"
-RECIPE_NAMES = {"A": "generic only", "B": "mixed", "C": "staged", "H": "mixed + later-turn copies"}
-SHIPPED_RECIPE = "H"
+REQUEST_TRAIN, REQUEST_BENCH = "request_routing", "request_benchmark"
+REQUEST_BENCH_HIST = "request_benchmark_later_turn"
+BENCHMARKS = ((ADAPTER_BENCH, ADAPTER_BENCH, "test"), (ADAPTER_BENCH_HIST, ADAPTER_BENCH, "test_hist"),
+              (REQUEST_BENCH, REQUEST_BENCH, "test"), (REQUEST_BENCH_HIST, REQUEST_BENCH, "test_hist"))
+RECIPE_NAMES = {"A": "generic only", "B": "mixed", "C": "staged", "H": "mixed + later-turn copies",
+                "R": "H + request-style items"}
+SHIPPED_RECIPE = "R"
+LABELS = list(ADAPTER_DESCRIPTIONS)
 NOTES_HEADING = "## Reading the results"
+SHIPPED_BEGIN, SHIPPED_END = "<!-- shipped-head:begin -->", "<!-- shipped-head:end -->"
 
 
 def cap(items: list[dict], per_task: int, seed: int) -> list[dict]:
@@ -84,11 +97,14 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--sweep-seeds", type=int, default=1)
     p.add_argument("--sweep", default="0,50,250,1000,4000")
-    p.add_argument("--final-only", action="store_true", help="skip the study: train only the shipped head (recipe H, seed 0) for --steps")
+    p.add_argument("--final-only", action="store_true", help="skip the study: train only the shipped recipe (R) for --steps, seeds 0..--final-seeds-1, ship seed 0")
+    p.add_argument("--final-seeds", type=int, default=1, help="with --final-only: seeds of the shipped recipe to train and report (seed 0 is shipped)")
+    p.add_argument("--recipes", default=",".join(RECIPE_NAMES), help="recipes of the study (comma separated)")
+    p.add_argument("--no-save", action="store_true", help="do not write the head into the model (experiments)")
     p.add_argument("--adapter-cap", type=int, default=100_000, help="at most this many adapter items per split (smoke runs)")
     args = p.parse_args()
     t_start = time.perf_counter()
-    if not (args.routing / "generic.jsonl").exists():
+    if not all((args.routing / f"{name}.jsonl").exists() for name in ("generic", "adapter", "requests")):
         write_routing_data(args.data, args.routing)
     tok = ChatTokenizer.load(args.model)
     net = load_checkpoint(args.model)
@@ -99,32 +115,41 @@ def main() -> int:
 
     generic = load_items(args.routing, "generic")
     adapter = load_items(args.routing, "adapter")
-    splits = {
+    request = load_items(args.routing, "requests")
+    base_splits = {
         "train": cap([i for i in generic if i["split"] == "train"], args.train_per_task, 0) + cap([i for i in adapter if i["split"] == "train"], args.adapter_cap, 2),
         "test": cap([i for i in generic if i["split"] == "test"], args.test_per_task, 1) + cap([i for i in adapter if i["split"] == "test"], args.adapter_cap, 3),
     }
+    request_splits = {split: cap([i for i in request if i["split"] == split], args.adapter_cap, 4) for split in base_splits}
+    splits = {split: base_splits[split] + request_splits[split] for split in base_splits}
     sets = {}
-    for split, items in splits.items():
-        queries = [i["query"] for i in items]
-        sets[split] = build_task_sets(items, extract_h19(encoder, tok, queries, args.cache, digest), tok)
-        histories = synthetic_histories(len(items), queries, seed=0 if split == "train" else 1)
-        sets[split + "_hist"] = build_task_sets(items, extract_h19(encoder, tok, queries, args.cache, digest, histories=histories), tok)
-    generic_tasks = sorted(t for t in sets["train"] if not t.startswith("adapter"))
+    for split in splits:
+        # Extracted in two parts so that regenerating the request items leaves the cached generic/document features
+        # valid: base histories come from the base queries as before; request items get their own seeded
+        # histories drawn from every query of the split (any domain, any kind).
+        base_q = [i["query"] for i in base_splits[split]]
+        req_q = [i["query"] for i in request_splits[split]]
+        first = [extract_h19(encoder, tok, base_q, args.cache, digest), extract_h19(encoder, tok, req_q, args.cache, digest)]
+        histories = (synthetic_histories(len(base_q), base_q, seed=0 if split == "train" else 1),
+                     synthetic_histories(len(req_q), base_q + req_q, seed=10 if split == "train" else 11))
+        later = [extract_h19(encoder, tok, base_q, args.cache, digest, histories=histories[0]),
+                 extract_h19(encoder, tok, req_q, args.cache, digest, histories=histories[1])]
+        sets[split] = build_task_sets(splits[split], np.concatenate(first), tok)
+        sets[split + "_hist"] = build_task_sets(splits[split], np.concatenate(later), tok)
+    generic_tasks = sorted(t for t in sets["train"] if not t.startswith(("adapter", "request")))
     print(f"items: train {sum(len(s) for s in sets['train'].values())}, test {sum(len(s) for s in sets['test'].values())}; H19 ready after {time.perf_counter() - t_start:.0f} s")
 
-    bench_labels = [i["label"] for i in splits["test"] if i["task"] == ADAPTER_BENCH]
+    label_of = {d: a for a, d in ADAPTER_DESCRIPTIONS.items()}
+    expected = {task: [i["label"] for i in splits["test"] if i["task"] == task] for task in (ADAPTER_BENCH, REQUEST_BENCH)}
 
-    def evaluate(head) -> dict[str, float]:  # type: ignore[no-untyped-def]
-        res = {t: accuracy(head, embed, sets["test"][t]) for t in generic_tasks}
+    def evaluate(head) -> dict:  # type: ignore[no-untyped-def]
+        res: dict = {t: accuracy(head, embed, sets["test"][t]) for t in generic_tasks}
         res["generic_mean"] = statistics.mean(res[t] for t in generic_tasks)
         res["generic_mean_later_turn"] = statistics.mean(accuracy(head, embed, sets["test_hist"][t]) for t in generic_tasks)
-        for name, split in ((ADAPTER_BENCH, "test"), (ADAPTER_BENCH_HIST, "test_hist")):
-            ts = sets[split][ADAPTER_BENCH]
-            right = (predictions(head, embed, ts) == ts.answers).tolist()
-            res[name] = sum(right) / len(right)
-            for label in sorted(set(bench_labels)):
-                rows = [r for r, lab in zip(right, bench_labels) if lab == label]
-                res[f"{name}:{label}"] = sum(rows) / len(rows)
+        for name, task, split in BENCHMARKS:
+            ts = sets[split][task]
+            chosen = [label_of[ts.descriptions[k]] for k in predictions(head, embed, ts).tolist()]
+            res.update(adapter_scores(name, chosen, expected[task], LABELS))
         return res
 
     def run(recipe: str, n_adapter: int, seed: int) -> tuple[dict[str, float], object]:
@@ -135,32 +160,50 @@ def main() -> int:
             stages, steps = [gen], [args.steps]
         elif recipe == "B":
             stages, steps = [gen + [ad]], [args.steps]
-        elif recipe == "H":  # B plus every training item again as a later turn
+        elif recipe in ("H", "R"):  # B plus every training item again as a later turn (R: and the request items)
             gen_hist = [sets["train_hist"][t] for t in generic_tasks]
             ad_hist = limit(sets["train_hist"][ADAPTER_TRAIN], n_adapter, seed)
-            stages, steps = [gen + [ad] + gen_hist + [ad_hist]], [args.steps]
+            stage = gen + [ad] + gen_hist + [ad_hist]
+            if recipe == "R":
+                stage += [sets["train"][REQUEST_TRAIN], sets["train_hist"][REQUEST_TRAIN]]
+            stages, steps = [stage], [args.steps]
         else:  # C: staged
             stages, steps = [gen, [ad]], [args.steps * 2 // 3, args.steps - args.steps * 2 // 3]
         t0 = time.perf_counter()
         train_head(head, embed, stages, steps, batch=args.batch, seed=seed, progress=False)
         res = evaluate(head)
         res["train_s"] = time.perf_counter() - t0
-        print(f"recipe {recipe} n_adapter {n_adapter} seed {seed}: adapter benchmark {res[ADAPTER_BENCH]:.4f} (later turn {res[ADAPTER_BENCH_HIST]:.4f}), generic mean {res['generic_mean']:.4f} ({res['train_s']:.0f} s)", flush=True)
+        print(f"recipe {recipe} n_adapter {n_adapter} seed {seed}: document windows {res[ADAPTER_BENCH]:.4f} (later turn {res[ADAPTER_BENCH_HIST]:.4f}), "
+              f"natural requests {res[REQUEST_BENCH]:.4f} (later turn {res[REQUEST_BENCH_HIST]:.4f}), generic mean {res['generic_mean']:.4f} ({res['train_s']:.0f} s)", flush=True)
         return res, head
 
     n_all = len(sets["train"][ADAPTER_TRAIN])
     if args.final_only:
-        res, head = run(SHIPPED_RECIPE, n_all, 0)
-        head.save(args.model / "router")
-        register_router_files(args.model)
-        per_class = ", ".join(f"{k.split(':')[1]} {100 * v:.1f}%" for k, v in res.items() if k.startswith(ADAPTER_BENCH + ":"))
-        print(f"final head (recipe {SHIPPED_RECIPE}, seed 0, {args.steps} steps): adapter benchmark {100 * res[ADAPTER_BENCH]:.2f}% ({per_class}), "
-              f"as later turns {100 * res[ADAPTER_BENCH_HIST]:.2f}%, generic mean {100 * res['generic_mean']:.2f}% (later turns {100 * res['generic_mean_later_turn']:.2f}%); saved to {args.model / 'router'}")
-        write_json(args.out.parent / "figures" / "routing_final_head.json", {"recipe": SHIPPED_RECIPE, "steps": args.steps, "seed": 0, "results": res})
+        per_seed = []
+        for seed in range(args.final_seeds):
+            res, head = run(SHIPPED_RECIPE, n_all, seed)
+            per_seed.append(res)
+            if seed == 0:
+                shipped = head
+            for name in (ADAPTER_BENCH, REQUEST_BENCH):
+                per_class = ", ".join(f"{label} {100 * res[f'{name}:{label}']:.1f}%" for label in LABELS)
+                print(f"  seed {seed} {name}: {100 * res[name]:.2f}% ({per_class}), as later turns {100 * res[name + '_later_turn']:.2f}%")
+        if not args.no_save:
+            shipped.save(args.model / "router")
+            register_router_files(args.model)
+        summary = {"recipe": SHIPPED_RECIPE, "steps": args.steps, "seeds": list(range(args.final_seeds)), "shipped_seed": 0,
+                   "results": per_seed[0], "per_seed": per_seed, "wall_s": time.perf_counter() - t_start}
+        print(f"final head (recipe {SHIPPED_RECIPE}, {args.steps} steps, seeds {summary['seeds']}): natural requests {mean_std([r[REQUEST_BENCH] for r in per_seed])}% "
+              f"(later turns {mean_std([r[REQUEST_BENCH_HIST] for r in per_seed])}%), document windows {mean_std([r[ADAPTER_BENCH] for r in per_seed])}% "
+              f"(later turns {mean_std([r[ADAPTER_BENCH_HIST] for r in per_seed])}%), generic mean {mean_std([r['generic_mean'] for r in per_seed])}%; "
+              + ("not saved (--no-save)" if args.no_save else f"seed 0 saved to {args.model / 'router'}"))
+        if not args.no_save:
+            write_json(args.out.parent / "figures" / "routing_final_head.json", summary)
+            write_shipped_section(args.out, summary, sys.argv[1:])
         return 0
     recipes: dict[str, list[dict[str, float]]] = {}
     final_head = None
-    for recipe in RECIPE_NAMES:
+    for recipe in [r for r in args.recipes.split(",") if r]:
         recipes[recipe] = []
         for seed in range(args.seeds):
             res, head = run(recipe, 0 if recipe == "A" else n_all, seed)
@@ -171,9 +214,9 @@ def main() -> int:
     for n in [int(x) for x in args.sweep.split(",") if x]:
         n = min(n, n_all)
         sweep[n] = [run("B", n, seed)[0][ADAPTER_BENCH] for seed in range(args.sweep_seeds)]
-    assert final_head is not None
-    final_head.save(args.model / "router")
-    register_router_files(args.model)
+    if final_head is not None and not args.no_save:
+        final_head.save(args.model / "router")
+        register_router_files(args.model)
     results = {"recipes": recipes, "sweep": {str(k): v for k, v in sweep.items()}, "generic_tasks": generic_tasks, "items": {s: {t: len(ts) for t, ts in v.items()} for s, v in sets.items()}, "wall_s": time.perf_counter() - t_start}
     write_json(args.out.parent / "figures" / "routing_results.json", results)
     write_report(args, results, sys.argv[1:])
@@ -192,8 +235,53 @@ def register_router_files(model: Path) -> None:
     path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def _ms(values: list[float]) -> str:
-    return f"{100 * statistics.mean(values):.2f} ± {100 * statistics.pstdev(values):.2f}" if len(values) > 1 else f"{100 * values[0]:.2f}"
+_ms = mean_std
+
+
+def shipped_lines(summary: dict, argv: list[str]) -> list[str]:
+    """The shipped recipe's section: both benchmarks per seed, first and later turns, per class, confusion matrices
+    of the shipped seed."""
+    per_seed, labels = summary["per_seed"], LABELS
+    lines = [
+        SHIPPED_BEGIN,
+        f"## The shipped head: natural requests beside document windows (recipe {summary['recipe']}, {summary['steps']} steps, seeds {summary['seeds']}; seed {summary['shipped_seed']} shipped)",
+        "",
+        f"Produced by `.venv/bin/python scripts/train_router.py {' '.join(argv)}` in {summary['wall_s'] / 60:.1f} min (H19 features cached). "
+        "Natural-request benchmark: `request_benchmark` in `artifacts/routing/requests.jsonl`; document-window benchmark: `adapter_benchmark` "
+        "in `adapter.jsonl`. Later turn: the same items encoded after a seeded synthetic conversation prefix from test-split texts.",
+        "",
+        "| seed | natural requests | natural requests, later turn | document windows | document windows, later turn | generic mean |",
+        "|---|---|---|---|---|---|",
+    ]
+    for seed, r in zip(summary["seeds"], per_seed):
+        lines.append(f"| {seed} | {100 * r[REQUEST_BENCH]:.2f} | {100 * r[REQUEST_BENCH_HIST]:.2f} | {100 * r[ADAPTER_BENCH]:.2f} | {100 * r[ADAPTER_BENCH_HIST]:.2f} | {100 * r['generic_mean']:.2f} |")
+    lines.append("| mean ± std | " + " | ".join(_ms([r[k] for r in per_seed]) for k in (REQUEST_BENCH, REQUEST_BENCH_HIST, ADAPTER_BENCH, ADAPTER_BENCH_HIST, "generic_mean")) + " |")
+    lines += ["", "Per class, mean ± std over the seeds, % (first turn / later turn):", "",
+              "| benchmark | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+    for name, title in ((REQUEST_BENCH, "natural requests"), (ADAPTER_BENCH, "document windows")):
+        lines.append(f"| {title} | " + " | ".join(f"{_ms([r[f'{name}:{c}'] for r in per_seed])} / {_ms([r[f'{name}_later_turn:{c}'] for r in per_seed])}" for c in labels) + " |")
+    shipped = per_seed[summary["seeds"].index(summary["shipped_seed"])]
+    for name, title in ((REQUEST_BENCH, "natural requests, first turn"), (REQUEST_BENCH_HIST, "natural requests, later turn"),
+                        (ADAPTER_BENCH, "document windows, first turn"), (ADAPTER_BENCH_HIST, "document windows, later turn")):
+        lines += ["", f"Confusion matrix of the shipped head, {title} ({100 * shipped[name]:.2f}%):", ""]
+        lines += confusion_table(shipped[f"{name}:confusion"], labels)
+    return lines + ["", SHIPPED_END, ""]
+
+
+def write_shipped_section(out: Path, summary: dict, argv: list[str]) -> None:
+    """Replace (or insert before the hand-written notes) the shipped-head section of the report."""
+    section = "\n".join(shipped_lines(summary, argv))
+    text = out.read_text() if out.exists() else ""
+    if SHIPPED_BEGIN in text and SHIPPED_END in text:
+        head, rest = text.split(SHIPPED_BEGIN, 1)
+        text = head + section + rest.split(SHIPPED_END, 1)[1].lstrip("\n")
+    elif NOTES_HEADING in text:
+        head, rest = text.split(NOTES_HEADING, 1)
+        text = head + section + "\n" + NOTES_HEADING + rest
+    else:
+        text = text + "\n" + section
+    out.write_text(text)
+    print(section)
 
 
 def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> None:
@@ -227,21 +315,21 @@ def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> No
         "",
         "## Accuracy by recipe (analog of the article's Figure 11); mean ± std over seeds, %",
         "",
-        "| recipe | adapter benchmark | adapter benchmark, later turn | generic mean | generic mean, later turn | " + " | ".join(tasks) + " |",
-        "|---|---|---|---|---|" + "---|" * len(tasks),
+        "| recipe | natural requests | natural requests, later turn | document windows (adapter benchmark) | document windows, later turn | generic mean | generic mean, later turn | " + " | ".join(tasks) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(tasks),
     ]
     for n in names:
         rs = recipes[n]
-        lines.append(f"| {n} | {_ms([r['adapter_benchmark'] for r in rs])} | {_ms([r[ADAPTER_BENCH_HIST] for r in rs])} | {_ms([r['generic_mean'] for r in rs])} | "
+        lines.append(f"| {n} | {_ms([r[REQUEST_BENCH] for r in rs])} | {_ms([r[REQUEST_BENCH_HIST] for r in rs])} | {_ms([r['adapter_benchmark'] for r in rs])} | {_ms([r[ADAPTER_BENCH_HIST] for r in rs])} | {_ms([r['generic_mean'] for r in rs])} | "
                      f"{_ms([r['generic_mean_later_turn'] for r in rs])} | " + " | ".join(_ms([r[t] for r in rs]) for t in tasks) + " |")
-    classes = sorted(k.split(":")[1] for k in recipes[names[0]][0] if k.startswith(ADAPTER_BENCH + ":"))
+    classes = LABELS
     lines += [
         "",
         "; ".join(f"{n} = {d}" for n, d in RECIPE_NAMES.items()) + " (H: every training item once as a first turn and once after a seeded synthetic "
         "conversation prefix of 1-2 exchanges drawn from other items of the split). \"Later turn\": the same test items encoded after such a "
         "prefix (test-split texts, seeded), which is how serving routes every turn after the first.",
         "",
-        "Per class on the adapter benchmark (first turn / later turn), %:",
+        "Per class on the document-window benchmark (first turn / later turn), %:",
         "",
         "| recipe | " + " | ".join(classes) + " |",
         "|---|" + "---|" * len(classes),
@@ -249,6 +337,11 @@ def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> No
     for n in names:
         rs = recipes[n]
         lines.append(f"| {n} | " + " | ".join(f"{_ms([r[ADAPTER_BENCH + ':' + c] for r in rs])} / {_ms([r[ADAPTER_BENCH_HIST + ':' + c] for r in rs])}" for c in classes) + " |")
+    lines += ["", "Per class on the natural-request benchmark (first turn / later turn), %:", "",
+              "| recipe | " + " | ".join(classes) + " |", "|---|" + "---|" * len(classes)]
+    for n in names:
+        rs = recipes[n]
+        lines.append(f"| {n} | " + " | ".join(f"{_ms([r[REQUEST_BENCH + ':' + c] for r in rs])} / {_ms([r[REQUEST_BENCH_HIST + ':' + c] for r in rs])}" for c in classes) + " |")
     lines += [
         "",
         "",
@@ -263,9 +356,12 @@ def write_report(args: argparse.Namespace, results: dict, argv: list[str]) -> No
         "![scaling](figures/routing_scaling.png)",
         "",
     ]
-    notes = ""  # hand-written analysis below the generated part survives re-runs
-    if args.out.exists() and NOTES_HEADING in args.out.read_text():
-        notes = args.out.read_text()[args.out.read_text().index(NOTES_HEADING):]
+    notes = ""  # the shipped-head section and the hand-written analysis below the generated part survive re-runs
+    old = args.out.read_text() if args.out.exists() else ""
+    for marker in (SHIPPED_BEGIN, NOTES_HEADING):
+        if marker in old:
+            notes = old[old.index(marker):]
+            break
     args.out.write_text("\n".join(lines) + "\n" + notes)
     print("\n".join(lines))
 

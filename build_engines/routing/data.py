@@ -59,10 +59,16 @@ FILES = ("generic", "adapter", "requests")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
-# What the router reads for each adapter (through the token embedding only). Written for requests as well as
-# excerpts: each names the things a user asks about in that domain (a flag, a function, a property, a feeling),
-# since those words are what a request shares with its description.
+# What the router reads for each adapter (through the token embedding only). The shipped head was trained on these;
+# changing one changes routing, so it goes with a retrained head (see docs/routing.md, natural requests).
 ADAPTER_DESCRIPTIONS: dict[str, str] = {
+    "L0_chat": "chats casually in everyday conversation: small talk, feelings, opinions and personal back-and-forth",
+    "L1_agent": "uses command-line tools: shell commands with their options, flags and arguments, as in Unix man pages",
+    "L2_code": "writes, reads and explains Python source code: functions, classes, imports and standard library calls",
+    "L3_design": "styles and marks up web pages: CSS and SCSS rules, selectors, colours, layout and HTML elements",
+}
+# Request-aware rewording tried with recipe R (docs/routing.md); not shipped: the head that reads them is not.
+REQUEST_AWARE_DESCRIPTIONS: dict[str, str] = {
     "L0_chat": "chats casually in everyday conversation: small talk, feelings, opinions, plans, jokes and personal "
                "back-and-forth",
     "L1_agent": "uses command-line tools and answers questions about them: shell commands in a terminal with their "

@@ -322,4 +322,36 @@ def chat_facts(doc_id: str, text: str) -> list[Fact]:
     return facts
 
 
-EXTRACTORS: dict[str, Any] = {"agent": man_facts, "code": code_facts, "design": css_facts, "chat": chat_facts}
+# ------------------------------------------------------------------------------------------------------- drama
+#
+# The zero-shot fifth domain (Shakespeare's plays): no router head ever trains on it.
+
+_SPEAKER_LINE = re.compile(r"^([A-Z][A-Z '&-]{2,30})\.$")
+
+
+def play_title(doc_id: str) -> str:
+    """`troilus_and_cressida#p002` -> `Troilus and Cressida`."""
+    words = doc_id.split("#")[0].split("/")[-1].split("_")
+    small = {"and", "of", "the", "in", "a"}
+    return " ".join(w if i and w in small else w.capitalize() for i, w in enumerate(words))
+
+
+def play_facts(doc_id: str, text: str) -> list[Fact]:
+    """One fact per speech of 5-25 words on its first line: play, character (title case), line."""
+    lines = text.splitlines()
+    play = play_title(doc_id)
+    facts = []
+    for i, line in enumerate(lines[:-1]):
+        match = _SPEAKER_LINE.match(line.strip())
+        if not match:
+            continue
+        speech = lines[i + 1].strip()
+        if speech.startswith("["):
+            speech = speech.split("]", 1)[-1].strip()
+        if 5 <= len(speech.split()) <= 25:
+            facts.append({"play": play, "character": match.group(1).title(), "line": speech, "doc": doc_id})
+    return facts
+
+
+EXTRACTORS: dict[str, Any] = {"agent": man_facts, "code": code_facts, "design": css_facts, "chat": chat_facts,
+                              "drama": play_facts}

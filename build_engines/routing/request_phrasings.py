@@ -192,3 +192,22 @@ SLOTS: dict[str, dict[str, list[str]]] = {
         "element": ["login box", "modal dialog", "logo", "navigation bar", "hero banner", "footer"],
     },
 }
+
+# The zero-shot fifth domain (Shakespeare's plays, `request_facts.play_facts`): requests for evaluating a head that
+# never saw the domain, phrased in the benchmark's style (and filled with the benchmark bank's openers/closers).
+ZERO_SHOT_TEMPLATES: dict[str, list[str]] = {
+    "drama": [
+        "Who is {character} in {play}?",
+        "Recite a speech by {character} from {play}.",
+        "What does this line from {play} mean: \"{line}\"",
+        "Summarise the plot of {play} for me.",
+        "Write a few lines of blank verse for {character}.",
+        "Which of Shakespeare's plays has a character called {character}?",
+        "Explain the scene where {character} says \"{line}\"",
+        "Put this into modern English: \"{line}\"",
+        "In {play}, what part does {character} play in the story?",
+        "Give me a famous quotation from {play}.",
+        "Is {play} a comedy or a tragedy?",
+        "Continue this verse in Shakespeare's style: \"{line}\"",
+    ],
+}

@@ -31,7 +31,7 @@ from typing import Any
 from build_engines.data.corpora import reader
 from build_engines.data.corpora.errors import CorporaError
 from build_engines.routing.request_facts import EXTRACTORS, Fact
-from build_engines.routing.request_phrasings import CLOSERS, OPENERS, SLOTS, TEMPLATES
+from build_engines.routing.request_phrasings import CLOSERS, OPENERS, SLOTS, TEMPLATES, ZERO_SHOT_TEMPLATES
 
 REQUEST_TASK = "request_routing"
 REQUEST_BENCHMARK_TASK = "request_benchmark"
@@ -86,11 +86,12 @@ def domain_facts(data_dir: Path, kind: str, split: str) -> list[tuple[str, list[
 
 
 def _draw(docs: list[tuple[str, list[Fact]]], kind: str, bank: str, n: int, rng: random.Random,
-          taken: set[str]) -> list[tuple[str, str, int]]:
-    """Up to `n` (doc_id, query, template index) with queries not in `taken` (which grows)."""
+          taken: set[str], templates: list[str] | None = None) -> list[tuple[str, str, int]]:
+    """Up to `n` (doc_id, query, template index) with queries not in `taken` (which grows); `templates` defaults
+    to the bank's templates for `kind`."""
     if not docs:
         return []
-    templates = TEMPLATES[bank][kind]
+    templates = TEMPLATES[bank][kind] if templates is None else templates
     cumulative, total = [], 0.0
     for _, facts in docs:
         total += math.sqrt(len(facts))
@@ -180,3 +181,22 @@ def manifest_record(items: list[dict[str, Any]], drawn: dict[str, Any], seed: in
         "documents": {"train": len(train_docs), "benchmark": len(bench_docs),
                       "shared": len(train_docs & bench_docs)},
     }
+
+
+def zero_shot_requests(data_dir: str | Path, source: str, kind: str, label: str, n: int, seed: int = 0,
+                       split: str = "test") -> list[dict[str, Any]]:
+    """`n` requests for a domain no head was trained on: facts of one source's `split` documents (extractor
+    `kind`), `ZERO_SHOT_TEMPLATES[kind]` with the benchmark bank's openers and closers. Items carry `label` and no
+    options (the options are whatever the registry holds when they are routed)."""
+    data_dir = Path(data_dir)
+    docs = []
+    for record in reader.iter_records(data_dir, source, split):
+        doc_id = f"{source}/{record['doc_id']}"
+        facts = [{**fact, "doc": doc_id} for fact in EXTRACTORS[kind](record["doc_id"], record["text"])]
+        if facts:
+            docs.append((doc_id, facts))
+    got = _draw(docs, kind, "benchmark", n, random.Random(f"{seed}:zero-shot:{source}"), set(), ZERO_SHOT_TEMPLATES[kind])
+    if not got:
+        raise RequestDataError(f"no request could be built from the {split} documents of {source} in {data_dir}")
+    return [{"id": f"zero_shot:{label}:{i:05d}", "query": query, "label": label, "doc": doc_id,
+             "template": f"zero_shot/{kind}/{index}"} for i, (doc_id, query, index) in enumerate(got)]

@@ -96,6 +96,48 @@ def test_multi_turn_session_matches_in_process_reference(server, reference, tran
         chat.close()
 
 
+# Hand-written requests, as a new user types them (not drawn from the corpora or the phrasing banks): three per
+# domain, the adapter each should reach.
+NATURAL_REQUESTS = [
+    ("Hey, how has your week been?", "L0_chat"),
+    ("I'm feeling a bit down today, can we just talk?", "L0_chat"),
+    ("What's your favourite kind of music?", "L0_chat"),
+    ("What does the -r flag do in grep?", "L1_agent"),
+    ("How do I list all files, including hidden ones, with ls?", "L1_agent"),
+    ("Explain the flags in `tar -xzvf archive.tar.gz`.", "L1_agent"),
+    ("Write a Python function that reverses a string.", "L2_code"),
+    ("How do I read a JSON file in Python?", "L2_code"),
+    ("What does enumerate() return in Python?", "L2_code"),
+    ("How do I center a div horizontally and vertically with CSS?", "L3_design"),
+    ("What does `display: flex` do to the children of an element?", "L3_design"),
+    ("Make the navigation bar stick to the top of the page with CSS.", "L3_design"),
+]
+
+
+def test_natural_requests_are_routed_as_the_library_routes_them(server, reference) -> None:  # type: ignore[no-untyped-def]
+    """Each request as a first turn (its own session) and all of them as later turns of one conversation: the
+    served ensemble picks the adapter the in-process library picks. (Whether that is the request's domain adapter
+    is the head's accuracy, measured on the natural-request benchmark in docs/routing.md, not asserted here.)"""
+    chat = GrpcChat(server.grpc_url)
+    served, library = [], []
+    for i, (text, _) in enumerate(NATURAL_REQUESTS):
+        req = TurnRequest(f"natural-{i}", text, new_session=True, max_tokens=1, end_session=True)
+        got, want = chat.turn(req), _reference(reference, req)
+        assert got.error is None, got.error
+        served.append(got.adapter)
+        library.append(want.adapter)
+    for i, (text, _) in enumerate(NATURAL_REQUESTS):
+        req = TurnRequest("natural-conversation", text, new_session=i == 0, max_tokens=1)
+        got, want = chat.turn(req), _reference(reference, req)
+        assert got.error is None, got.error
+        served.append(got.adapter)
+        library.append(want.adapter)
+    chat.close()
+    expected = [label for _, label in NATURAL_REQUESTS] * 2
+    routed = [(text, got, label) for (text, _), got, label in zip(NATURAL_REQUESTS * 2, served, expected)]
+    assert served == library, routed
+
+
 def test_explicit_adapter_wins_in_a_batch_mixing_routed_rows(server, reference) -> None:  # type: ignore[no-untyped-def]
     import tritonclient.http as httpclient
 

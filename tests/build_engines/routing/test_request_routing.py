@@ -214,3 +214,18 @@ def test_real_natural_request_benchmark() -> None:
     train_keys = {" ".join(i["query"].lower().split()) for i in got if i["task"] == rq.REQUEST_TASK}
     assert not any(" ".join(i["query"].lower().split()) in train_keys for i in bench)
     assert json.dumps(bench[0])  # plain JSON
+
+
+def test_play_facts_for_the_zero_shot_domain() -> None:
+    text = "ORLANDO.\nI am no villain: I am the youngest son of Sir Rowland.\n\nADAM.\n[Coming forward] Sweet masters, be patient for your father's sake.\n\nOLIVER.\nLet go.\n"
+    facts = rf.play_facts("as_you_like_it#p001", text)
+    assert [(f["play"], f["character"]) for f in facts] == [("As You Like It", "Orlando"), ("As You Like It", "Adam")]
+    assert facts[1]["line"].startswith("Sweet masters")  # stage direction dropped; "Let go." is too short
+
+
+@pytest.mark.skipif(not (REAL_DATA / "manifest.json").is_file(), reason="artifacts/data is not prepared here")
+def test_real_zero_shot_requests() -> None:
+    got = rq.zero_shot_requests(REAL_DATA, "shakespeare", "drama", "L4_drama", 50)
+    test_docs = _docs(REAL_DATA, "shakespeare", "test")
+    assert len(got) == 50 and all(i["doc"] in test_docs and i["label"] == "L4_drama" for i in got)
+    assert len({i["query"] for i in got}) == 50
