@@ -36,7 +36,7 @@ class Deployment:
     backend: str = "onnx"
     max_context: int = 2048
     affinity_ttl_s: int = 3600
-    nixl_threshold_bytes: int = 1 << 20  # hand-overs from this size move through NIXL (0: all inline)
+    nixl_threshold_bytes: int = 0  # hand-overs from this size move through NIXL (0: NIXL off, all inline; transfer.py)
     python: Path = field(default_factory=lambda: Path(os.environ.get("MOL2_DYNAMO_PYTHON", DYNAMO_PYTHON)))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 

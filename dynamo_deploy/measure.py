@@ -3,7 +3,7 @@ and per generated token (the decoder's step call to the encoder: one token in, o
 full decoder-state transfer at the same context; then the hand-over of a rebuild (the whole conversation resent under
 new session ids, every position from 0) by the transport the threshold picks. Prints markdown for docs/scale_out.md.
 
-  .venv/bin/python -m dynamo_deploy.measure [--turns 6 --tokens 32 --nixl-threshold-bytes 1048576]
+  .venv/bin/python -m dynamo_deploy.measure [--turns 6 --tokens 32 --nixl-threshold-bytes 4194304]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--port", type=int, default=18095)
-    p.add_argument("--nixl-threshold-bytes", type=int, default=1 << 20)
+    p.add_argument("--nixl-threshold-bytes", type=int, default=0)
     p.add_argument("--rebuilds", type=int, default=5)
     a = p.parse_args(argv)
     model = PROJECT_ROOT / "embedded" / "mol2-small"

@@ -1,11 +1,12 @@
 """How a hand-over crosses from the encoder worker to the decoder worker: inline below a size threshold, through NIXL
 above it.
 
-Measured on loopback (docs/scale_out.md, `nixl_bench`): base64 inline costs ~0.7 ms for a token's row and grows with
-the bytes (98 ms at 8 MB), NIXL costs a few ms of fixed set-up per transfer and then reads memory to memory (14 ms at
-8 MB); they cross near 1 MB. Per-token rows and ordinary turns are far below that and stay inline; what crosses it is
-a rebuild's hand-over of a long conversation (every position from 0), and any turn of the real model beyond a few
-tokens. The producer (the encoder) registers one contiguous buffer with `dynamo.nixl_connect.create_readable` and puts
+Measured in the deployment on loopback (docs/scale_out.md): inline costs ~4 ms per MB, a NIXL transfer ~12-15 ms
+whatever its size up to 8.6 MB (Dynamo's connector adds the remote agent and polls for completion on every read); they
+cross near 3-4 MB. Per-token rows and ordinary turns are far below that and stay inline; what crosses it is a
+rebuild's hand-over of a long conversation (every position from 0), and any turn of the real model beyond a few tokens.
+NIXL is off by default (threshold 0): a worker's NIXL agent runs a UCX progress thread that busy-polls one core from
+start-up (measured: two idle workers, 2 cores busy), which on a small CPU host costs more than it saves. The producer (the encoder) registers one contiguous buffer with `dynamo.nixl_connect.create_readable` and puts
 its RDMA metadata in the turn request; the consumer (the decoder) reads it with `begin_read` before it admits the turn,
 so a turn never starts on rows it has not fully received.
 """
@@ -23,7 +24,7 @@ from .wire import Rows, nbytes, pack, unpack
 from .worker_common import WorkerStats
 
 LOG = logging.getLogger("mol2.transfer")
-DEFAULT_NIXL_THRESHOLD = 1 << 20  # bytes; measured crossover (docs/scale_out.md)
+RECOMMENDED_NIXL_THRESHOLD = 4 << 20  # bytes, where NIXL is enabled; the measured crossover (docs/scale_out.md)
 RELEASE_TIMEOUT_S = 120.0  # a readable nobody read (the decoder died before reading) is released after this
 ALIGN = 64
 

@@ -34,7 +34,7 @@ class WorkerSettings:
     registry_root: Path
     backend: str = "onnx"
     max_context: int = 2048
-    nixl_threshold: int = 1 << 20  # hand-overs of at least this many bytes move through NIXL; <= 0: all inline
+    nixl_threshold: int = 0  # hand-overs of at least this many bytes move through NIXL; <= 0: all inline (transfer.py)
 
     @classmethod
     def from_args(cls, role: str, argv: list[str] | None = None) -> "WorkerSettings":
@@ -46,8 +46,9 @@ class WorkerSettings:
         p.add_argument("--registry-root", type=Path, required=True)
         p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
         p.add_argument("--max-context", type=int, default=2048)
-        p.add_argument("--nixl-threshold-bytes", type=int, default=1 << 20,
-                       help="hand-overs of at least this many bytes move through NIXL, smaller ones inline; 0 = never NIXL")
+        p.add_argument("--nixl-threshold-bytes", type=int, default=0,
+                       help="hand-overs of at least this many bytes move through NIXL, smaller ones inline; 0 (default) = "
+                            "NIXL off: its agent busy-polls a core per worker (docs/scale_out.md)")
         a = p.parse_args(argv)
         return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context,
                    a.nixl_threshold_bytes)

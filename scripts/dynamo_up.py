@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-dir", type=Path, default=ROOT / "artifacts" / "engines" / "mol2-small")
     p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
     p.add_argument("--max-context", type=int, default=2048)
-    p.add_argument("--nixl-threshold-bytes", type=int, default=1 << 20, help="hand-overs from this size move through NIXL; 0: all inline")
+    p.add_argument("--nixl-threshold-bytes", type=int, default=0,
+                   help="hand-overs from this size move through NIXL (e.g. 4194304); 0 (default): NIXL off, all inline")
     a = p.parse_args(argv)
     if a.command == "start":
         if (a.run_dir / "deployment.json").exists():
