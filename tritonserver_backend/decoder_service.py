@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from build_engines.export.arena import StepArena
 from build_engines.export.rows import HANDOVER_FIELDS, DecoderRow, absorb_decoder, decoder_inputs
 from build_engines.lora import Adapter
 from build_engines.model.network import CEDNetwork
@@ -71,6 +72,7 @@ class DecoderService:
         self.max_context = max_context
         self.sessions: SessionStore[DecoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
         self.busy: set[str] = set()
+        self.arena = StepArena()  # the decode batch's stacked rings and mirror, kept between steps
 
     # ------------------------------------------------------------------ a turn starts: absorb + bounded replay
     def prepare(self, session_id: str, handover: Handover, adapter_hash: int, params: SamplingParams) -> Turn:
@@ -154,7 +156,8 @@ class DecoderService:
             turn.row.absorb(self.layout, h)
             turn.fed += h["positions"].shape[0]
         slots = [t.slot for t in turns]
-        feed = decoder_inputs(self.layout, [t.row for t in turns], [{f: h[f] for f in HANDOVER_FIELDS} for h in handovers], slots)
+        feed = decoder_inputs(self.layout, [t.row for t in turns], [{f: h[f] for f in HANDOVER_FIELDS} for h in handovers], slots,
+                              self.arena)
         out = self.engine.decoder(feed)
         absorb_decoder([t.row for t in turns], out, feed, False, slots)
         for b, turn in enumerate(turns):

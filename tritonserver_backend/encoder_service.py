@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from build_engines.export.arena import StepArena
 from build_engines.export.rows import HANDOVER_KEYS, EncoderRow, absorb_encoder, encoder_inputs
 
 from . import counters as k
@@ -39,6 +40,7 @@ class EncoderService:
         self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
         self.max_context, self.prefill_chunk, self.max_turns = max_context, prefill_chunk, max_turns
         self.sessions: SessionStore[EncoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
+        self.arena = StepArena()  # the decode batch's stacked state, kept between steps
         self._in_flight: dict[str, _InFlight] = {}
         self.counters = counters or Counters()
 
@@ -101,7 +103,7 @@ class EncoderService:
         if over:
             raise BadRequest(f"sessions {over} would pass the {self.max_context}-token context limit")
         starts = [r.position for r in rows]
-        out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens.astype(np.int64)))
+        out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens.astype(np.int64), self.arena))
         absorb_encoder(self.layout, rows, out, tokens.shape[1])
         self.counters.add(k.ENCODED_TOKENS, k.STEP, int(tokens.size))
         if turn_done:

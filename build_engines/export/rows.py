@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
+from .arena import ArenaField, StepArena
 from .layout import StepLayout
 
 F32 = np.float32
@@ -79,17 +81,20 @@ class EncoderRow:
         return copy.deepcopy(self)
 
 
-def encoder_inputs(layout: StepLayout, rows: list[EncoderRow], tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """Inputs of one encoder step: `tokens` (B, S) for `rows` (every row advances by S)."""
+def encoder_inputs(layout: StepLayout, rows: list[EncoderRow], tokens: np.ndarray, arena: StepArena | None = None) -> dict[str, np.ndarray]:
+    """Inputs of one encoder step: `tokens` (B, S) for `rows` (every row advances by S). With an `arena`, a batch
+    keeps its stacked state between steps (see `arena.py`); the inputs are the same either way."""
     S = tokens.shape[1]
     feed = {
         "tokens": np.ascontiguousarray(tokens, np.int64),
         "start": np.asarray([r.position for r in rows], np.int64),
-        "rings": rows[0].rings[None] if len(rows) == 1 else np.stack([r.rings for r in rows]),
     }
-    for s in layout.sources:
-        needed = max(r.used(layout, s) for r in rows) + layout.new_entries(s, S)
-        length = layout.padded_entries(needed)
+    lengths = {s: layout.padded_entries(max(r.used(layout, s) for r in rows) + layout.new_entries(s, S)) for s in layout.sources}
+    if arena is not None and len(rows) > 1:
+        feed.update(arena.stack(rows, encoder_fields(layout, lengths)))
+        return feed
+    feed["rings"] = rows[0].rings[None] if len(rows) == 1 else np.stack([r.rings for r in rows])
+    for s, length in lengths.items():
         for r in rows:  # room for this step's entries, so a single row's store is passed as it is
             r.kv[s], r.index_k[s] = _grow(r.kv[s], length), _grow(r.index_k[s], length)
         feed[f"kv_{s}"] = _stack_padded([r.kv[s] for r in rows], length)
@@ -97,6 +102,21 @@ def encoder_inputs(layout: StepLayout, rows: list[EncoderRow], tokens: np.ndarra
         if layout.ratio[s] == 2:
             feed[f"pending_{s}"] = np.stack([r.pending[s] for r in rows])
     return feed
+
+
+def encoder_fields(layout: StepLayout, lengths: dict[int, int]) -> list[ArenaField]:
+    """The encoder state a batched step reads, as arena fields (stores at this step's padded lengths)."""
+
+    def ring_put(r: EncoderRow, a: np.ndarray) -> None:
+        r.rings = a
+
+    fields = [ArenaField("rings", lambda r: r.rings, ring_put)]
+    for s, length in lengths.items():
+        fields.append(ArenaField(f"kv_{s}", lambda r, s=s: r.kv[s], lambda r, a, s=s: r.kv.__setitem__(s, a), length))
+        fields.append(ArenaField(f"index_k_{s}", lambda r, s=s: r.index_k[s], lambda r, a, s=s: r.index_k.__setitem__(s, a), length))
+        if layout.ratio[s] == 2:
+            fields.append(ArenaField(f"pending_{s}", lambda r, s=s: r.pending[s], lambda r, a, s=s: r.pending.__setitem__(s, a)))
+    return fields
 
 
 def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np.ndarray], steps: int) -> None:
@@ -110,7 +130,7 @@ def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np
             else:
                 new_kv, new_ik = out[f"new_kv_{s}"][b], out[f"new_index_k_{s}"][b]
                 count = (r.position % 2 + steps) // 2
-                r.pending[s] = out[f"new_pending_{s}"][b].copy()
+                r.pending[s][...] = out[f"new_pending_{s}"][b]  # in place: the row's array may be an arena view
             r.kv[s] = _grow(r.kv[s], used + count)
             r.index_k[s] = _grow(r.index_k[s], used + count)
             r.kv[s][used:used + count] = new_kv[:count]
@@ -179,40 +199,59 @@ class DecoderRow:
 
 
 def decoder_inputs(layout: StepLayout, rows: list[DecoderRow], handover: list[dict[str, np.ndarray]] | None,
-                   slots: list[int]) -> dict[str, np.ndarray]:
+                   slots: list[int], arena: StepArena | None = None) -> dict[str, np.ndarray]:
     """Inputs of one decoder step (LoRA bank excluded: the runtime binds it).
 
     `handover` None means a bounded replay of each row's last W rows on empty rings. Replays of different lengths
     share a batch: shorter rows are padded at the front with inert rows (zero streams, no top-k) at positions before
     their first real row, and `ring_start` (the first real row) makes them invisible, so the real rows compute
-    exactly what they would alone. Otherwise each row's new rows (already absorbed into its mirror) run on its rings.
+    exactly what they would alone. Otherwise each row's new rows (already absorbed into its mirror) run on its rings;
+    with an `arena`, a batch of such decode steps keeps its stacked rings and mirror between steps (`arena.py`).
     """
     if handover is None:
         length = replay_length([r.replay_count for r in rows], layout.cfg.window_size)
         rows_in = [_front_padded(r.replay_rows(), length) for r in rows]
         starts = [r.position - length for r in rows]
         ring_starts = [r.position - r.replay_count for r in rows]
-        rings = [np.zeros_like(r.rings) for r in rows]
     else:
         rows_in = handover
         starts = [r.position - h["streams"].shape[0] for r, h in zip(rows, handover)]
         ring_starts = [r.ring_start for r in rows]
-        rings = [r.rings for r in rows]
     if len({h["streams"].shape[0] for h in rows_in}) != 1:
         raise ValueError("rows of one decoder step must have the same number of hand-over rows")
     length = layout.padded_entries(max(r.position for r in rows))
-    for r in rows:
-        r.kv, r.index_k = _grow(r.kv, length), _grow(r.index_k, length)
     feed = {f: (rows_in[0][f][None] if len(rows) == 1 else np.stack([h[f] for h in rows_in])) for f in HANDOVER_FIELDS}
     feed.update({
         "start": np.asarray(starts, np.int64),
         "ring_start": np.asarray(ring_starts, np.int64),
+        "lora_slot": np.asarray(slots, np.int64),
+    })
+    if handover is not None and arena is not None and len(rows) > 1:
+        feed.update(arena.stack(rows, decoder_fields(length)))
+        return feed
+    for r in rows:
+        r.kv, r.index_k = _grow(r.kv, length), _grow(r.index_k, length)
+    if handover is None:
+        rings = [np.zeros_like(r.rings) for r in rows]
+    else:
+        rings = [r.rings for r in rows]
+    feed.update({
         "rings": rings[0][None] if len(rows) == 1 else np.stack(rings),
         "kv": _stack_padded([r.kv for r in rows], length),
         "index_k": _stack_padded([r.index_k for r in rows], length),
-        "lora_slot": np.asarray(slots, np.int64),
     })
     return feed
+
+
+def decoder_fields(length: int) -> list[ArenaField]:
+    """The decoder state a batched decode step reads, as arena fields (the mirror at this step's padded length)."""
+
+    def put(name: str) -> Callable[[DecoderRow, np.ndarray], None]:
+        return lambda r, a: setattr(r, name, a)
+
+    return [ArenaField("rings", lambda r: r.rings, put("rings")),
+            ArenaField("kv", lambda r: r.kv, put("kv"), length),
+            ArenaField("index_k", lambda r: r.index_k, put("index_k"), length)]
 
 
 def replay_length(counts: list[int], window: int, step: int = 16) -> int:

@@ -1,0 +1,107 @@
+"""The step arena: a batch that keeps its stacked state between steps must feed the engine exactly what stacking the
+rows afresh would, through joins, departures, stores outgrowing their length, replays and a rolled-back row."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from build_engines.export.arena import StepArena
+from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.layout import StepLayout
+from build_engines.export.parity import torch_runner
+from build_engines.export.rows import (
+    HANDOVER_FIELDS,
+    HANDOVER_KEYS,
+    DecoderRow,
+    EncoderRow,
+    absorb_decoder,
+    absorb_encoder,
+    decoder_inputs,
+    encoder_inputs,
+)
+from build_engines.lora.stacked import stack_adapters
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, (what, key, a[key].shape, b[key].shape)
+        assert np.array_equal(a[key], b[key]), (what, key)
+
+
+def test_arena_feeds_equal_fresh_stacking_through_joins_leaves_growth_and_rollback(net) -> None:  # type: ignore[no-untyped-def]
+    cfg = net.cfg
+    enc, dec = net.split()
+    layout = StepLayout(cfg)
+    encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
+    decoder = torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())
+    bank = stack_adapters(layout, [None])
+    rng = np.random.default_rng(0)
+    # two universes of the same sessions: "plain" stacks rows every step, "arena" keeps batch arrays
+    plain: dict[int, tuple[EncoderRow, DecoderRow]] = {}
+    arena_rows: dict[int, tuple[EncoderRow, DecoderRow]] = {}
+    enc_arena, dec_arena = StepArena(), StepArena()
+
+    def start(sid: int, length: int) -> None:
+        erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
+        tokens = rng.integers(0, cfg.vocab_size, (1, length))
+        for lo in range(0, length, 64):
+            out = encoder(encoder_inputs(layout, [erow], tokens[:, lo:lo + 64]))
+            absorb_encoder(layout, [erow], out, min(64, length - lo))
+            drow.absorb(layout, {k: out[k][0] for k in HANDOVER_KEYS})
+        feed = {**decoder_inputs(layout, [drow], None, [0]), **bank}
+        absorb_decoder([drow], decoder(feed), feed, True, [0])
+        plain[sid] = (erow, drow)
+        arena_rows[sid] = copy.deepcopy((erow, drow))
+
+    steps = 0
+    active = [0, 1, 2]
+    for sid, length in zip(active, (5, 60, 125)):  # the longest crosses a padded store length within a few steps
+        start(sid, length)
+    for step in range(40):
+        if step == 8:  # a session joins
+            start(3, 30)
+            active.append(3)
+        if step == 16:  # one leaves
+            active.remove(1)
+        if step == 24:  # a rollback puts back an older copy of a row (what the encoder service does)
+            arena_rows[2] = copy.deepcopy(arena_rows[2])
+        if step == 30:  # a new turn: bounded replay rebuilds one row's rings
+            for universe in (plain, arena_rows):
+                drow = universe[0][1]
+                feed = {**decoder_inputs(layout, [drow], None, [0]), **bank}
+                absorb_decoder([drow], decoder(feed), feed, True, [0])
+        tokens = rng.integers(0, cfg.vocab_size, (len(active), 1))
+        e_plain = encoder_inputs(layout, [plain[s][0] for s in active], tokens)
+        e_arena = encoder_inputs(layout, [arena_rows[s][0] for s in active], tokens, enc_arena)
+        _same(e_plain, e_arena, f"encoder step {step}")
+        out = encoder(e_plain)
+        handovers = []
+        for universe in (plain, arena_rows):
+            absorb_encoder(layout, [universe[s][0] for s in active], out, 1)
+        for b, s in enumerate(active):
+            h = {k: out[k][b] for k in HANDOVER_KEYS}
+            plain[s][1].absorb(layout, h)
+            arena_rows[s][1].absorb(layout, h)
+            handovers.append({k: h[k] for k in HANDOVER_FIELDS})
+        slots = [0] * len(active)
+        d_plain = decoder_inputs(layout, [plain[s][1] for s in active], handovers, slots)
+        d_arena = decoder_inputs(layout, [arena_rows[s][1] for s in active], handovers, slots, dec_arena)
+        _same(d_plain, d_arena, f"decoder step {step}")
+        result = decoder({**d_plain, **bank})
+        absorb_decoder([plain[s][1] for s in active], result, d_plain, False, slots)
+        absorb_decoder([arena_rows[s][1] for s in active], result, d_arena, False, slots)
+        steps += 1
+    for s in plain:  # the rows' own state (what sessions store) is the same in both universes, departed rows included
+        (pe, pd), (ae, ad) = plain[s], arena_rows[s]
+        assert pe.position == ae.position and pd.position == ad.position
+        assert np.array_equal(pe.rings, ae.rings) and np.array_equal(pd.rings, ad.rings)
+        for src in layout.sources:
+            used = pe.used(layout, src)
+            assert np.array_equal(pe.kv[src][:used], ae.kv[src][:used]) and np.array_equal(pe.index_k[src][:used], ae.index_k[src][:used])
+        assert np.array_equal(pd.kv[:pd.position], ad.kv[:ad.position])
+    # the point of the arena: most steps reuse the batch arrays (rebuilds on joins, departures, growth, rollback, replay)
+    assert enc_arena.rebuilds < steps // 3 and dec_arena.rebuilds < steps // 3, (enc_arena.rebuilds, dec_arena.rebuilds)
