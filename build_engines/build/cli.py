@@ -3,6 +3,7 @@
     python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
     python -m build_engines build --model DIR --out DIR --format trt        # needs TensorRT and an NVIDIA GPU
     python -m build_engines build --model DIR --out DIR --quant fp8        # ModelOpt PTQ (fp8 | int8; nvfp4 needs a GPU)
+    python -m build_engines build --model RELEASE_DIR --out DIR --quant release   # the release's fp8/fp4 weights as stored
 
 Exit codes: 0 built or reused (an up-to-date directory is reused, say --force to rebuild), 1 the build failed,
 2 bad use or a missing prerequisite (TensorRT for --format trt, a GPU for --quant nvfp4).
@@ -89,6 +90,10 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
     quant = None
     if args.quant == "none":
         graphs, parity = build_onnx(model_dir, onnx_dir)
+    elif args.quant == "release":
+        from .release_build import build_release
+
+        graphs, parity, quant = build_release(model_dir, onnx_dir)
     else:  # fp32 graphs first (checked against their modules), then ModelOpt PTQ of them into the engine directory
         import shutil
 

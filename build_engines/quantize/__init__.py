@@ -2,13 +2,14 @@
 
 `fp8` and `int8` are built on CPU: ModelOpt ONNX PTQ of the encoder and decoder graphs, calibrated on held-out text,
 standard QuantizeLinear/DequantizeLinear that onnxruntime runs (docs/quantization.md). `nvfp4` is refused on a
-machine without an NVIDIA GPU: ModelOpt's NVFP4 quantizers run only on CUDA tensors.
+machine without an NVIDIA GPU: ModelOpt's NVFP4 quantizers run only on CUDA tensors. `release` keeps a
+released-format checkpoint's own fp8/fp4 weights as stored, dequantized in the graph (`release_weights.py`).
 """
 
 from __future__ import annotations
 
-QUANT_MODES = ("none", "fp8", "int8", "nvfp4")
-BUILT_MODES = ("none", "fp8", "int8")
+QUANT_MODES = ("none", "fp8", "int8", "nvfp4", "release")
+BUILT_MODES = ("none", "fp8", "int8", "release")
 
 
 class QuantizationUnavailable(RuntimeError):

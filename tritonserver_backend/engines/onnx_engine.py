@@ -14,10 +14,14 @@ import numpy as np
 from .interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
 
 
-def session_options(threads: int):  # type: ignore[no-untyped-def]
+def session_options(threads: int, config: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
+    """`config`: session config entries the engine directory's manifest asks for (`quant.session_config`; release-format
+    engines fold their weight dequantization at load)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -63,7 +67,8 @@ class OnnxEngine(StepEngine):
         """Opened on first use: the router process needs only the pointer graph."""
         if name not in self.sessions:
             path = self.engine_dir / self.manifest["graphs"][name]["file"]
-            session = self._ort.InferenceSession(str(path), session_options(self.threads), providers=self.providers)
+            config = self.manifest.get("quant", {}).get("session_config")
+            session = self._ort.InferenceSession(str(path), session_options(self.threads, config), providers=self.providers)
             self.sessions[name] = session
             self.inputs[name] = [i.name for i in session.get_inputs()]
             self.outputs[name] = [o.name for o in session.get_outputs()]
