@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from tests.tiny import PROJECT_ROOT
+from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
 from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, raw_stream_error
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import SamplingParams
 
 ROOT = PROJECT_ROOT
 EMBEDDED = ROOT / "embedded" / "mol2-small"
@@ -61,12 +61,7 @@ def reference(tmp_path_factory, backend, default_engines):  # type: ignore[no-un
     return InProcessPipeline(EMBEDDED, root, max_context=2048, backend=backend, engine_dir=default_engines)
 
 
-def _params(r: TurnRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=r.max_tokens or 64, temperature=r.temperature or 0.0, top_p=r.top_p or 1.0, seed=r.seed or 0, stop=tuple(r.stop or ()))
-
-
-def _reference(pipe: InProcessPipeline, r: TurnRequest):  # type: ignore[no-untyped-def]
-    return pipe.chat(r.session_id, r.text, r.adapter, r.new_session, r.history, _params(r), r.end_session)
+_reference = reference_reply
 
 
 CONVERSATION = [
@@ -186,28 +181,9 @@ def test_sixteen_concurrent_sessions_match_their_solo_runs(server, reference) ->
     requests = [[TurnRequest(f"par{i}", texts[i], new_session=True, adapter=a, max_tokens=TOKENS + i % 5),
                  TurnRequest(f"par{i}", "And after that?", adapter=None if i % 3 else a, max_tokens=TOKENS)] for i, a in enumerate(adapters)]
     solo = [[_reference(reference, r).token_ids for r in turns] for turns in requests]
-    results: dict[int, list[list[int]]] = {}
-    errors: list[str] = []
-
-    def run(i: int) -> None:
-        chat = GrpcChat(server.grpc_url)
-        try:
-            results[i] = []
-            for r in requests[i]:
-                reply = chat.turn(r)
-                if reply.error:
-                    errors.append(reply.error)
-                results[i].append(reply.token_ids)
-        finally:
-            chat.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    results, errors = concurrent_token_ids(server.grpc_url, requests)
     assert not errors
-    assert [results[i] for i in range(16)] == solo
+    assert results == solo
 
 
 def _metric_totals(server) -> dict[str, float]:  # type: ignore[no-untyped-def]

@@ -8,15 +8,13 @@ conversation and the batched-sessions check run on it (the transport and error p
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from tests.conftest import DEFAULT_ENGINES, EMBEDDED
+from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
 from tritonserver_backend.client import GrpcChat, TurnRequest
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.slow,
@@ -76,8 +74,7 @@ def reference(tmp_path_factory, quantized_dir):  # type: ignore[no-untyped-def]
     return InProcessPipeline(EMBEDDED, root, max_context=2048, backend="onnx", engine_dir=engine_dir)
 
 
-def _reference(pipe: InProcessPipeline, r: TurnRequest):  # type: ignore[no-untyped-def]
-    return pipe.chat(r.session_id, r.text, r.adapter, r.new_session, r.history, SamplingParams(max_tokens=r.max_tokens or 64))
+_reference = reference_reply
 
 
 def test_the_server_serves_the_quantized_directory(server, quantized_dir) -> None:  # type: ignore[no-untyped-def]
@@ -124,25 +121,6 @@ def test_concurrent_sessions_in_batched_steps_match_their_solo_runs(server, refe
                              max_tokens=TOKENS + i % 3),
                  TurnRequest(f"qpar{i}", "And after that?", max_tokens=TOKENS)] for i, a in enumerate(adapters)]
     solo = [[_reference(reference, r).token_ids for r in turns] for turns in requests]
-    results: dict[int, list[list[int]]] = {}
-    errors: list[str] = []
-
-    def run(i: int) -> None:
-        chat = GrpcChat(server.grpc_url)
-        try:
-            results[i] = []
-            for r in requests[i]:
-                reply = chat.turn(r)
-                if reply.error:
-                    errors.append(reply.error)
-                results[i].append(reply.token_ids)
-        finally:
-            chat.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(adapters))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
+    results, errors = concurrent_token_ids(server.grpc_url, requests)
     assert not errors, errors
-    assert [results[i] for i in range(len(adapters))] == solo
+    assert results == solo

@@ -1,0 +1,45 @@
+"""Helpers the real-server tests share: the in-process reference reply of a request, and conversations run on
+concurrent gRPC streams (the batched path whose replies must equal the solo ones)."""
+
+from __future__ import annotations
+
+import threading
+
+from tritonserver_backend.client import GrpcChat, TurnRequest
+from tritonserver_backend.pipeline import InProcessPipeline
+from tritonserver_backend.sampling import SamplingParams
+
+
+def params_of(r: TurnRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=r.max_tokens or 64, temperature=r.temperature or 0.0, top_p=r.top_p or 1.0, seed=r.seed or 0,
+                          stop=tuple(r.stop or ()))
+
+
+def reference_reply(pipe: InProcessPipeline, r: TurnRequest):  # type: ignore[no-untyped-def]
+    """What the same request gets from the serving library in process (same services, same engines)."""
+    return pipe.chat(r.session_id, r.text, r.adapter, r.new_session, r.history, params_of(r), r.end_session)
+
+
+def concurrent_token_ids(url: str, conversations: list[list[TurnRequest]], timeout: float = 600) -> tuple[list[list[list[int]]], list[str]]:
+    """Each conversation on its own gRPC stream, all at once -> (token ids per conversation per turn, errors)."""
+    results: dict[int, list[list[int]]] = {}
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        chat = GrpcChat(url)
+        try:
+            results[i] = []
+            for r in conversations[i]:
+                reply = chat.turn(r)
+                if reply.error:
+                    errors.append(reply.error)
+                results[i].append(reply.token_ids)
+        finally:
+            chat.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(conversations))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return [results.get(i, []) for i in range(len(conversations))], errors
