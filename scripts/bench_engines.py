@@ -48,6 +48,7 @@ from build_engines.model.conversation import Conversation  # noqa: E402
 from tritonserver_backend.engines import open_engine  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_switch import prefill, replay  # noqa: E402
 from doc_sections import write_section  # noqa: E402
 
 MODEL = ROOT / "embedded" / "mol2-small"
@@ -60,17 +61,9 @@ def median_ms(values: list[float]) -> float:
 
 
 def session(engine, prompt: np.ndarray, slot: int):  # type: ignore[no-untyped-def]
-    layout = engine.layout
-    erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-    for i in range(0, prompt.shape[1], 256):
-        chunk = prompt[:, i:i + 256]
-        out = engine.encoder(encoder_inputs(layout, [erow], chunk))
-        absorb_encoder(layout, [erow], out, chunk.shape[1])
-        drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
-    feed = decoder_inputs(layout, [drow], None, [slot])
-    out = engine.decoder(feed)
-    absorb_decoder([drow], out, feed, True, [slot])
-    return erow, drow, int(out["logits"][0].argmax())
+    """A session holding `prompt` (encoder prefill in the service's chunks) and its replay under `slot`."""
+    erow, drow = prefill(engine, prompt, None)
+    return erow, drow, int(replay(engine, drow, slot).argmax())
 
 
 def measure_engine(engine, prompt: np.ndarray, decode: int, slot: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
