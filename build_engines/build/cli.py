@@ -3,6 +3,7 @@
     python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
     python -m build_engines build --model DIR --out DIR --format trt        # needs TensorRT and an NVIDIA GPU
     python -m build_engines build --model DIR --out DIR --quant fp8        # ModelOpt PTQ (fp8 | int8; nvfp4 needs a GPU)
+    python -m build_engines build --model DIR --out DIR --quant fp8 --kv-quant fp8   # and fp8 rings / global-KV stores
     python -m build_engines build --model RELEASE_DIR --out DIR --quant release   # the release's fp8/fp4 weights as stored
 
 Exit codes: 0 built or reused (an up-to-date directory is reused, say --force to rebuild), 1 the build failed,
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from build_engines.quantize import QUANT_MODES, QuantizationUnavailable, check_quant
+from build_engines.quantize import KV_QUANT_MODES, QUANT_MODES, QuantizationUnavailable, check_quant
 from plugins.tensorrt_support import TensorRTUnavailable, require_tensorrt_plugin
 
 from .manifest import BuildSettings, builder_digest, source_digest, stale_reason, tool_versions, write_manifest
@@ -32,6 +33,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="engine directory to write (or reuse)")
     p.add_argument("--format", choices=FORMATS, default="onnx")
     p.add_argument("--quant", choices=QUANT_MODES, default="none")
+    p.add_argument("--kv-quant", choices=KV_QUANT_MODES, default="none",
+                   help="fp8: window rings and global-KV stores kept as fp8 e4m3 with per-tensor scales from the calibration "
+                        "run (calibrated builds only: --quant fp8 | int8)")
     p.add_argument("--data", type=Path, default=Path("artifacts/data"),
                    help="prepared corpora, read for held-out text only when <model>/heldout/ is absent (quantized builds)")
     p.add_argument("--reuse-fp32", type=Path, default=None,
@@ -46,7 +50,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
-        check_quant(args.quant)
+        check_quant(args.quant, args.kv_quant, args.format)
         if args.format == "trt":
             require_tensorrt_plugin()  # fail before minutes of export
     except (QuantizationUnavailable, TensorRTUnavailable) as exc:
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from build_engines.export.onnx_export import OPSET
 
-    settings = BuildSettings(args.format, args.quant, OPSET)
+    settings = BuildSettings(args.format, args.quant, OPSET, args.kv_quant)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two builders of one directory take turns; the second finds it current
@@ -104,13 +108,13 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
         if reuse is not None and stale_reason(reuse, model_dir, BuildSettings("onnx", "none", settings.opset)) is None:
             print(f"taking the fp32 graphs from {reuse} (up to date)", flush=True)
             fp32 = read_manifest(reuse) or {}
-            graphs, quant = build_quantized(model_dir, reuse, fp32["graphs"], onnx_dir, args.quant, args.data)
+            graphs, quant = build_quantized(model_dir, reuse, fp32["graphs"], onnx_dir, args.quant, args.data, args.kv_quant)
             parity = fp32["parity_max_abs"]
         else:
             fp32_dir = args.out / ".fp32"
             try:
                 fp32_graphs, parity = build_onnx(model_dir, fp32_dir)
-                graphs, quant = build_quantized(model_dir, fp32_dir, fp32_graphs, onnx_dir, args.quant, args.data)
+                graphs, quant = build_quantized(model_dir, fp32_dir, fp32_graphs, onnx_dir, args.quant, args.data, args.kv_quant)
             finally:
                 shutil.rmtree(fp32_dir, ignore_errors=True)
     if args.format == "trt":
@@ -131,7 +135,8 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
         "parity_max_abs": parity,
         **({"quant": quant} if quant else {}),
         "command": "python -m build_engines build " + shlex.join(["--model", str(args.model), "--out", str(args.out), "--format",
-                                                                  args.format, "--quant", args.quant]),
+                                                                  args.format, "--quant", args.quant]
+                                                         + (["--kv-quant", args.kv_quant] if args.kv_quant != "none" else [])),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "build_seconds": round(time.time() - t0, 1),
     }

@@ -78,9 +78,12 @@ class BuildSettings:
     format: str
     quant: str
     opset: int
+    kv_quant: str = "none"  # fp8: rings and global-KV stores as fp8 e4m3 (`quantize/kv_cache.py`)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "quant": self.quant, "opset": self.opset}
+        """`kv_quant` appears only when set, so the manifests of builds without it are unchanged (and current)."""
+        return {"format": self.format, "quant": self.quant, "opset": self.opset,
+                **({"kv_quant": self.kv_quant} if self.kv_quant != "none" else {})}
 
 
 def read_manifest(engine_dir: Path) -> dict[str, Any] | None:

@@ -7,6 +7,12 @@ row's store to one length (`StepLayout.padded_entries`), and a single row is pas
 
 Everything here is engine-independent: the torch, onnxruntime and TensorRT runtimes all take the dicts that
 `*_inputs` build and return the dicts that `absorb_*` read.
+
+fp8 KV state (an engine built with `--kv-quant fp8`, `KVStateLayout`): the window rings and the global-KV stores
+(and the decoder's mirror) are kept as the fp8 e4m3 bytes the graph reads and writes, in numpy uint8 arrays (a
+quarter of the fp32 bytes). Why uint8 and not a float8 dtype: onnxruntime 1.32 refuses ml_dtypes' float8 arrays
+("Numpy_type 260 can't be converted to MLDataType") but takes the same bytes as a FLOAT8E4M3FN OrtValue without a
+copy and hands fp8 outputs back as uint8 arrays. Index keys, the pending pair and the hand-over rows stay fp32.
 """
 
 from __future__ import annotations
@@ -21,6 +27,73 @@ from .arena import ArenaField, StepArena
 from .layout import StepLayout
 
 F32 = np.float32
+FP8_MAX = 448.0  # largest finite float8 e4m3fn value
+
+
+def _fp8_table() -> np.ndarray:
+    """The value of each non-negative float8 e4m3fn code 0..126 (0x7f is NaN), increasing with the code."""
+    codes = np.arange(127)
+    exponent, mantissa = codes >> 3, codes & 7
+    return np.where(exponent == 0, mantissa / 8 * 2.0 ** -6, (1 + mantissa / 8) * 2.0 ** (exponent - 7)).astype(np.float64)
+
+
+_FP8_VALUES = _fp8_table()
+_FP8_MIDPOINTS = (_FP8_VALUES[1:] + _FP8_VALUES[:-1]) / 2
+
+
+def fp8_encode(values: np.ndarray, scale: float) -> np.ndarray:
+    """fp32 values already on the fp8 grid of `scale` (what a graph's DequantizeLinear(QuantizeLinear(x)) gives) ->
+    their e4m3fn codes as uint8. Exact for such values: value / scale lies within 2^-22 of a code's value, far inside
+    the half-step of the format, so the nearest code is the one the graph chose; the sign bit keeps -0.0."""
+    v = np.asarray(values, np.float32)
+    magnitude = np.abs(v.astype(np.float64) / np.float64(np.float32(scale)))
+    codes = np.searchsorted(_FP8_MIDPOINTS, np.minimum(magnitude, FP8_MAX)).astype(np.uint8)
+    return codes | (np.signbit(v).astype(np.uint8) << 7)
+
+
+def fp8_decode(codes: np.ndarray, scale: float) -> np.ndarray:
+    """e4m3fn codes (uint8) -> fp32 values times `scale`, as DequantizeLinear computes them (fp32 product)."""
+    c = np.asarray(codes, np.uint8)
+    magnitude = _FP8_VALUES[np.minimum(c & 0x7F, 126)].astype(np.float32)
+    return np.where(c >= 0x80, -magnitude, magnitude) * np.float32(scale)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How a `--kv-quant fp8` engine's rows hold their state: rings and global-KV stores as fp8 e4m3 codes (uint8).
+
+    The graphs carry their own per-tensor scales (initializers); the rows need one of them: layer E's store scale,
+    because the hand-over's `global_kv` crosses the encoder/decoder boundary in fp32 (the serving contract's
+    HANDOVER_GLOBAL_KV is FP32), on that scale's fp8 grid, and both the encoder's store and the decoder's mirror keep
+    its codes (`fp8_encode`, exact)."""
+
+    handover_scale: float
+    dtype: type = np.uint8
+
+
+class KVStateLayout(StepLayout):
+    """The step layout of an engine whose rows keep fp8 state; `EncoderRow.empty` / `DecoderRow.empty` read it."""
+
+    def __init__(self, cfg, kv: KVFormat) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(cfg)
+        self.kv = kv
+
+
+def kv_format(layout: StepLayout) -> KVFormat | None:
+    """The fp8 state format of `layout`, None for fp32 state."""
+    return layout.kv if isinstance(layout, KVStateLayout) else None
+
+
+def state_dtype(layout: StepLayout) -> type:
+    """dtype of rings and global-KV stores (and the mirror): float32, or uint8 fp8 codes."""
+    fmt = kv_format(layout)
+    return F32 if fmt is None else fmt.dtype
+
+
+def _handover_kv(layout: StepLayout, values: np.ndarray) -> np.ndarray:
+    """The hand-over's global_kv rows as the stores keep them (fp32 as they are, or their fp8 codes)."""
+    fmt = kv_format(layout)
+    return values if fmt is None else fp8_encode(values, fmt.handover_scale)
 
 
 def _grow(a: np.ndarray, needed: int) -> np.ndarray:
@@ -44,7 +117,7 @@ def _stack_padded(arrays: list[np.ndarray], length: int) -> np.ndarray:
     """Rows' arrays (n_i, …) -> (B, length, …); a single long-enough row is a view, not a copy."""
     if len(arrays) == 1 and arrays[0].shape[0] >= length:
         return arrays[0][None, :length]
-    out = np.zeros((len(arrays), length) + arrays[0].shape[1:], F32)
+    out = np.zeros((len(arrays), length) + arrays[0].shape[1:], arrays[0].dtype)
     for i, a in enumerate(arrays):
         n = min(length, a.shape[0])
         out[i, :n] = a[:n]
@@ -64,9 +137,9 @@ class EncoderRow:
     @classmethod
     def empty(cls, layout: StepLayout) -> "EncoderRow":
         cfg = layout.cfg
-        D, Di = cfg.head_dim, cfg.index_head_dim
-        rings = np.zeros((len(layout.encoder_ring_layers), cfg.window_size, D), F32)
-        kv = {s: np.zeros((0, D), F32) for s in layout.sources}
+        D, Di, state = cfg.head_dim, cfg.index_head_dim, state_dtype(layout)
+        rings = np.zeros((len(layout.encoder_ring_layers), cfg.window_size, D), state)
+        kv = {s: np.zeros((0, D), state) for s in layout.sources}
         index_k = {s: np.zeros((0, Di), F32) for s in layout.sources}
         pending = {s: np.zeros((2, D), F32) for s in layout.sources if layout.ratio[s] == 2}
         return cls(0, rings, kv, index_k, pending)
@@ -126,7 +199,7 @@ def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np
         for s in layout.sources:
             used = r.used(layout, s)
             if layout.ratio[s] == 1:
-                new_kv, new_ik, count = out["global_kv"][b], out["index_k"][b], steps
+                new_kv, new_ik, count = _handover_kv(layout, out["global_kv"][b]), out["index_k"][b], steps
             else:
                 new_kv, new_ik = out[f"new_kv_{s}"][b], out[f"new_index_k_{s}"][b]
                 count = (r.position % 2 + steps) // 2
@@ -164,14 +237,15 @@ class DecoderRow:
             "topk": np.zeros((W, cfg.index_topk), np.int64),
             "candidates": np.zeros((W, cfg.candidate_topk_blocks), np.int64),
         }
-        rings = np.zeros((len(layout.decoder_ring_layers), cfg.window_size, cfg.head_dim), F32)
-        return cls(0, np.zeros((0, cfg.head_dim), F32), np.zeros((0, cfg.index_head_dim), F32), recent, rings, 0)
+        state = state_dtype(layout)
+        rings = np.zeros((len(layout.decoder_ring_layers), cfg.window_size, cfg.head_dim), state)
+        return cls(0, np.zeros((0, cfg.head_dim), state), np.zeros((0, cfg.index_head_dim), F32), recent, rings, 0)
 
     def absorb(self, layout: StepLayout, handover: dict[str, np.ndarray]) -> None:
         """Append hand-over rows (S, …) of positions position.. : mirror entries and the replay window."""
         S = handover["global_kv"].shape[0]
         self.kv, self.index_k = _grow(self.kv, self.position + S), _grow(self.index_k, self.position + S)
-        self.kv[self.position:self.position + S] = handover["global_kv"]
+        self.kv[self.position:self.position + S] = _handover_kv(layout, handover["global_kv"])
         self.index_k[self.position:self.position + S] = handover["index_k"]
         W = layout.cfg.window_size
         keep = min(W, S)  # a ring like the window rings: no copy of the other W - 1 rows per decode step

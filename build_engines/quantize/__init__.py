@@ -10,6 +10,7 @@ from __future__ import annotations
 
 QUANT_MODES = ("none", "fp8", "int8", "nvfp4", "release")
 BUILT_MODES = ("none", "fp8", "int8", "release")
+KV_QUANT_MODES = ("none", "fp8")  # fp8: rings and global-KV stores as fp8 e4m3 (kv_cache.py); calibrated builds only
 
 
 class QuantizationUnavailable(RuntimeError):
@@ -25,9 +26,18 @@ def cuda_available() -> bool:
         return False
 
 
-def check_quant(mode: str) -> None:
+def check_quant(mode: str, kv_quant: str = "none", fmt: str = "onnx") -> None:
+    """Refuse what cannot be built here, before any work (QuantizationUnavailable names why)."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown --quant {mode!r}; choose one of {list(QUANT_MODES)}")
+    if kv_quant not in KV_QUANT_MODES:
+        raise ValueError(f"unknown --kv-quant {kv_quant!r}; choose one of {list(KV_QUANT_MODES)}")
+    if kv_quant != "none" and mode not in ("fp8", "int8"):
+        raise QuantizationUnavailable(f"--kv-quant {kv_quant} needs a calibrated build (--quant fp8 or int8): its per-tensor "
+                                      f"scales come from the calibration run; --quant {mode} has none")
+    if kv_quant != "none" and fmt != "onnx":
+        raise QuantizationUnavailable(f"--kv-quant {kv_quant} is written for the ONNX engines (onnxruntime); the TensorRT "
+                                      f"runtime does not bind fp8 state yet")
     if mode == "nvfp4":
         where = ("this machine has no CUDA device (torch.cuda.is_available() is False)" if not cuda_available()
                  else "the nvfp4 engine path (calibration on the GPU, FP4 Q/DQ export) is not written yet")

@@ -4,6 +4,8 @@ Each held-out sequence gives encoder feeds (a prefill chunk, then a second chunk
 decoder feeds (a bounded replay of the last W rows under the adapter of the text's domain, then single-row decode
 steps), so activations are calibrated over the shapes and states serving produces. The adapter bank is the same for
 every decoder feed and is written once (`decoder_shared.npz`); the LoRA products themselves are not quantized.
+The same run records the largest magnitude of every state tensor the steps write (`StateAmax`): the per-tensor
+scales of an fp8 KV build (`kv_cache.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from build_engines.export.rows import (
 )
 
 from .heldout import HeldoutText, token_sequences
+from .kv_cache import StateAmax
 from .scoring import Adapters, Runner
 
 SEQUENCE_TOKENS = 256  # per calibration sequence: two window lengths, so replays see a full window
@@ -42,6 +45,7 @@ class CalibrationSet:
     decoder_feeds: int
     sequences: int
     tokens: int
+    amax: StateAmax
 
     def describe(self) -> dict[str, int]:
         return {"sequences": self.sequences, "tokens": self.tokens, "encoder_feeds": self.encoder_feeds,
@@ -55,6 +59,7 @@ def write_calibration(out: Path, layout: StepLayout, encoder: Runner, decoder: R
     sequences = token_sequences(heldout, tokenizer, SEQUENCE_TOKENS, SEQUENCES_PER_KIND)
     np.savez(out / "decoder_shared.npz", **adapters.bank)
     counts = {"encoder": 0, "decoder": 0}
+    amax = StateAmax.empty(layout)
 
     def save(kind: str, feed: dict[str, np.ndarray]) -> None:
         np.savez(out / f"{kind}_{counts[kind]:03d}.npz", **feed)
@@ -70,18 +75,23 @@ def write_calibration(out: Path, layout: StepLayout, encoder: Runner, decoder: R
             feed = encoder_inputs(layout, [erow], ids[:, lo:hi])
             save("encoder", feed)
             outs.append(encoder(feed))
+            amax.encoder(layout, outs[-1], [erow.position], hi - lo)
             absorb_encoder(layout, [erow], outs[-1], hi - lo)
         handover = {k: np.concatenate([o[k][0] for o in outs]) for k in HANDOVER_KEYS}
         n = ids.shape[1] - DECODE_STEPS
         drow.absorb(layout, {k: v[:n] for k, v in handover.items()})
         feed = decoder_inputs(layout, [drow], None, [slot])
         save("decoder", feed)
-        absorb_decoder([drow], decoder({**feed, **adapters.bank}), feed, True, [slot])  # decode steps on real rings
+        result = decoder({**feed, **adapters.bank})
+        amax.decoder(result, [drow.replay_count])
+        absorb_decoder([drow], result, feed, True, [slot])  # decode steps on real rings
         for t in range(n, ids.shape[1]):
             row = {k: v[t:t + 1] for k, v in handover.items()}
             drow.absorb(layout, row)
             feed = decoder_inputs(layout, [drow], [{k: row[k] for k in HANDOVER_FIELDS}], [slot])
             save("decoder", feed)
-            absorb_decoder([drow], decoder({**feed, **adapters.bank}), feed, False, [slot])
+            result = decoder({**feed, **adapters.bank})
+            amax.decoder(result, [1])
+            absorb_decoder([drow], result, feed, False, [slot])
     total = sum(len(s) for s in sequences.values())
-    return CalibrationSet(out, counts["encoder"], counts["decoder"], total, total * SEQUENCE_TOKENS)
+    return CalibrationSet(out, counts["encoder"], counts["decoder"], total, total * SEQUENCE_TOKENS, amax)

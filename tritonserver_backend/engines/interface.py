@@ -74,10 +74,13 @@ def check_engine_dir(engine_dir: Path, model_dir: Path, fmt: str) -> dict:
     from build_engines.export.onnx_export import OPSET
 
     manifest = read_manifest(engine_dir)
-    quant = (manifest or {}).get("settings", {}).get("quant", "none")
-    reason = stale_reason(engine_dir, model_dir, BuildSettings(fmt, quant, OPSET))
+    settings = (manifest or {}).get("settings", {})
+    quant, kv_quant = settings.get("quant", "none"), settings.get("kv_quant", "none")
+    reason = stale_reason(engine_dir, model_dir, BuildSettings(fmt, quant, OPSET, kv_quant))
     if reason is not None:
         command = f"python -m build_engines build --model {model_dir} --out {engine_dir} --format {fmt}"
+        command += f" --quant {quant}" if quant != "none" else ""
+        command += f" --kv-quant {kv_quant}" if kv_quant != "none" else ""
         raise EngineUnavailable(f"the {fmt} engines in {engine_dir} cannot be used ({reason}); build them with `{command}`")
     assert manifest is not None
     return manifest

@@ -1,7 +1,9 @@
 """The ONNX engines run by onnxruntime: CPU here, the CUDA or TensorRT execution providers where installed.
 
 The adapter bank is bound once per change as OrtValues (IOBinding); a step binds only its own inputs. Every `mol2`
-node runs as its local function (onnxruntime inlines it); no Python callback is involved.
+node runs as its local function (onnxruntime inlines it); no Python callback is involved. An engine built with
+`--kv-quant fp8` takes and returns its rings and global-KV stores as fp8 e4m3: its `layout` makes the rows keep them
+as uint8 codes, which are bound as FLOAT8E4M3FN OrtValues over the same memory (`quantize/kv_cache.py`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from build_engines.quantize.kv_cache import as_fp8, fp8_inputs, kv_layout
 
 from .interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
 
@@ -53,12 +57,14 @@ class OnnxEngine(StepEngine):
         except ImportError as exc:
             raise EngineUnavailable("the onnx engine needs onnxruntime (pip install onnxruntime)") from exc
         self.manifest = check_engine_dir(engine_dir, model_dir, "onnx")
+        self.layout = kv_layout(self.cfg, self.manifest)  # fp8 rows for an fp8-KV engine
         self.engine_dir = engine_dir
         self.threads = threads or int(os.environ.get("MOL2_ORT_THREADS", "1"))
         self.providers = providers()
         self.sessions: dict[str, object] = {}
         self.inputs: dict[str, list[str]] = {}
         self.outputs: dict[str, list[str]] = {}
+        self.fp8: dict[str, set[str]] = {}
         self._binding = None
         self._bank_names: set[str] = set()
         self._ort = ort
@@ -72,6 +78,7 @@ class OnnxEngine(StepEngine):
             self.sessions[name] = session
             self.inputs[name] = [i.name for i in session.get_inputs()]
             self.outputs[name] = [o.name for o in session.get_outputs()]
+            self.fp8[name] = fp8_inputs(session)
         return self.sessions[name]
 
     def describe(self) -> str:
@@ -79,7 +86,9 @@ class OnnxEngine(StepEngine):
 
     def _run(self, name: str, feed: Arrays) -> Arrays:
         session = self._session(name)
-        return dict(zip(self.outputs[name], session.run(None, {k: feed[k] for k in self.inputs[name]})))
+        fp8 = self.fp8[name]
+        values = {k: as_fp8(self._ort, k, feed[k]) if k in fp8 else feed[k] for k in self.inputs[name]}
+        return dict(zip(self.outputs[name], session.run(None, values)))
 
     def encoder(self, feed: Arrays) -> Arrays:
         return self._run("encoder", feed)
@@ -103,9 +112,11 @@ class OnnxEngine(StepEngine):
     def decoder(self, feed: Arrays) -> Arrays:
         if self._binding is None:
             raise RuntimeError("set_lora_bank() before the first decoder step")
-        binding = self._binding
+        binding, fp8 = self._binding, self.fp8["decoder"]
         for name in self.inputs["decoder"]:
-            if name not in self._bank_names:
+            if name in fp8:
+                binding.bind_ortvalue_input(name, as_fp8(self._ort, name, feed[name]))
+            elif name not in self._bank_names:
                 binding.bind_cpu_input(name, np.ascontiguousarray(feed[name]))
         for name in self.outputs["decoder"]:
             binding.bind_output(name, "cpu")
