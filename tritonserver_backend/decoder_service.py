@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from build_engines.export.arena import StepArena
+from build_engines.export.arena_pool import ArenaPool
 from build_engines.export.rows import HANDOVER_FIELDS, DecoderRow, absorb_decoder, decoder_inputs
 from build_engines.lora import Adapter
 from build_engines.model.network import CEDNetwork
@@ -22,7 +22,7 @@ from build_engines.model.network import CEDNetwork
 from . import counters as k
 from .adapter_slots import AdapterSlots
 from .counters import Counters
-from .encoder_service import Handover
+from .encoder_service import MAX_DECODE_LANES, Handover
 from .engines import StepEngine
 from .errors import BadRequest, ServingError, TurnRejected
 from .registry import BASE_NAME, Registry
@@ -72,7 +72,7 @@ class DecoderService:
         self.max_context = max_context
         self.sessions: SessionStore[DecoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
         self.busy: set[str] = set()
-        self.arena = StepArena()  # the decode batch's stacked rings and mirror, kept between steps
+        self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked rings and mirror, kept between its steps
 
     # ------------------------------------------------------------------ a turn starts: absorb + bounded replay
     def prepare(self, session_id: str, handover: Handover, adapter_hash: int, params: SamplingParams) -> Turn:

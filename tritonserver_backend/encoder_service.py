@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from build_engines.export.arena import StepArena
+from build_engines.export.arena_pool import ArenaPool
 from build_engines.export.rows import HANDOVER_KEYS, EncoderRow, absorb_encoder, encoder_inputs
 
 from . import counters as k
@@ -24,6 +24,7 @@ from .session_store import SessionStore
 
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_PREFILL_CHUNK = 256
+MAX_DECODE_LANES = 2  # decode lanes the scheduler may alternate (scheduler.py); one stacked arena each here and in the decoder
 Handover = dict[str, np.ndarray]  # rows (S, …) of one session, keyed as HANDOVER_KEYS (+ "positions")
 
 
@@ -40,7 +41,7 @@ class EncoderService:
         self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
         self.max_context, self.prefill_chunk, self.max_turns = max_context, prefill_chunk, max_turns
         self.sessions: SessionStore[EncoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
-        self.arena = StepArena()  # the decode batch's stacked state, kept between steps
+        self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked state, kept between its steps
         self._in_flight: dict[str, _InFlight] = {}
         self.counters = counters or Counters()
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import counters as k
 from .decoder_service import FINISH_CANCELLED, DecoderService, Turn
-from .encoder_service import Handover
+from .encoder_service import MAX_DECODE_LANES, Handover
 from .errors import ServingError, TurnCancelled, TurnRejected
 from .sampling import SamplingParams
 
@@ -56,13 +56,24 @@ Fail = Callable[[TurnRequest | Turn, BaseException], None]
 
 
 class TurnScheduler:
-    def __init__(self, decoder: DecoderService, encoder: EncoderPort, emit: Emit, fail: Fail, max_active: int = 32) -> None:
+    def __init__(self, decoder: DecoderService, encoder: EncoderPort, emit: Emit, fail: Fail, max_active: int = 32,
+                 lanes: int = 2) -> None:
+        """`lanes`: the active turns are split into this many lanes whose steps alternate, so that one lane's encoder
+        step (in the encoder's process) runs while the previous lane's decoder step runs on the engine thread; 1 = every
+        active turn in one batch, encoder and decoder strictly one after the other. A lane changes no row's result."""
         self.decoder, self.encoder, self.emit, self.fail = decoder, encoder, emit, fail
         self.max_active = max_active
         self.waiting: deque[TurnRequest] = deque()
-        self.active: list[Turn] = []
-        self._pending: tuple[list[Turn], Future | BaseException, np.ndarray] | None = None
+        if not 1 <= lanes <= MAX_DECODE_LANES:
+            raise ValueError(f"decode lanes must lie in [1, {MAX_DECODE_LANES}], got {lanes}")
+        self.lanes: list[list[Turn]] = [[] for _ in range(lanes)]
+        self._pending: list[tuple[list[Turn], Future | BaseException, np.ndarray] | None] = [None] * lanes
+        self._next_lane = 0
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="mol2-engine")  # every engine call, never pb_utils
+
+    @property
+    def active(self) -> list[Turn]:
+        return [turn for lane in self.lanes for turn in lane]
 
     def submit(self, request: TurnRequest) -> None:
         self.decoder.count(k.READ, request.adapter_hash)
@@ -89,21 +100,31 @@ class TurnScheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.active and self._pending is None
+        return not self.waiting and not any(self.lanes) and all(p is None for p in self._pending)
 
     def iterate(self) -> None:
-        """One token for every active turn.
+        """One token for every turn of the next lane (waiting turns join first, when rows are free).
 
-        Settle the previous decoder step, admit waiting turns, sample a token for each turn, start the next step (the
+        Joining needs the engine to itself (a replay may restack the adapter bank), so every lane's step in flight is
+        settled first; that happens once per starting turn, not once per token.
+        """
+        if self.waiting and len(self.active) < self.max_active:
+            self._settle_all()
+            self._admit()
+        lane = self._next_lane
+        self._next_lane = (lane + 1) % len(self.lanes)
+        self._advance(lane)
+
+    def _advance(self, lane: int) -> None:
+        """Settle the lane's previous decoder step, sample a token for each of its turns, start its next step (the
         encoder call now, the decoder step on the compute thread), then stream the tokens and finish the turns that
         ended while that step runs: each send is an IPC round trip and needs nothing from the step (measured: with
-        16 sessions the sends cost about as much as the decoder step itself, docs/load.md).
-        """
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
+        16 sessions the sends cost about as much as the decoder step itself, docs/load.md). The next lane's encoder
+        call then overlaps this lane's decoder step."""
+        pending, self._pending[lane] = self._pending[lane], None
+        if pending is not None:
             self._settle(*pending)
-        self._admit()
-        turns = self.active
+        turns = self.lanes[lane]
         going: list[Turn] = []
         chosen: list[tuple[Turn, int]] = []
         for turn in turns:
@@ -115,20 +136,27 @@ class TurnScheduler:
             if not turn.finish:
                 going.append(turn)
         if going:
-            self._pending = (going, *self._step(going, np.asarray([t.generated[-1] for t in going], np.int64)[:, None]))
+            self._pending[lane] = (going, *self._step(going, np.asarray([t.generated[-1] for t in going], np.int64)[:, None]))
         for turn, token in chosen:
             if not self.emit(turn, token, ""):
                 turn.finish = turn.finish or FINISH_CANCELLED  # seen at the next iteration; its partial reply is kept
         for turn in [t for t in turns if t.finish and t.finish != "error" and t not in going]:
             self._end(turn)
-        self.active = [t for t in turns if t.finish != "error" and (t in going or not t.finish)]
+        self.lanes[lane] = [t for t in turns if t.finish != "error" and (t in going or not t.finish)]
+
+    def _settle_all(self) -> None:
+        for lane, pending in enumerate(self._pending):
+            if pending is not None:
+                self._pending[lane] = None
+                self._settle(*pending)
 
     # ------------------------------------------------------------------ joining
     def _admit(self) -> None:
-        """Start waiting turns while rows are free: check and absorb each, then batched replays.
+        """Start waiting turns while rows are free: check and absorb each, then batched replays; each joins the lane
+        with the fewest turns, and lanes are evened out (a moved turn restacks both lanes' arenas once).
 
-        Runs only while no decoder step is in flight (`iterate` settles it first): a new adapter version restacks the
-        engine's adapter bank here."""
+        Runs only while no decoder step is in flight (`iterate` settles every lane first): a new adapter version
+        restacks the engine's adapter bank here."""
         starting: list[Turn] = []
         while self.waiting and len(self.active) + len(starting) < self.max_active:
             request = self.waiting.popleft()
@@ -155,7 +183,16 @@ class TurnScheduler:
                     self._abort(turn, exc)
                 continue
             self.decoder.count_applied(group)
-            self.active.extend(group)
+            for turn in group:
+                min(self.lanes, key=len).append(turn)
+        self._balance()
+
+    def _balance(self) -> None:
+        while True:
+            longest, shortest = max(self.lanes, key=len), min(self.lanes, key=len)
+            if len(longest) - len(shortest) <= 1:
+                return
+            shortest.append(longest.pop())
 
     # ------------------------------------------------------------------ stepping
     def _step(self, turns: list[Turn], tokens: np.ndarray) -> tuple[Future | BaseException, np.ndarray]:

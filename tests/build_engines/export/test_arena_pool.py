@@ -1,0 +1,99 @@
+"""The arena pool: two lanes whose steps alternate, with a row moving from one lane to the other, must feed the engine
+exactly what stacking the rows afresh would, and keep each lane's batch arrays between its steps."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from build_engines.export.arena_pool import ArenaPool
+from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.layout import StepLayout
+from build_engines.export.parity import torch_runner
+from build_engines.export.rows import (
+    HANDOVER_FIELDS,
+    HANDOVER_KEYS,
+    DecoderRow,
+    EncoderRow,
+    absorb_decoder,
+    absorb_encoder,
+    decoder_inputs,
+    encoder_inputs,
+)
+from build_engines.lora.stacked import stack_adapters
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for key in a:
+        assert a[key].shape == b[key].shape and np.array_equal(a[key], b[key]), (what, key)
+
+
+def test_alternating_lanes_feed_what_fresh_stacking_feeds_and_keep_their_arrays(net) -> None:  # type: ignore[no-untyped-def]
+    cfg = net.cfg
+    enc, dec = net.split()
+    layout = StepLayout(cfg)
+    encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
+    decoder = torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())
+    bank = stack_adapters(layout, [None])
+    rng = np.random.default_rng(1)
+    plain: dict[int, tuple[EncoderRow, DecoderRow]] = {}
+    pooled: dict[int, tuple[EncoderRow, DecoderRow]] = {}
+    for sid, length in enumerate((7, 33, 64, 90)):
+        erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
+        out = encoder(encoder_inputs(layout, [erow], rng.integers(0, cfg.vocab_size, (1, length))))
+        absorb_encoder(layout, [erow], out, length)
+        drow.absorb(layout, {k: out[k][0] for k in HANDOVER_KEYS})
+        feed = {**decoder_inputs(layout, [drow], None, [0]), **bank}
+        absorb_decoder([drow], decoder(feed), feed, True, [0])
+        plain[sid], pooled[sid] = (erow, drow), copy.deepcopy((erow, drow))
+    enc_pool, dec_pool = ArenaPool(2), ArenaPool(2)
+    lanes = [[0, 1], [2, 3]]
+    steps = 0
+    for step in range(24):
+        if step == 12:  # row 1 moves to the other lane (a rebalance): both lanes restack once, nothing is lost
+            lanes = [[0], [2, 3, 1]]
+        active = lanes[step % 2]
+        tokens = rng.integers(0, cfg.vocab_size, (len(active), 1))
+        e_plain = encoder_inputs(layout, [plain[s][0] for s in active], tokens)
+        e_pooled = encoder_inputs(layout, [pooled[s][0] for s in active], tokens, enc_pool)  # type: ignore[arg-type]
+        _same(e_plain, e_pooled, f"encoder step {step}")
+        out = encoder(e_plain)
+        handovers = []
+        for universe in (plain, pooled):
+            absorb_encoder(layout, [universe[s][0] for s in active], out, 1)
+        for b, s in enumerate(active):
+            h = {k: out[k][b] for k in HANDOVER_KEYS}
+            plain[s][1].absorb(layout, h)
+            pooled[s][1].absorb(layout, h)
+            handovers.append({k: h[k] for k in HANDOVER_FIELDS})
+        slots = [0] * len(active)
+        d_plain = decoder_inputs(layout, [plain[s][1] for s in active], handovers, slots)
+        d_pooled = decoder_inputs(layout, [pooled[s][1] for s in active], handovers, slots, dec_pool)  # type: ignore[arg-type]
+        _same(d_plain, d_pooled, f"decoder step {step}")
+        result = decoder({**d_plain, **bank})
+        absorb_decoder([plain[s][1] for s in active], result, d_plain, False, slots)
+        absorb_decoder([pooled[s][1] for s in active], result, d_pooled, False, slots)
+        steps += 1
+    for s in plain:
+        (pe, pd), (ae, ad) = plain[s], pooled[s]
+        assert pe.position == ae.position and np.array_equal(pe.rings, ae.rings) and np.array_equal(pd.rings, ad.rings)
+        assert np.array_equal(pd.kv[:pd.position], ad.kv[:ad.position])
+    # one arena per lane: a build per lane, one more per lane after the move, and store growth; not one per step
+    assert enc_pool.rebuilds <= 8 and dec_pool.rebuilds <= 8, (enc_pool.rebuilds, dec_pool.rebuilds)
+
+
+def test_a_single_arena_would_restack_alternating_lanes_every_step(net) -> None:  # type: ignore[no-untyped-def]
+    """Why the pool exists: the same alternation through one arena rebuilds it at every step."""
+    layout = StepLayout(net.cfg)
+    tokens = np.zeros((2, 1), np.int64)
+    rebuilds = {}
+    for size in (1, 2):  # each pool its own rows: a row lives in the batch arrays of one arena at a time
+        rows = [EncoderRow.empty(layout) for _ in range(4)]
+        pool = ArenaPool(size)
+        for step in range(10):
+            encoder_inputs(layout, rows[:2] if step % 2 == 0 else rows[2:], tokens, pool)  # type: ignore[arg-type]
+        rebuilds[size] = pool.rebuilds
+    assert rebuilds == {1: 10, 2: 2}
