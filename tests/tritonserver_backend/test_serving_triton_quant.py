@@ -1,4 +1,4 @@
-"""The quantized engines (ModelOpt int8 and fp8) served by a real tritonserver: a routed multi-turn conversation over
+"""The quantized engines (ModelOpt int8 and fp8, and fp8 with fp8 KV state) served by a real tritonserver: a routed multi-turn conversation over
 gRPC streaming gives, token for token, what the in-process pipeline gives on the same engine directory.
 
 Why a separate module: the fixtures of `test_serving_triton.py` serve the fp32 engines (onnx and torch backends);
@@ -31,16 +31,20 @@ CONVERSATION = [  # routed turns, explicit adapters, and a routed turn after an 
 ]
 
 
-@pytest.fixture(scope="module", params=["int8", "fp8"])
+BUILDS = {"int8": ["--quant", "int8"], "fp8": ["--quant", "fp8"], "fp8-kv8": ["--quant", "fp8", "--kv-quant", "fp8"]}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
 def quantized_dir(request, default_engines):  # type: ignore[no-untyped-def]
-    """The quantized engine directory (built from the fp32 graphs, or reused when current: the same directories
-    `tests/build_engines/quantize/` use)."""
+    """(weight mode, the quantized engine directory), built from the fp32 graphs or reused when current: the same
+    directories `tests/build_engines/quantize/` use. "fp8-kv8" also keeps its rings and global-KV stores in fp8, so
+    the server's sessions hold fp8 state (uint8 codes) between turns and batched steps."""
     from build_engines.build.cli import main as build
 
     out = DEFAULT_ENGINES.parent / f"mol2-small-{request.param}"
-    code = build(["--model", str(EMBEDDED), "--out", str(out), "--quant", request.param, "--reuse-fp32", str(default_engines)])
-    assert code == 0, f"python -m build_engines build --quant {request.param} exited {code}"
-    return request.param, out
+    code = build(["--model", str(EMBEDDED), "--out", str(out), *BUILDS[request.param], "--reuse-fp32", str(default_engines)])
+    assert code == 0, f"python -m build_engines build {BUILDS[request.param]} exited {code}"
+    return request.param.split("-")[0], out
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +54,7 @@ def server(tmp_path_factory, quantized_dir):  # type: ignore[no-untyped-def]
     from tritonserver_backend.repository import build_repository
 
     mode, engine_dir = quantized_dir
-    work = tmp_path_factory.mktemp(f"triton-{mode}")
+    work = tmp_path_factory.mktemp(f"triton-{engine_dir.name}")
     params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
               "engine_backend": "onnx", "engine_dir": str(engine_dir)}
     repo = build_repository(work / "repo", params)

@@ -1,6 +1,7 @@
-"""The embedded default's fp8 and int8 engines (ModelOpt PTQ, built or reused like `default_engines`): standard Q/DQ
-only, LoRA inputs never quantized, perplexity within the issue's bounds on held-out text, bounded replay's source
-independence bit for bit, and a routed conversation through the serving pipeline on them."""
+"""The embedded default's fp8 and int8 engines (ModelOpt PTQ, built or reused like `default_engines`), and the fp8
+engine with fp8 KV state (`--kv-quant fp8`): standard Q/DQ only, LoRA inputs never quantized, perplexity within the
+issue's bounds on held-out text, bounded replay's source independence bit for bit, and a routed conversation through
+the serving pipeline on them."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import onnx
 import pytest
 
 from build_engines.build.cli import main as build
-from build_engines.build.onnx_build import GRAPH_FILES, ort_runner
-from build_engines.export.layout import StepLayout
+from build_engines.build.onnx_build import GRAPH_FILES
 from build_engines.export.parity import HANDOVER
 from build_engines.export.rows import (
     DecoderRow,
@@ -24,6 +24,7 @@ from build_engines.export.rows import (
     encoder_inputs,
 )
 from build_engines.formats.checkpoint import load_config
+from build_engines.quantize.kv_cache import kv_layout, kv_runner
 from build_engines.quantize.scoring import bundled_adapters
 from tests.conftest import DEFAULT_ENGINES, EMBEDDED
 
@@ -34,13 +35,16 @@ BOUND = {"fp8": 0.02, "int8": 0.03}
 PASS_THROUGH = {"Gather", "Reshape", "Transpose", "Flatten", "Unsqueeze", "Squeeze", "Slice", "Identity", "Cast"}
 
 
-@pytest.fixture(scope="module", params=["int8", "fp8"])
+BUILDS = {"int8": ["--quant", "int8"], "fp8": ["--quant", "fp8"], "fp8-kv8": ["--quant", "fp8", "--kv-quant", "fp8"]}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
 def quantized(request, default_engines):  # type: ignore[no-untyped-def]
-    mode = request.param
-    out = DEFAULT_ENGINES.parent / f"mol2-small-{mode}"
-    code = build(["--model", str(EMBEDDED), "--out", str(out), "--quant", mode, "--reuse-fp32", str(default_engines)])
-    assert code == 0, f"python -m build_engines build --quant {mode} exited {code}"
-    return mode, out, json.loads((out / "manifest.json").read_text())
+    """(weight mode, engine directory, manifest); "fp8-kv8" is the fp8 engine with fp8 rings and global-KV stores."""
+    out = DEFAULT_ENGINES.parent / f"mol2-small-{request.param}"
+    code = build(["--model", str(EMBEDDED), "--out", str(out), *BUILDS[request.param], "--reuse-fp32", str(default_engines)])
+    assert code == 0, f"python -m build_engines build {BUILDS[request.param]} exited {code}"
+    return request.param.split("-")[0], out, json.loads((out / "manifest.json").read_text())
 
 
 def test_graphs_hold_standard_qdq_with_quantized_weights(quantized) -> None:  # type: ignore[no-untyped-def]
@@ -91,10 +95,11 @@ def test_perplexity_stays_within_the_bound_of_the_fp32_engine(quantized) -> None
 def test_replay_is_independent_of_the_source_adapter_on_the_quantized_engine(quantized) -> None:  # type: ignore[no-untyped-def]
     """One history decoded under base and two different adapters, then replayed under a fixed target: identical
     logits and rings, bit for bit (the bundled adapters, held-out-like random tokens)."""
-    _, out, _ = quantized
-    layout = StepLayout(load_config(EMBEDDED))
+    _, out, manifest = quantized
+    layout = kv_layout(load_config(EMBEDDED), manifest)  # fp8 rows for the fp8-KV engine
     bank = bundled_adapters(EMBEDDED, layout).bank
-    enc_o, dec_o = ort_runner(out / GRAPH_FILES["encoder"]), ort_runner(out / GRAPH_FILES["decoder"])
+    config = manifest["quant"].get("session_config")
+    enc_o, dec_o = kv_runner(out / GRAPH_FILES["encoder"], config), kv_runner(out / GRAPH_FILES["decoder"], config)
     rng = np.random.default_rng()
     history = rng.integers(0, layout.cfg.vocab_size, (1, 150))
     later = rng.integers(0, layout.cfg.vocab_size, (6, 1))

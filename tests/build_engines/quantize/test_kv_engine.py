@@ -1,0 +1,169 @@
+"""The embedded default's fp8 engine with fp8 KV state (`--quant fp8 --kv-quant fp8`), run by the serving runtime
+(`OnnxEngine`): what the graphs take and give, where the scales come from, and that the fp32 engines' invariances
+survive the quantized state: a batched step equals each row's solo step bit for bit, prefill chunking changes no bit,
+and the decoder's mirror holds exactly the encoder's codes. Also the state bytes a session holds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+
+from build_engines.build.cli import main as build
+from build_engines.build.onnx_build import GRAPH_FILES
+from build_engines.export.arena import StepArena
+from build_engines.export.layout import StepLayout
+from build_engines.export.parity import HANDOVER
+from build_engines.export.rows import (
+    FP8_MAX,
+    DecoderRow,
+    EncoderRow,
+    KVStateLayout,
+    absorb_decoder,
+    absorb_encoder,
+    decoder_inputs,
+    encoder_inputs,
+    fp8_decode,
+)
+from build_engines.quantize.scoring import bundled_adapters
+from tests.conftest import DEFAULT_ENGINES, EMBEDDED
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("onnxruntime")
+FP8_STATE = {"encoder": ({"rings", "kv_2", "kv_4"}, {"ring_rows", "new_kv_2"}), "decoder": ({"rings", "kv"}, {"ring_rows"})}
+
+
+@pytest.fixture(scope="module")
+def kv_engine(default_engines):  # type: ignore[no-untyped-def]
+    from tritonserver_backend.engines.onnx_engine import OnnxEngine
+
+    out = DEFAULT_ENGINES.parent / "mol2-small-fp8-kv8"
+    code = build(["--model", str(EMBEDDED), "--out", str(out), "--quant", "fp8", "--kv-quant", "fp8", "--reuse-fp32", str(default_engines)])
+    assert code == 0, f"python -m build_engines build --quant fp8 --kv-quant fp8 exited {code}"
+    engine = OnnxEngine(EMBEDDED, out, threads=1)
+    engine.set_lora_bank(bundled_adapters(EMBEDDED, engine.layout).bank)
+    return engine
+
+
+def prefill(engine, row: EncoderRow, tokens: np.ndarray) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    out = engine.encoder(encoder_inputs(engine.layout, [row], tokens[None]))
+    absorb_encoder(engine.layout, [row], out, tokens.size)
+    return {k: out[k][0] for k in HANDOVER}
+
+
+def test_state_crosses_the_graph_boundary_as_fp8_with_the_calibrated_scales(kv_engine) -> None:  # type: ignore[no-untyped-def]
+    kv = kv_engine.manifest["quant"]["kv_cache"]
+    assert kv_engine.manifest["settings"]["kv_quant"] == "fp8" and isinstance(kv_engine.layout, KVStateLayout)
+    scales, amax = kv["scales"], kv["amax"]
+    for key in ("encoder_rings", "decoder_rings"):
+        assert scales[key] == [float(np.float32(a / FP8_MAX)) for a in amax[key]]
+    assert {int(s): v for s, v in scales["stores"].items()} == {int(s): float(np.float32(a / FP8_MAX)) for s, a in amax["stores"].items()}
+    for name, (inputs, outputs) in FP8_STATE.items():
+        model = onnx.load(str(kv_engine.engine_dir / GRAPH_FILES[name]))
+        fp8 = {v.name for v in list(model.graph.input) + list(model.graph.output) if v.type.tensor_type.elem_type == TensorProto.FLOAT8E4M3FN}
+        assert fp8 == inputs | outputs, f"{name}: fp8 state tensors"
+        inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        assert inits["rings.kv_scale"].tolist() == scales[f"{name}_rings"]
+        global_out = {o.name: o.type.tensor_type.elem_type for o in model.graph.output}.get("global_kv")
+        assert global_out in (None, TensorProto.FLOAT), "the hand-over stays fp32 (the serving contract's type)"
+    check = kv_engine.manifest["quant"]["check"]["perplexity"]
+    fp8_only = json.loads((DEFAULT_ENGINES.parent / "mol2-small-fp8" / "manifest.json").read_text())["quant"]["check"]["perplexity"] \
+        if (DEFAULT_ENGINES.parent / "mol2-small-fp8" / "manifest.json").exists() else None
+    assert all(abs(f["relative"]) <= 0.02 for f in check.values())
+    if fp8_only is not None:
+        assert any(check[k]["fp8"] != fp8_only[k]["fp8"] for k in check), "fp8 state changes what the engine computes (not vacuous)"
+
+
+def test_rows_keep_a_quarter_of_the_state_bytes(kv_engine) -> None:  # type: ignore[no-untyped-def]
+    from tritonserver_backend.engines.onnx_engine import OnnxEngine
+
+    fp32_engine = OnnxEngine(EMBEDDED, DEFAULT_ENGINES, threads=1)
+    tokens = np.random.default_rng(0).integers(0, kv_engine.cfg.vocab_size, 300)
+    rows = {}
+    for name, engine in (("fp32", fp32_engine), ("fp8", kv_engine)):
+        erow, drow = EncoderRow.empty(engine.layout), DecoderRow.empty(engine.layout)
+        drow.absorb(engine.layout, prefill(engine, erow, tokens))
+        rows[name] = erow, drow
+    (e32, d32), (e8, d8) = rows["fp32"], rows["fp8"]
+    assert e8.rings.dtype == np.uint8 and d8.rings.dtype == np.uint8 and d8.kv.dtype == np.uint8
+    assert all(e8.kv[s].dtype == np.uint8 and e8.kv[s].nbytes * 4 == e32.kv[s].nbytes for s in e8.kv)
+    assert e8.rings.nbytes * 4 == e32.rings.nbytes and d8.kv.nbytes * 4 == d32.kv.nbytes
+    assert all(e8.index_k[s].dtype == np.float32 for s in e8.index_k), "index keys stay fp32"
+    saved = (e32.nbytes() + d32.nbytes()) - (e8.nbytes() + d8.nbytes())
+    quantized = e32.rings.nbytes + sum(a.nbytes for a in e32.kv.values()) + d32.kv.nbytes + d32.rings.nbytes
+    assert saved == quantized * 3 // 4
+
+
+def test_the_mirror_holds_the_encoders_codes_and_the_handover_lies_on_the_grid(kv_engine) -> None:  # type: ignore[no-untyped-def]
+    layout = kv_engine.layout
+    E, scale = layout.cfg.first_decoder_layer, layout.kv.handover_scale
+    erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
+    handover = prefill(kv_engine, erow, np.random.default_rng(1).integers(0, layout.cfg.vocab_size, 90))
+    drow.absorb(layout, handover)
+    assert np.array_equal(drow.kv[:90], erow.kv[E][:90])
+    assert np.array_equal(fp8_decode(drow.kv[:90], scale).view(np.uint32), handover["global_kv"].view(np.uint32))
+    assert len(np.unique(drow.kv[:90])) > 100, "the codes are spread over the format (the scale fits the values)"
+
+
+def test_prefill_chunking_changes_no_bit_of_the_fp8_state(kv_engine) -> None:  # type: ignore[no-untyped-def]
+    """Each step attends to the values it stores (rounded where produced), so chunks give the one-chunk state."""
+    layout = kv_engine.layout
+    tokens = np.random.default_rng(2).integers(0, layout.cfg.vocab_size, 170)
+    one, pieces = EncoderRow.empty(layout), EncoderRow.empty(layout)
+    whole = prefill(kv_engine, one, tokens)
+    parts = [prefill(kv_engine, pieces, tokens[a:b]) for a, b in ((0, 37), (37, 38), (38, 150), (150, 170))]
+    assert np.array_equal(one.rings, pieces.rings)
+    for s in layout.sources:
+        n = one.used(layout, s)
+        assert np.array_equal(one.kv[s][:n], pieces.kv[s][:n]) and np.array_equal(one.index_k[s][:n], pieces.index_k[s][:n])
+    for k in HANDOVER:
+        assert np.array_equal(whole[k], np.concatenate([p[k] for p in parts])), k
+
+
+def test_batched_steps_equal_solo_steps_bit_for_bit(kv_engine) -> None:  # type: ignore[no-untyped-def]
+    """Three sessions at different positions under different adapters: one batched encoder + decoder step (through the
+    step arena, as the services run them) gives each row what its solo step gives, state included."""
+    layout = kv_engine.layout
+    rng = np.random.default_rng(3)
+    sessions = []
+    for length, slot in ((40, 1), (131, 3), (77, 0)):
+        erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
+        drow.absorb(layout, prefill(kv_engine, erow, rng.integers(0, layout.cfg.vocab_size, length)))
+        feed = decoder_inputs(layout, [drow], None, [slot])
+        absorb_decoder([drow], kv_engine.decoder(feed), feed, True, [slot])
+        sessions.append((erow, drow, slot))
+    token = rng.integers(0, layout.cfg.vocab_size, (3, 1))
+
+    def step(group: list[tuple[EncoderRow, DecoderRow, int]], tokens: np.ndarray, arenas: tuple[StepArena, StepArena] | None):  # type: ignore[no-untyped-def]
+        erows, drows, slots = [g[0] for g in group], [g[1] for g in group], [g[2] for g in group]
+        out = kv_engine.encoder(encoder_inputs(layout, erows, tokens, arenas and arenas[0]))
+        absorb_encoder(layout, erows, out, 1)
+        rows = [{k: out[k][b] for k in HANDOVER} for b in range(len(group))]
+        for d, r in zip(drows, rows):
+            d.absorb(layout, r)
+        feed = decoder_inputs(layout, drows, [{k: r[k] for k in HANDOVER[:4]} for r in rows], slots, arenas and arenas[1])
+        result = kv_engine.decoder(feed)
+        absorb_decoder(drows, result, feed, False, slots)
+        return result["logits"]
+
+    solo = [(e.clone(), d.clone(), s) for e, d, s in sessions]
+    batched = [(e.clone(), d.clone(), s) for e, d, s in sessions]
+    alone = np.concatenate([step([g], token[b:b + 1], None) for b, g in enumerate(solo)])
+    together = step(batched, token, (StepArena(), StepArena()))
+    assert np.array_equal(alone, together)
+    for (e1, d1, _), (e2, d2, _) in zip(solo, batched):
+        assert np.array_equal(e1.rings, e2.rings) and np.array_equal(d1.rings, d2.rings)
+        assert np.array_equal(d1.kv[:d1.position], d2.kv[:d2.position])
+        for s in layout.sources:
+            n = e1.used(layout, s)
+            assert np.array_equal(e1.kv[s][:n], e2.kv[s][:n])
+
+
+def test_fp32_rows_are_refused_by_the_fp8_engine(kv_engine) -> None:  # type: ignore[no-untyped-def]
+    """Rows made with the fp32 layout cannot reach an fp8-state engine by mistake (the error names the fix)."""
+    row = EncoderRow.empty(StepLayout(kv_engine.cfg))
+    with pytest.raises(TypeError, match="uint8 fp8 codes"):
+        kv_engine.encoder(encoder_inputs(kv_engine.layout, [row], np.zeros((1, 3), np.int64)))
