@@ -44,6 +44,14 @@ class EncoderService:
         self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked state, kept between its steps
         self._in_flight: dict[str, _InFlight] = {}
         self.counters = counters or Counters()
+        self._uncounted_steps = 0  # step tokens encoded since the last flush (see encode_step)
+
+    def flush_counts(self) -> None:
+        """Add the step tokens encoded since the last flush to the counters. Called at every turn's end, so the
+        metric is exact whenever no turn is in flight and lags by the tokens of the turns in flight otherwise."""
+        if self._uncounted_steps:
+            self.counters.add(k.ENCODED_TOKENS, k.STEP, self._uncounted_steps)
+            self._uncounted_steps = 0
 
     # ------------------------------------------------------------------ a user turn
     def encode_turn(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None,
@@ -106,10 +114,12 @@ class EncoderService:
         starts = [r.position for r in rows]
         out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens.astype(np.int64), self.arena))
         absorb_encoder(self.layout, rows, out, tokens.shape[1])
-        self.counters.add(k.ENCODED_TOKENS, k.STEP, int(tokens.size))
+        # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
+        self._uncounted_steps += int(tokens.size)
         if turn_done:
             for s in session_ids:
                 self._in_flight.pop(s, None)
+            self.flush_counts()
         steps = tokens.shape[1]
         return [{**{k: out[k][b] for k in HANDOVER_KEYS}, "positions": np.arange(starts[b], starts[b] + steps, dtype=np.int64)}
                 for b in range(len(session_ids))]
