@@ -76,9 +76,9 @@ class Answer:
     def _take(self, piece: Piece) -> str:
         self.adapter = piece.adapter or self.adapter
         self.finish = piece.finish or self.finish
-        if piece.token_id < 0:
+        if not piece.token_ids:
             return ""
-        self.completion_tokens += 1
+        self.completion_tokens += len(piece.token_ids)
         return self._stop.feed(piece.text)
 
     async def collect(self) -> str:

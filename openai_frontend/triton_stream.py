@@ -22,7 +22,7 @@ from .errors import APIError, from_triton, unavailable
 
 @dataclass(frozen=True)
 class Piece:
-    token_id: int  # -1 on the final response
+    token_ids: tuple[int, ...]  # several when the server groups tokens (stream_interval); () on the final response
     text: str
     adapter: str
     finish: str  # "" while streaming
@@ -89,7 +89,7 @@ class TritonStream:
                 token = result.as_numpy(c.TOKEN_ID_OUT.name)
                 if token is None:
                     continue
-                piece = Piece(int(token.reshape(-1)[0]), _text(result, c.TEXT_OUTPUT), _text(result, c.ADAPTER_NAME),
+                piece = Piece(tuple(int(t) for t in token.reshape(-1) if t >= 0), _text(result, c.TEXT_OUTPUT), _text(result, c.ADAPTER_NAME),
                               _text(result, c.FINISH_REASON))
                 finished = bool(piece.finish)
                 yield piece

@@ -1,13 +1,17 @@
 """Aggregate decode throughput through a real tritonserver at 1, 4, 16 and 32 concurrent sessions, in one run.
 
-    .venv/bin/python scripts/bench_serving.py [--sessions 1 4 16 32] [--tokens 64] [--rounds 2] [--out docs/load.md]
+    .venv/bin/python scripts/bench_serving.py [--sessions 1 4 16 32] [--tokens 64] [--rounds 2] [--stream-intervals 1 4]
+                                              [--lanes 1] [--out docs/load.md]
 
 Each session is its own gRPC stream (tritonclient) holding a two-turn conversation; every turn asks for `--tokens`
 greedy tokens (the small model rarely ends a turn by itself before that). Per concurrency level: aggregate decode
 tokens/s (tokens after each turn's first, over the time in which at least one turn was decoding: turn starts are time
 to first token) and end-to-end tokens/s (all tokens over the wall time). Levels are measured in interleaved rounds on
 one server and medians are reported with their ratio to one session. Every session's replies are checked against the
-same session run alone (greedy outputs must be identical). Writes its section of docs/load.md (the rest is kept).
+same session run alone (greedy outputs must be identical). With several `--stream-intervals` (the decoder's
+`stream_interval`: tokens per streamed response), one server per interval is measured the same way, one after the
+other, and each interval's ratios are to one session at that interval. Writes its section of docs/load.md (the rest
+is kept).
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ PROMPTS = ["Tell me about your weekend plans.", "def area(r):\n    return 3.14 *
 SECTION = "## Throughput (scripts/bench_serving.py)"
 
 
-def conversation(chat: GrpcChat, sid: str, index: int, tokens: int, windows: list[tuple[float, float, int]]) -> list[list[int]]:
-    """Two turns; each turn's decode window (first token time, last token time, tokens after the first) is recorded."""
+def conversation(chat: GrpcChat, sid: str, index: int, tokens: int, windows: list[tuple[float, float, int]],
+                 interval: int = 1) -> list[list[int]]:
+    """Two turns; each turn's decode window (first response's time, last response's time, tokens after the first
+    response, which carries `interval` tokens) is recorded."""
     replies = []
     for turn in range(2):
         text = PROMPTS[(index + turn) % len(PROMPTS)] + f" (session {index}, turn {turn})"
@@ -49,7 +55,7 @@ def conversation(chat: GrpcChat, sid: str, index: int, tokens: int, windows: lis
             raise RuntimeError(f"{sid}: {reply.error}")
         replies.append(reply.token_ids)
         if len(stamps) > 1:
-            windows.append((stamps[0], stamps[-1], len(stamps) - 1))
+            windows.append((stamps[0], stamps[-1], len(reply.token_ids) - min(interval, len(reply.token_ids))))
     return replies
 
 
@@ -68,13 +74,13 @@ def decode_rate(windows: list[tuple[float, float, int]]) -> float:
     return sum(n for _, _, n in windows) / covered if covered > 0 else 0.0
 
 
-def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0) -> tuple[float, int, dict[int, list[list[int]]], float]:
+def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0, interval: int = 1) -> tuple[float, int, dict[int, list[list[int]]], float]:
     """`sessions` concurrent conversations (numbered first, first + 1, ...) -> wall time, tokens, replies by number,
     aggregate decode tokens/s."""
     chats = [GrpcChat(url) for _ in range(sessions)]
     windows: list[tuple[float, float, int]] = []
     try:
-        wall, out = run_together(sessions, lambda i: conversation(chats[i], f"{tag}-{first + i}", first + i, tokens, windows), tag)
+        wall, out = run_together(sessions, lambda i: conversation(chats[i], f"{tag}-{first + i}", first + i, tokens, windows, interval), tag)
     finally:
         for chat in chats:
             chat.close()
@@ -83,57 +89,72 @@ def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0) ->
     return wall, generated, results, decode_rate(windows)
 
 
+def measure_server(args: argparse.Namespace, interval: int) -> list[tuple]:
+    """One server with this stream interval: every session alone first (the greedy reference), then the levels in
+    interleaved rounds -> table rows."""
+    params = {"model_dir": str(MODEL), "registry_root": str(args.work / "registry"), "engine_backend": args.backend,
+              "engine_dir": str(ENGINES), "max_active_turns": str(max(args.sessions)), "max_queued_turns": str(max(args.sessions)),
+              "stream_interval": str(interval), "decode_lanes": str(args.lanes)}
+    repo = build_repository(args.work / "repo", params)
+    server = TritonServer(work_dir=args.work / "server")
+    server.start(repo)
+    rows = []
+    try:
+        print(f"stream_interval {interval}: server ready after {server.wait_ready(300):.1f} s", flush=True)
+        solo = {}
+        for i in range(max(args.sessions)):
+            solo.update(run_level(server.grpc_url, 1, args.tokens, f"solo{interval}", first=i, interval=interval)[2])
+        measured: dict[int, list[tuple[float, float]]] = {n: [] for n in args.sessions}
+        for r in range(args.rounds):
+            for n in args.sessions:
+                wall, generated, results, decode = run_level(server.grpc_url, n, args.tokens, f"i{interval}r{r}n{n}", interval=interval)
+                for i, replies in results.items():
+                    if replies != solo[i]:
+                        raise RuntimeError(f"session {i} at {n} concurrent sessions differs from its solo run")
+                measured[n].append((decode, generated / wall))
+                print(f"stream_interval {interval}, round {r + 1}: {n:3d} sessions: {generated} tokens in {wall:.2f} s = "
+                      f"{generated / wall:.1f} tokens/s end to end, {decode:.1f} decode tokens/s", flush=True)
+        base_decode = statistics.median(d for d, _ in measured[args.sessions[0]])
+        base_e2e = statistics.median(e for _, e in measured[args.sessions[0]])
+        for n in args.sessions:
+            decode = statistics.median(d for d, _ in measured[n])
+            e2e = statistics.median(e for _, e in measured[n])
+            rows.append((interval, n, decode, decode / base_decode, e2e, e2e / base_e2e, measured[n]))
+    finally:
+        server.stop()
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--backend", default="onnx")
+    p.add_argument("--stream-intervals", type=int, nargs="+", default=[1], help="the decoder's stream_interval, one server each")
+    p.add_argument("--lanes", type=int, default=1, help="the decoder's decode_lanes")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "load.md")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench_serving")
     args = p.parse_args()
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1
-    params = {"model_dir": str(MODEL), "registry_root": str(args.work / "registry"), "engine_backend": args.backend,
-              "engine_dir": str(ENGINES), "max_active_turns": str(max(args.sessions)), "max_queued_turns": str(max(args.sessions))}
-    repo = build_repository(args.work / "repo", params)
-    server = TritonServer(work_dir=args.work / "server")
-    server.start(repo)
     rows = []
-    try:
-        print(f"server ready after {server.wait_ready(300):.1f} s", flush=True)
-        solo = {}  # every session alone first: the greedy reference
-        for i in range(max(args.sessions)):
-            solo.update(run_level(server.grpc_url, 1, args.tokens, "solo", first=i)[2])
-        measured: dict[int, list[tuple[float, float]]] = {n: [] for n in args.sessions}
-        for r in range(args.rounds):
-            for n in args.sessions:
-                wall, generated, results, decode = run_level(server.grpc_url, n, args.tokens, f"r{r}n{n}")
-                for i, replies in results.items():
-                    if replies != solo[i]:
-                        raise RuntimeError(f"session {i} at {n} concurrent sessions differs from its solo run")
-                measured[n].append((decode, generated / wall))
-                print(f"round {r + 1}: {n:3d} sessions: {generated} tokens in {wall:.2f} s = {generated / wall:.1f} tokens/s end to end, "
-                      f"{decode:.1f} decode tokens/s", flush=True)
-        base_decode = statistics.median(d for d, _ in measured[args.sessions[0]])
-        base_e2e = statistics.median(e for _, e in measured[args.sessions[0]])
-        for n in args.sessions:
-            decode = statistics.median(d for d, _ in measured[n])
-            e2e = statistics.median(e for _, e in measured[n])
-            rows.append((n, decode, decode / base_decode, e2e, e2e / base_e2e, measured[n]))
-    finally:
-        server.stop()
+    for interval in args.stream_intervals:
+        rows += measure_server(args, interval)
     table = [SECTION, "",
              f"`.venv/bin/python scripts/bench_serving.py --sessions {' '.join(map(str, args.sessions))} --tokens {args.tokens} "
-             f"--rounds {args.rounds} --backend {args.backend}` ({time.strftime('%Y-%m-%d')}): each session a gRPC stream with two "
-             f"turns of {args.tokens} greedy tokens, all sessions starting together. Aggregate decode tokens/s = tokens after each "
-             "turn's first / time during which at least one turn was decoding (turn starts excluded: prefill, routing and "
-             "replay are time to first token); end to end = all tokens / wall time. Medians of the rounds; every session's "
-             "replies equal its solo run (checked).", "",
-             "| concurrent sessions | decode tokens/s | x one session | end-to-end tokens/s | x one session | rounds (decode, end to end) |",
-             "|---|---|---|---|---|---|"]
-    for n, decode, ratio, e2e, e2e_ratio, runs in rows:
-        table.append(f"| {n} | {decode:.1f} | {ratio:.2f} | {e2e:.1f} | {e2e_ratio:.2f} | {'; '.join(f'{d:.0f}, {e:.0f}' for d, e in runs)} |")
+             f"--rounds {args.rounds} --backend {args.backend} --stream-intervals {' '.join(map(str, args.stream_intervals))} "
+             f"--lanes {args.lanes}` ({time.strftime('%Y-%m-%d')}): each session a gRPC stream with two turns of {args.tokens} "
+             "greedy tokens, all sessions starting together. Aggregate decode tokens/s = tokens after each turn's first "
+             "response / time during which at least one turn was decoding (turn starts excluded: prefill, routing and replay "
+             "are time to first token); end to end = all tokens / wall time. Medians of the rounds; every session's replies "
+             "equal its solo run (checked). Stream interval = the decoder's `stream_interval` (tokens per streamed "
+             "response); each interval's ratios are to one session at that interval.", "",
+             "| stream interval | concurrent sessions | decode tokens/s | x one session | end-to-end tokens/s | x one session | rounds (decode, end to end) |",
+             "|---|---|---|---|---|---|---|"]
+    for interval, n, decode, ratio, e2e, e2e_ratio, runs in rows:
+        table.append(f"| {interval} | {n} | {decode:.1f} | {ratio:.2f} | {e2e:.1f} | {e2e_ratio:.2f} | "
+                     f"{'; '.join(f'{d:.0f}, {e:.0f}' for d, e in runs)} |")
     write_section(args.out, "\n".join(table) + "\n", SECTION)
     print("\n".join(table))
     return 0

@@ -73,9 +73,12 @@ def _numpy(spec: c.TensorSpec, value: Any) -> np.ndarray:
     return np.asarray([value], dtype=spec.numpy_dtype)
 
 
-def _add(reply: Reply, token: int, piece: str, adapter: str, finish: str) -> None:
-    if token >= 0:
-        reply.token_ids.append(token)
+def _add(reply: Reply, tokens: list[int], piece: str, adapter: str, finish: str) -> None:
+    """One streamed response: its token ids (several when the server groups them, `stream_interval`; [-1] on the final
+    response) and their text."""
+    ids = [t for t in tokens if t >= 0]
+    if ids:
+        reply.token_ids.extend(ids)
         reply.pieces.append(piece)
     reply.adapter = adapter or reply.adapter
     reply.finish_reason = finish or reply.finish_reason
@@ -114,11 +117,11 @@ class GrpcChat:
                 reply.error = error.message() if hasattr(error, "message") else str(error)
                 return reply
             final = result.get_response().parameters.get("triton_final_response")
-            if result.as_numpy(c.TOKEN_ID_OUT.name) is not None:
-                piece = _grpc_text(result, c.TEXT_OUTPUT)
-                _add(reply, int(result.as_numpy(c.TOKEN_ID_OUT.name).reshape(-1)[0]), piece, _grpc_text(result, c.ADAPTER_NAME),
-                     _grpc_text(result, c.FINISH_REASON))
-                if on_piece is not None:
+            token_ids = result.as_numpy(c.TOKEN_ID_OUT.name)
+            if token_ids is not None:
+                ids, piece = [int(t) for t in token_ids.reshape(-1)], _grpc_text(result, c.TEXT_OUTPUT)
+                _add(reply, ids, piece, _grpc_text(result, c.ADAPTER_NAME), _grpc_text(result, c.FINISH_REASON))
+                if on_piece is not None and any(t >= 0 for t in ids):  # token-carrying responses, not the final one
                     on_piece(piece)
             if final is not None and final.bool_param:
                 return reply
@@ -155,9 +158,10 @@ class HttpChat:
                     return reply
                 if c.TOKEN_ID_OUT.name in event:
                     piece = str(_scalar(event.get(c.TEXT_OUTPUT.name, "")))
-                    _add(reply, int(_scalar(event[c.TOKEN_ID_OUT.name])), piece, str(_scalar(event.get(c.ADAPTER_NAME.name, ""))),
-                         str(_scalar(event.get(c.FINISH_REASON.name, ""))))
-                    if on_piece is not None and int(_scalar(event[c.TOKEN_ID_OUT.name])) >= 0:
+                    ids = event[c.TOKEN_ID_OUT.name]
+                    ids = [int(t) for t in (ids if isinstance(ids, list) else [ids])]
+                    _add(reply, ids, piece, str(_scalar(event.get(c.ADAPTER_NAME.name, ""))), str(_scalar(event.get(c.FINISH_REASON.name, ""))))
+                    if on_piece is not None and any(t >= 0 for t in ids):
                         on_piece(piece)
             return reply
         finally:

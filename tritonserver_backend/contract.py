@@ -51,8 +51,8 @@ REPETITION_PENALTY = TensorSpec("repetition_penalty", "FP32", (1,), True, "(0, 1
 PENALTIES = (FREQUENCY_PENALTY, PRESENCE_PENALTY, REPETITION_PENALTY)
 END_SESSION = TensorSpec("end_session", "BOOL", (1,), True, "true drops the session after this turn")
 
-TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,), doc="one streamed piece of the reply")
-TOKEN_ID_OUT = TensorSpec("token_id", "INT32", (1,), doc="the streamed token id (-1 on the final, empty response)")
+TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,), doc="one streamed piece of the reply (the text of this response's token ids)")
+TOKEN_ID_OUT = TensorSpec("token_id", "INT32", (-1,), doc="the streamed token ids, one per token of text_output (several with stream_interval > 1); [-1] on the final, empty response")
 ADAPTER_NAME = TensorSpec("adapter_name", "BYTES", (1,), doc='adapter that produced the reply ("base" for none)')
 FINISH_REASON = TensorSpec("finish_reason", "BYTES", (1,), doc='"" while streaming; "stop", "length" or "end_of_turn" on the last response')
 

@@ -49,6 +49,7 @@ class Turn:
     finish: str = ""
     end_session: bool = False
     context: object = None  # what the caller needs to answer (a response sender)
+    unsent: list[int] = field(default_factory=list)  # sampled tokens not streamed yet (a stream interval above 1)
 
     @property
     def adapter_name(self) -> str:

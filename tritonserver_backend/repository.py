@@ -21,6 +21,7 @@ DEFAULT_PARAMETERS = {
     "session_budget_bytes": str(2 << 30),
     "max_active_turns": "32",  # rows of one batched decode step
     "max_queued_turns": "64",  # turns waiting for a row; beyond active + queued a new turn gets "server busy" at once
+    "stream_interval": "1",  # tokens per streamed response (the last one of a turn flushes the rest); docs/load.md
     "decode_lanes": "1",  # 2: one lane's encoder step overlaps the other's decoder step (docs/load.md); 1: one batch
     "prefill_chunk": "256",
     "torch_threads": "1",
@@ -37,7 +38,7 @@ PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
     "encoder": ("model_dir", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk"),
     "router": ("model_dir", "registry_root", *ENGINE),
-    "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes"),
+    "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes", "stream_interval"),
     "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters", "max_adapter_rank", "max_adapter_bytes"),
     "session_control": (),
 }

@@ -126,8 +126,8 @@ def tensor(spec: c.TensorSpec, value: Any) -> Any:
         arr = np.array([v.encode("utf-8") if isinstance(v, str) else v for v in (value if isinstance(value, list) else [value])], dtype=np.object_)
     else:
         arr = np.asarray(value, dtype=spec.numpy_dtype)
-        if spec.dims == (1,):
-            arr = arr.reshape(1)
+        if len(spec.dims) == 1:  # a scalar or a list for a 1-D output ([1] or [-1])
+            arr = arr.reshape(-1)
     return pb().Tensor(spec.name, arr)
 
 
