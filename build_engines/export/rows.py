@@ -23,6 +23,8 @@ from typing import Callable
 
 import numpy as np
 
+from build_engines.model.config import CEDConfig
+
 from .arena import ArenaField, StepArena
 from .layout import StepLayout
 
@@ -74,7 +76,7 @@ class KVFormat:
 class KVStateLayout(StepLayout):
     """The step layout of an engine whose rows keep fp8 state; `EncoderRow.empty` / `DecoderRow.empty` read it."""
 
-    def __init__(self, cfg, kv: KVFormat) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, cfg: CEDConfig, kv: KVFormat) -> None:
         super().__init__(cfg)
         self.kv = kv
 
