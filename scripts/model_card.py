@@ -35,6 +35,7 @@ def main() -> None:
         f"- Machine: {m['machine']['device']}, {m['machine']['cpu_count']} threads, {m['machine']['platform']}, torch {m['machine']['torch']}.",
         f"- Time: tokenizer {t.get('tokenizer_s', 0):.0f} s, tokenization {t.get('tokenize_s', 0):.0f} s, base pre-training {t.get('base_training_s', 0) / 60:.1f} min (torch.compile included), "
         + ", ".join(f"{k.removeprefix('adapter_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items() if k.startswith("adapter_"))
+        + "".join(f", answers {k.removeprefix('answers_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items() if k.startswith("answers_"))
         + f", evaluation {t.get('evaluation_s', 0) / 60:.1f} min; whole build {m['wall_s'] / 60:.1f} min.",
         "",
         "## Training data (from `python -m build_engines.data.corpora prepare`; registry packages only)",
@@ -74,10 +75,34 @@ def main() -> None:
     lines += ["", "Bold: the adapter's own domain. The goal is at least 10% lower perplexity than the base there; the other columns show the off-domain cost.", ""]
     for name, info in m["adapters"].items():
         lines.append(f"- `{name}`: rank {info['rank']}, alpha {info['alpha']}, {info['modules']} modules (layer-20 FFN + layers 21..39 in the release's numbering), path hash {info['hash']}.")
+    if m.get("answers"):
+        pairs = m["answers"]["pairs"]
+        lines += ["", f"Each adapter is first trained on its domain text ({m['settings']['adapter_steps']} steps), then fine-tuned from there on "
+                  f"request -> answer pairs (`build_engines/training/answer_pairs.py`: {sum(d['train_pairs'] for d in pairs['domains'].values())} pairs, "
+                  f"{m['settings'].get('answer_steps')} steps per adapter, each batch mixing pairs and the adapter's own domain text; "
+                  "rank and size unchanged). How the pairs are made and kept apart from the held-out requests: `manifest.json` -> `answers`."]
     if m.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in m["notes"]]
-    args.out.write_text("\n".join(lines) + "\n")
+    kept = _kept_sections(args.out)
+    args.out.write_text("\n".join(lines) + "\n" + kept)
     print("\n".join(lines))
+
+
+# Sections other scripts write into the model card (they measure, this script only formats the manifest).
+KEPT_SECTIONS = ("## Replies to requests",)
+
+
+def _kept_sections(path: Path) -> str:
+    """The sections of the current card written by other scripts (scripts/answer_eval.py), to re-append as they are."""
+    if not path.exists():
+        return ""
+    text, out = path.read_text(), []
+    for heading in KEPT_SECTIONS:
+        start = text.find("\n" + heading)
+        if start >= 0:
+            end = text.find("\n## ", start + 1)
+            out.append(text[start: end if end >= 0 else len(text)].rstrip() + "\n")
+    return "".join(out)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ stage is skipped when its output exists (and resumes from its training state whe
 cheap and an interrupted run continues where it stopped. The result folder holds `config.json`,
 `model.safetensors` (bf16), `tokenizer.json`, `adapters/<name>/` (PEFT layout) and `manifest.json` with hashes,
 the exact command, timings and the perplexity tables.
+
+`--answer-steps N` adds the answers stage (`answer_stage`): each domain adapter fine-tuned from its domain-text
+version on request -> answer pairs. It is off (0) by default: measured at 250 steps, the answer-tuned adapters do
+not yet put the request's key fact into their replies (docs/model_card.md), so the default keeps the domain-text
+adapters.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from build_engines.formats.checkpoint import load_checkpoint, save_checkpoint
 from build_engines.lora import AdapterBank
 from build_engines.model.config import get_preset
 from build_engines.model.network import CEDNetwork, init_weights
+from build_engines.training.answer_stage import add_arguments as add_answer_arguments
+from build_engines.training.answer_stage import run_answer_stage, settings_from
 from build_engines.training.train import (
     TrainSettings,
     perplexity,
@@ -85,7 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-windows", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the base training step")
+    add_answer_arguments(parser, steps=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; 1 while others share the machine)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     started = time.perf_counter()
     device = pick_device()
@@ -143,6 +154,12 @@ def main(argv: list[str] | None = None) -> None:
         train_adapter(net, adapter, mixture, settings, work / f"adapter_{name}", target, cfg.name)
         timings[f"adapter_{name}_s"] = time.perf_counter() - t
 
+    # ------------------------------------------------------------- answers: request -> answer fine-tuning
+    if args.answer_steps > 0:
+        domain_train = {s: streams["train"][s] for d in DOMAINS for s in domain_sources[d]}
+        timings |= run_answer_stage(net, tok, args.data, domain_train, adapters_dir, adapters_dir, work,
+                                    settings_from(args), args.answer_train_pairs, args.answer_eval_requests)
+
     # ---------------------------------------------------------------------------------------- evaluation
     net = load_checkpoint(base_dir).to(device)
     bank = AdapterBank(net.cfg, net)
@@ -173,11 +190,37 @@ def main(argv: list[str] | None = None) -> None:
         "total_bytes": sum((out / f).stat().st_size for f in files),
         "wall_s": time.perf_counter() - started,
     }
+    if args.answer_steps > 0:
+        manifest["answers"] = answers_record(work, adapters_dir)
+    manifest = merge_previous(out / MANIFEST, manifest)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     describe_adapters(out)
     record_smoke_generation(out)
     print(json.dumps(manifest["perplexity"]["adapter_by_domain_test"], indent=1))
     print(f"embedded default written to {out} ({manifest['total_bytes'] / 1e6:.1f} MB)")
+
+
+def answers_record(work: Path, adapters_dir: Path) -> dict:
+    """The answers stage in the manifest: how the pairs were made and kept apart, and each adapter's run."""
+    from build_engines.training.answer_tuning import STAGE_KEY
+
+    pairs = json.loads((work / "answers" / "pairs" / "manifest.json").read_text())
+    runs = {name: json.loads((adapters_dir / name / "adapter_config.json").read_text()).get(STAGE_KEY) for name in DOMAINS.values()}
+    return {"pairs": pairs, "adapters": runs}
+
+
+def merge_previous(path: Path, manifest: dict) -> dict:
+    """A re-run that skipped stages keeps what the previous manifest measured for them (their timings, and keys
+    other tools added such as notes), so the record of the whole build survives an incremental rebuild."""
+    if not path.exists():
+        return manifest
+    previous = json.loads(path.read_text())
+    before = previous.get("timings_s", {})
+    cached = ("tokenizer_s", "tokenize_s")  # always timed, but only loaded from disk when the stage was skipped
+    timings = before | {k: v for k, v in manifest["timings_s"].items() if k not in before or (v > 0 and k not in cached)}
+    merged = previous | manifest | {"timings_s": timings}
+    merged["wall_s"] = max(manifest["wall_s"], sum(timings.values()))
+    return merged
 
 
 SMOKE_PROMPT = "Hello! What can you tell me about the sea?"
