@@ -4,7 +4,9 @@ concurrent gRPC streams (the batched path whose replies must equal the solo ones
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
+from tests.conftest import EMBEDDED
 from tritonserver_backend.client import GrpcChat, TurnRequest
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.sampling import SamplingParams
@@ -43,3 +45,16 @@ def concurrent_token_ids(url: str, conversations: list[list[TurnRequest]], timeo
     for t in threads:
         t.join(timeout=timeout)
     return [results.get(i, []) for i in range(len(conversations))], errors
+
+
+def start_server(work: Path, engines: Path, **params: str):  # type: ignore[no-untyped-def]
+    """A tritonserver on the embedded default's ONNX engines in `work`, with these model-config parameters, ready."""
+    from tritonserver_backend.launcher import TritonServer
+    from tritonserver_backend.repository import build_repository
+
+    values = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "engine_dir": str(engines), "max_context": "4096", **params}
+    repo = build_repository(work / "repo", values)
+    server = TritonServer(work_dir=work / "server")
+    server.start(repo)
+    server.wait_ready(240)
+    return server

@@ -8,11 +8,11 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import EMBEDDED
+from tests.tritonserver_backend.streams import start_server
 from tritonserver_backend.client import GrpcChat, TurnRequest, cancel_turn
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
@@ -22,22 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (EMBEDDED / "model.safete
 LONG = 1500  # tokens: a turn that runs for seconds
 
 
-def _start(work: Path, engines: Path, **params: str):  # type: ignore[no-untyped-def]
-    from tritonserver_backend.launcher import TritonServer
-    from tritonserver_backend.repository import build_repository
-
-    values = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "engine_dir": str(engines), "max_context": "4096", **params}
-    repo = build_repository(work / "repo", values)
-    server = TritonServer(work_dir=work / "server")
-    server.start(repo)
-    server.wait_ready(240)
-    return server
-
-
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
     pytest.importorskip("tritonclient.grpc")
-    server = _start(tmp_path_factory.mktemp("load"), default_engines, max_active_turns="2", max_queued_turns="1")
+    server = start_server(tmp_path_factory.mktemp("load"), default_engines, max_active_turns="2", max_queued_turns="1")
     yield server
     server.stop()
 
@@ -122,7 +110,7 @@ def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_pa
     from tritonserver_backend.launcher import group_members, mapped_shm_regions
 
     work = tmp_path / "crash"
-    server = _start(work, default_engines)
+    server = start_server(work, default_engines)
     sessions = {f"crash{i}": [] for i in range(3)}
     for sid, history in sessions.items():
         chat = GrpcChat(server.grpc_url)
@@ -136,7 +124,7 @@ def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_pa
     old_regions = mapped_shm_regions(old_group)
     os.kill(old_pid, signal.SIGKILL)
     server.process.wait(timeout=30)
-    restarted = _start(work, default_engines)
+    restarted = start_server(work, default_engines)
     try:
         assert not [p for p in group_members(old_pid)], "stubs of the killed server are gone"
         assert not [r for r in old_regions if r.exists()], "its shared-memory regions are gone"

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tests.conftest import EMBEDDED
-from tests.tritonserver_backend.streams import reference_reply
+from tests.tritonserver_backend.streams import reference_reply, start_server
 from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
@@ -22,15 +22,8 @@ PROMPTS = ["How do I center a div?", "grep -rn pattern . | head", "def area(r):"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
     pytest.importorskip("tritonclient.grpc")
-    from tritonserver_backend.launcher import TritonServer
-    from tritonserver_backend.repository import build_repository
-
-    work = tmp_path_factory.mktemp("interval")
-    params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "engine_dir": str(default_engines),
-              "max_context": "2048", "stream_interval": str(INTERVAL), "decode_lanes": "2"}
-    srv = TritonServer(work_dir=work / "server")
-    srv.start(build_repository(work / "repo", params))
-    srv.wait_ready(240)
+    srv = start_server(tmp_path_factory.mktemp("interval"), default_engines, max_context="2048", stream_interval=str(INTERVAL),
+                       decode_lanes="2")
     yield srv
     srv.stop()
 

@@ -13,7 +13,6 @@ from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.layout import StepLayout
 from build_engines.export.parity import torch_runner
 from build_engines.export.rows import (
-    HANDOVER_FIELDS,
     HANDOVER_KEYS,
     DecoderRow,
     EncoderRow,
@@ -23,13 +22,7 @@ from build_engines.export.rows import (
     encoder_inputs,
 )
 from build_engines.lora.stacked import stack_adapters
-
-
-def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for key in a:
-        assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype, (what, key, a[key].shape, b[key].shape)
-        assert np.array_equal(a[key], b[key]), (what, key)
+from tests.build_engines.export.arena_steps import step_both
 
 
 def test_arena_feeds_equal_fresh_stacking_through_joins_leaves_growth_and_rollback(net) -> None:  # type: ignore[no-untyped-def]
@@ -75,25 +68,7 @@ def test_arena_feeds_equal_fresh_stacking_through_joins_leaves_growth_and_rollba
                 feed = {**decoder_inputs(layout, [drow], None, [0]), **bank}
                 absorb_decoder([drow], decoder(feed), feed, True, [0])
         tokens = rng.integers(0, cfg.vocab_size, (len(active), 1))
-        e_plain = encoder_inputs(layout, [plain[s][0] for s in active], tokens)
-        e_arena = encoder_inputs(layout, [arena_rows[s][0] for s in active], tokens, enc_arena)
-        _same(e_plain, e_arena, f"encoder step {step}")
-        out = encoder(e_plain)
-        handovers = []
-        for universe in (plain, arena_rows):
-            absorb_encoder(layout, [universe[s][0] for s in active], out, 1)
-        for b, s in enumerate(active):
-            h = {k: out[k][b] for k in HANDOVER_KEYS}
-            plain[s][1].absorb(layout, h)
-            arena_rows[s][1].absorb(layout, h)
-            handovers.append({k: h[k] for k in HANDOVER_FIELDS})
-        slots = [0] * len(active)
-        d_plain = decoder_inputs(layout, [plain[s][1] for s in active], handovers, slots)
-        d_arena = decoder_inputs(layout, [arena_rows[s][1] for s in active], handovers, slots, dec_arena)
-        _same(d_plain, d_arena, f"decoder step {step}")
-        result = decoder({**d_plain, **bank})
-        absorb_decoder([plain[s][1] for s in active], result, d_plain, False, slots)
-        absorb_decoder([arena_rows[s][1] for s in active], result, d_arena, False, slots)
+        step_both(layout, encoder, decoder, bank, plain, arena_rows, active, tokens, enc_arena, dec_arena, f"step {step}")
         steps += 1
     for s in plain:  # the rows' own state (what sessions store) is the same in both universes, departed rows included
         (pe, pd), (ae, ad) = plain[s], arena_rows[s]

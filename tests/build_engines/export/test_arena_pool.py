@@ -13,7 +13,6 @@ from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.layout import StepLayout
 from build_engines.export.parity import torch_runner
 from build_engines.export.rows import (
-    HANDOVER_FIELDS,
     HANDOVER_KEYS,
     DecoderRow,
     EncoderRow,
@@ -23,12 +22,7 @@ from build_engines.export.rows import (
     encoder_inputs,
 )
 from build_engines.lora.stacked import stack_adapters
-
-
-def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for key in a:
-        assert a[key].shape == b[key].shape and np.array_equal(a[key], b[key]), (what, key)
+from tests.build_engines.export.arena_steps import step_both
 
 
 def test_alternating_lanes_feed_what_fresh_stacking_feeds_and_keep_their_arrays(net) -> None:  # type: ignore[no-untyped-def]
@@ -57,25 +51,7 @@ def test_alternating_lanes_feed_what_fresh_stacking_feeds_and_keep_their_arrays(
             lanes = [[0], [2, 3, 1]]
         active = lanes[step % 2]
         tokens = rng.integers(0, cfg.vocab_size, (len(active), 1))
-        e_plain = encoder_inputs(layout, [plain[s][0] for s in active], tokens)
-        e_pooled = encoder_inputs(layout, [pooled[s][0] for s in active], tokens, enc_pool)  # type: ignore[arg-type]
-        _same(e_plain, e_pooled, f"encoder step {step}")
-        out = encoder(e_plain)
-        handovers = []
-        for universe in (plain, pooled):
-            absorb_encoder(layout, [universe[s][0] for s in active], out, 1)
-        for b, s in enumerate(active):
-            h = {k: out[k][b] for k in HANDOVER_KEYS}
-            plain[s][1].absorb(layout, h)
-            pooled[s][1].absorb(layout, h)
-            handovers.append({k: h[k] for k in HANDOVER_FIELDS})
-        slots = [0] * len(active)
-        d_plain = decoder_inputs(layout, [plain[s][1] for s in active], handovers, slots)
-        d_pooled = decoder_inputs(layout, [pooled[s][1] for s in active], handovers, slots, dec_pool)  # type: ignore[arg-type]
-        _same(d_plain, d_pooled, f"decoder step {step}")
-        result = decoder({**d_plain, **bank})
-        absorb_decoder([plain[s][1] for s in active], result, d_plain, False, slots)
-        absorb_decoder([pooled[s][1] for s in active], result, d_pooled, False, slots)
+        step_both(layout, encoder, decoder, bank, plain, pooled, active, tokens, enc_pool, dec_pool, f"step {step}")
         steps += 1
     for s in plain:
         (pe, pd), (ae, ad) = plain[s], pooled[s]
