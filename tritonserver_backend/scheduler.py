@@ -57,10 +57,11 @@ Fail = Callable[[TurnRequest | Turn, BaseException], None]
 
 class TurnScheduler:
     def __init__(self, decoder: DecoderService, encoder: EncoderPort, emit: Emit, fail: Fail, max_active: int = 32,
-                 lanes: int = 2) -> None:
+                 lanes: int = 1) -> None:
         """`lanes`: the active turns are split into this many lanes whose steps alternate, so that one lane's encoder
         step (in the encoder's process) runs while the previous lane's decoder step runs on the engine thread; 1 = every
-        active turn in one batch, encoder and decoder strictly one after the other. A lane changes no row's result."""
+        active turn in one batch, encoder and decoder strictly one after the other (the default: on 2 cores two lanes
+        measured no faster, docs/load.md). A lane changes no row's result."""
         self.decoder, self.encoder, self.emit, self.fail = decoder, encoder, emit, fail
         self.max_active = max_active
         self.waiting: deque[TurnRequest] = deque()
@@ -121,9 +122,7 @@ class TurnScheduler:
         ended while that step runs: each send is an IPC round trip and needs nothing from the step (measured: with
         16 sessions the sends cost about as much as the decoder step itself, docs/load.md). The next lane's encoder
         call then overlaps this lane's decoder step."""
-        pending, self._pending[lane] = self._pending[lane], None
-        if pending is not None:
-            self._settle(*pending)
+        self._settle_lane(lane)
         turns = self.lanes[lane]
         going: list[Turn] = []
         chosen: list[tuple[Turn, int]] = []
@@ -144,11 +143,14 @@ class TurnScheduler:
             self._end(turn)
         self.lanes[lane] = [t for t in turns if t.finish != "error" and (t in going or not t.finish)]
 
+    def _settle_lane(self, lane: int) -> None:
+        pending, self._pending[lane] = self._pending[lane], None
+        if pending is not None:
+            self._settle(*pending)
+
     def _settle_all(self) -> None:
-        for lane, pending in enumerate(self._pending):
-            if pending is not None:
-                self._pending[lane] = None
-                self._settle(*pending)
+        for lane in range(len(self.lanes)):
+            self._settle_lane(lane)
 
     # ------------------------------------------------------------------ joining
     def _admit(self) -> None:
