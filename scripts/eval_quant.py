@@ -43,6 +43,7 @@ from build_engines.export.rows import (  # noqa: E402
     absorb_encoder,
     decoder_inputs,
     encoder_inputs,
+    prefill_and_replay,
 )
 from build_engines.formats.checkpoint import load_config  # noqa: E402
 from build_engines.quantize.heldout import load_heldout, token_sequences  # noqa: E402
@@ -106,14 +107,7 @@ def session_bytes(v: Variant, bank: dict[str, np.ndarray], tokens: np.ndarray, c
     """State bytes one session holds after a prefill of `tokens` (in the services' 256-token chunks) and a bounded
     replay, as the session stores count them (`nbytes()`: allocated arrays, stores grown by doubling)."""
     enc, dec = (kv_runner(v.directory / GRAPH_FILES[n], v.config) for n in ("encoder", "decoder"))
-    erow, drow = EncoderRow.empty(v.layout), DecoderRow.empty(v.layout)
-    for i in range(0, tokens.size, chunk):
-        ids = tokens[i:i + chunk][None]
-        out = enc(encoder_inputs(v.layout, [erow], ids))
-        absorb_encoder(v.layout, [erow], out, ids.shape[1])
-        drow.absorb(v.layout, {k: out[k][0] for k in HANDOVER_KEYS})
-    feed = {**decoder_inputs(v.layout, [drow], None, [0]), **bank}
-    absorb_decoder([drow], dec(feed), feed, True, [0])
+    erow, drow = prefill_and_replay(v.layout, enc, dec, bank, tokens, chunk)
     kv = erow.rings.nbytes + sum(a.nbytes for a in erow.kv.values()) + drow.kv.nbytes + drow.rings.nbytes
     return {"kv": kv, "session": erow.nbytes() + drow.nbytes()}
 
@@ -121,14 +115,7 @@ def session_bytes(v: Variant, bank: dict[str, np.ndarray], tokens: np.ndarray, c
 def step_feeds(v: Variant, enc, dec, bank: dict[str, np.ndarray], tokens: np.ndarray, chunk: int = 256):  # type: ignore[no-untyped-def]
     """The encoder and decoder feeds of one decode step after a prefill of `tokens` and a replay (the step's state:
     rings and stores at that context length)."""
-    erow, drow = EncoderRow.empty(v.layout), DecoderRow.empty(v.layout)
-    for i in range(0, tokens.size, chunk):
-        ids = tokens[i:i + chunk][None]
-        out = enc(encoder_inputs(v.layout, [erow], ids))
-        absorb_encoder(v.layout, [erow], out, ids.shape[1])
-        drow.absorb(v.layout, {k: out[k][0] for k in HANDOVER_KEYS})
-    feed = {**decoder_inputs(v.layout, [drow], None, [0]), **bank}
-    absorb_decoder([drow], dec(feed), feed, True, [0])
+    erow, drow = prefill_and_replay(v.layout, enc, dec, bank, tokens, chunk)
     enc_feed = encoder_inputs(v.layout, [erow], tokens[-1:][None])
     out = enc(enc_feed)
     absorb_encoder(v.layout, [erow], out, 1)

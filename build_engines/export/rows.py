@@ -361,3 +361,21 @@ def absorb_decoder(rows: list[DecoderRow], out: dict[str, np.ndarray], feed: dic
         else:
             _write_ring(r.rings, out["ring_rows"][b], start)
         r.slot = slots[b]
+
+
+Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def prefill_and_replay(layout: StepLayout, encoder: Runner, decoder: Runner, bank: dict[str, np.ndarray], tokens: np.ndarray,
+                       chunk: int, slot: int = 0) -> tuple[EncoderRow, DecoderRow]:
+    """A session's rows after the encoder prefill of `tokens` (1-D) in `chunk`-token steps and a bounded replay under
+    `slot`: the state a turn leaves, for tools and tests that run the graphs (or their modules) directly."""
+    erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
+    for i in range(0, tokens.size, chunk):
+        ids = tokens[i:i + chunk][None]
+        out = encoder(encoder_inputs(layout, [erow], ids))
+        absorb_encoder(layout, [erow], out, ids.shape[1])
+        drow.absorb(layout, {k: out[k][0] for k in HANDOVER_KEYS})
+    feed = {**decoder_inputs(layout, [drow], None, [slot]), **bank}
+    absorb_decoder([drow], decoder(feed), feed, True, [slot])
+    return erow, drow

@@ -3,24 +3,37 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.layout import StepLayout
+from build_engines.export.parity import torch_runner
 from build_engines.export.rows import (
     HANDOVER_FIELDS,
     HANDOVER_KEYS,
     DecoderRow,
     EncoderRow,
+    Runner,
     absorb_decoder,
     absorb_encoder,
     decoder_inputs,
     encoder_inputs,
 )
+from build_engines.lora.stacked import stack_adapters
 
 Universe = dict[int, tuple[EncoderRow, DecoderRow]]
-Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def step_runners(net: Any) -> tuple[StepLayout, Runner, Runner, dict[str, np.ndarray]]:
+    """The network's layout, its encoder and decoder step modules as graph-like runners, and a base-only adapter bank."""
+    enc, dec = net.split()
+    layout = StepLayout(net.cfg)
+    encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
+    decoder = torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())
+    return layout, encoder, decoder, stack_adapters(layout, [None])
 
 
 def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:

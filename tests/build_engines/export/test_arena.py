@@ -8,30 +8,19 @@ import copy
 import numpy as np
 
 from build_engines.export.arena import StepArena
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import torch_runner
 from build_engines.export.rows import (
-    HANDOVER_KEYS,
     DecoderRow,
     EncoderRow,
     absorb_decoder,
-    absorb_encoder,
     decoder_inputs,
-    encoder_inputs,
+    prefill_and_replay,
 )
-from build_engines.lora.stacked import stack_adapters
-from tests.build_engines.export.arena_steps import step_both
+from tests.build_engines.export.arena_steps import step_both, step_runners
 
 
 def test_arena_feeds_equal_fresh_stacking_through_joins_leaves_growth_and_rollback(net) -> None:  # type: ignore[no-untyped-def]
     cfg = net.cfg
-    enc, dec = net.split()
-    layout = StepLayout(cfg)
-    encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
-    decoder = torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())
-    bank = stack_adapters(layout, [None])
+    layout, encoder, decoder, bank = step_runners(net)
     rng = np.random.default_rng(0)
     # two universes of the same sessions: "plain" stacks rows every step, "arena" keeps batch arrays
     plain: dict[int, tuple[EncoderRow, DecoderRow]] = {}
@@ -39,14 +28,7 @@ def test_arena_feeds_equal_fresh_stacking_through_joins_leaves_growth_and_rollba
     enc_arena, dec_arena = StepArena(), StepArena()
 
     def start(sid: int, length: int) -> None:
-        erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-        tokens = rng.integers(0, cfg.vocab_size, (1, length))
-        for lo in range(0, length, 64):
-            out = encoder(encoder_inputs(layout, [erow], tokens[:, lo:lo + 64]))
-            absorb_encoder(layout, [erow], out, min(64, length - lo))
-            drow.absorb(layout, {k: out[k][0] for k in HANDOVER_KEYS})
-        feed = {**decoder_inputs(layout, [drow], None, [0]), **bank}
-        absorb_decoder([drow], decoder(feed), feed, True, [0])
+        erow, drow = prefill_and_replay(layout, encoder, decoder, bank, rng.integers(0, cfg.vocab_size, length), chunk=64)
         plain[sid] = (erow, drow)
         arena_rows[sid] = copy.deepcopy((erow, drow))
 

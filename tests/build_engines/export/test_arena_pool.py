@@ -8,40 +8,24 @@ import copy
 import numpy as np
 
 from build_engines.export.arena_pool import ArenaPool
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.layout import StepLayout
-from build_engines.export.parity import torch_runner
 from build_engines.export.rows import (
-    HANDOVER_KEYS,
     DecoderRow,
     EncoderRow,
-    absorb_decoder,
-    absorb_encoder,
-    decoder_inputs,
     encoder_inputs,
+    prefill_and_replay,
 )
-from build_engines.lora.stacked import stack_adapters
-from tests.build_engines.export.arena_steps import step_both
+from tests.build_engines.export.arena_steps import step_both, step_runners
 
 
 def test_alternating_lanes_feed_what_fresh_stacking_feeds_and_keep_their_arrays(net) -> None:  # type: ignore[no-untyped-def]
     cfg = net.cfg
-    enc, dec = net.split()
-    layout = StepLayout(cfg)
-    encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
-    decoder = torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())
-    bank = stack_adapters(layout, [None])
+    layout, encoder, decoder, bank = step_runners(net)
     rng = np.random.default_rng(1)
     plain: dict[int, tuple[EncoderRow, DecoderRow]] = {}
     pooled: dict[int, tuple[EncoderRow, DecoderRow]] = {}
     for sid, length in enumerate((7, 33, 64, 90)):
-        erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-        out = encoder(encoder_inputs(layout, [erow], rng.integers(0, cfg.vocab_size, (1, length))))
-        absorb_encoder(layout, [erow], out, length)
-        drow.absorb(layout, {k: out[k][0] for k in HANDOVER_KEYS})
-        feed = {**decoder_inputs(layout, [drow], None, [0]), **bank}
-        absorb_decoder([drow], decoder(feed), feed, True, [0])
+        erow, drow = prefill_and_replay(layout, encoder, decoder, bank, rng.integers(0, cfg.vocab_size, length), chunk=length)
         plain[sid], pooled[sid] = (erow, drow), copy.deepcopy((erow, drow))
     enc_pool, dec_pool = ArenaPool(2), ArenaPool(2)
     lanes = [[0, 1], [2, 3]]
