@@ -26,7 +26,13 @@ from build_engines.data.tokenizer import ChatTokenizer, Message
 from build_engines.lora import Adapter, AdapterBank, save_adapter
 from build_engines.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from build_engines.model.network import CEDNetwork
-from build_engines.training.train import STATE_FILE, TrainSettings, run_training
+from build_engines.training.train import (
+    STATE_FILE,
+    TrainSettings,
+    adapter_checkpoint_hooks,
+    adapter_parameters,
+    run_training,
+)
 
 STAGE_KEY = "mol2_training"  # in adapter_config.json: which stage produced the adapter, with its settings
 
@@ -143,17 +149,8 @@ def tune_adapter(net: CEDNetwork, source_dir: Path, name: str, pairs: list[tuple
     record_path.write_text(json.dumps(record, indent=1) + "\n")
     bank = AdapterBank(net.cfg, net)
     adapter = trainable_copy(bank.load(source_dir, name=name, path_id=f"adapters/{name}"))
-    params = [p for pair in adapter.weights.values() for p in pair]
-    names = sorted(adapter.weights)
-
-    def extra() -> dict:
-        return {n: (a.detach().cpu(), b.detach().cpu()) for n, (a, b) in adapter.weights.items()}
-
-    def restore(saved: dict) -> None:
-        for n in names:
-            a, b = adapter.weights[n]
-            a.data.copy_(saved[n][0])
-            b.data.copy_(saved[n][1])
+    params = adapter_parameters(adapter)
+    extra, restore = adapter_checkpoint_hooks(adapter)
 
     train_settings = TrainSettings(steps=settings.steps, batch=settings.pair_rows + settings.text_rows,
                                    seq_len=settings.seq_len, lr=settings.lr, warmup=settings.warmup, weight_decay=0.0,

@@ -185,11 +185,8 @@ def adapter_parameters(adapter: Adapter) -> list[nn.Parameter]:
     return [p for pair in adapter.weights.values() for p in pair]  # type: ignore[misc]
 
 
-def train_adapter(net: CEDNetwork, adapter: Adapter, mixture: Mixture, settings: TrainSettings, work_dir: Path, out_dir: Path, base_model: str) -> list[dict]:
-    """Train one adapter with the base frozen; writes it in the PEFT layout to `out_dir`."""
-    for p in net.parameters():
-        p.requires_grad_(False)
-    params = adapter_parameters(adapter)
+def adapter_checkpoint_hooks(adapter: Adapter) -> tuple[Callable[[], dict], Callable[[dict], None]]:
+    """What a resumable adapter run saves beside the optimizer state (the A/B factors, on CPU) and how it puts them back."""
     names = sorted(adapter.weights)
 
     def extra() -> dict:
@@ -200,6 +197,16 @@ def train_adapter(net: CEDNetwork, adapter: Adapter, mixture: Mixture, settings:
             a, b = adapter.weights[n]
             a.data.copy_(saved[n][0])
             b.data.copy_(saved[n][1])
+
+    return extra, restore
+
+
+def train_adapter(net: CEDNetwork, adapter: Adapter, mixture: Mixture, settings: TrainSettings, work_dir: Path, out_dir: Path, base_model: str) -> list[dict]:
+    """Train one adapter with the base frozen; writes it in the PEFT layout to `out_dir`."""
+    for p in net.parameters():
+        p.requires_grad_(False)
+    params = adapter_parameters(adapter)
+    extra, restore = adapter_checkpoint_hooks(adapter)
 
     def loss(batch: torch.Tensor) -> torch.Tensor:
         return merged_lm_loss(net, adapter.weights, adapter.scale, batch)
