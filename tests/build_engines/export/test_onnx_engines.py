@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from build_engines.build.onnx_build import GRAPH_FILES, build_onnx, ort_runner, random_bank
+from build_engines.export import graph_ops
 from build_engines.export.decoder_step import DecoderStep
 from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.layout import StepLayout
@@ -22,6 +23,7 @@ from build_engines.export.rows import (
     encoder_inputs,
 )
 from build_engines.formats.checkpoint import save_checkpoint
+from build_engines.model.attention import select_top as reference_select_top
 from plugins import DOMAIN, PLUGIN_NAMESPACE, register_onnx_schemas
 from tests.tiny import tiny_network
 
@@ -70,15 +72,69 @@ def _prefill(layout, runner, rows, tokens):  # type: ignore[no-untyped-def]
     return out
 
 
-def test_encoder_prefill_and_decode_match_the_module(exported) -> None:  # type: ignore[no-untyped-def]
+class _SelectionRecorder:
+    """Records every (scores, selection) the eager step makes, so that a selection onnxruntime makes differently can
+    be checked against the scores: a real near-tie (two scores within float rounding of each other) or a bug."""
+
+    def __init__(self, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+        self.calls: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def record(scores: torch.Tensor, k: int) -> torch.Tensor:
+            picked = reference_select_top(scores, k)
+            self.calls.append((scores.detach().numpy().copy(), picked.numpy().copy()))
+            return picked
+
+        monkeypatch.setattr(graph_ops, "reference_select_top", record)
+
+    def scores_behind(self, picked: np.ndarray) -> np.ndarray:
+        """The scores of the latest recorded selection that produced `picked`."""
+        for scores, seen in reversed(self.calls):
+            if seen.shape == picked.shape and np.array_equal(seen, picked):
+                return scores
+        raise AssertionError("no recorded selection produced this output")
+
+
+def _swapped_only_near_ties(scores: np.ndarray, want: np.ndarray, got: np.ndarray, tol: float) -> bool:
+    """Where the two selections differ slot by slot, the entries they put there score within `tol` of each other
+    (the eager scores): a near-tie that float rounding may order either way. A missing entry (-1) on one side only
+    is never a tie."""
+    differ = want != got
+    if ((want < 0) & differ).any() or ((got < 0) & differ).any():
+        return False
+    rows = np.nonzero(differ.any(-1))
+    for b, s in zip(*rows):
+        slots = differ[b, s]
+        gap = np.abs(scores[b, s, want[b, s, slots]] - scores[b, s, got[b, s, slots]])
+        if not (gap <= tol).all():  # a NaN gap (an infinite pin moved) is not a tie either
+            return False
+    return True
+
+
+def test_encoder_prefill_and_decode_match_the_module(exported, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Step by step from the same state: equal selections and close floats. A selection that differs is accepted
+    only as a near-tie in the eager scores, at most once per run (a wrong selection differs every step); that step's
+    floats are not compared and the onnx side is resynchronised to the eager state."""
     layout, run_t, run_o = exported["layout"], exported["torch"]["encoder"], exported["onnx"]["encoder"]
+    recorder = _SelectionRecorder(monkeypatch)
     rows_t, rows_o = [EncoderRow.empty(layout)], [EncoderRow.empty(layout)]
     worst: dict[str, float] = {}
+    near_ties = 0
     for length in (151, 1, 1, 2, 37, 1):
         tokens = np.random.randint(0, layout.cfg.vocab_size, (1, length))
-        diff = max_difference(_prefill(layout, run_t, rows_t, tokens), _prefill(layout, run_o, rows_o, tokens))
+        recorder.calls.clear()
+        got_t, got_o = _prefill(layout, run_t, rows_t, tokens), _prefill(layout, run_o, rows_o, tokens)
+        diff = max_difference(got_t, got_o)
+        if diff["topk"] or diff["candidates"]:
+            for name in ("topk", "candidates"):
+                scores = recorder.scores_behind(got_t[name])
+                assert _swapped_only_near_ties(scores, got_t[name], got_o[name], tol=1e-5), f"{name}: not a near-tie"
+            near_ties += 1
+            print(f"near-tie in the selection at a {length}-token step: floats not compared, onnx rows resynchronised")
+            rows_o = [row.clone() for row in rows_t]
+            continue
         worst = {k: max(v, worst.get(k, 0.0)) for k, v in diff.items()}
     print("encoder onnx vs torch:", worst)
+    assert near_ties <= 1, "selections differ at several steps: not rounding"
     assert worst["topk"] == worst["candidates"] == 0.0, "the same entries are selected"
     assert max(worst.values()) < 1e-4
 
