@@ -33,11 +33,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from build_engines.data.corpora import reader  # noqa: E402
 from build_engines.data.tokenizer import ChatTokenizer  # noqa: E402
 from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.model.network import EncoderEngine  # noqa: E402
-from build_engines.routing.data import ADAPTER_DESCRIPTIONS, load_items, write_routing_data  # noqa: E402
+from build_engines.routing.data import ADAPTER_DESCRIPTIONS, FILES, load_items, write_routing_data  # noqa: E402
+from build_engines.routing.option_domains import OPTION_BENCHMARK_TASK, OPTION_TASK, vary_options  # noqa: E402
 from build_engines.routing.report import adapter_scores, confusion_table, mean_std  # noqa: E402
+from build_engines.routing.requests import (  # noqa: E402
+    ZERO_SHOT_ADAPTER,
+    ZERO_SHOT_DESCRIPTION,
+    ZERO_SHOT_KIND,
+    ZERO_SHOT_REQUESTS,
+    ZERO_SHOT_SOURCE,
+    zero_shot_requests,
+)
 from build_engines.routing.train import (  # noqa: E402
     TaskSet,
     accuracy,
@@ -58,11 +68,31 @@ REQUEST_BENCH_HIST = "request_benchmark_later_turn"
 BENCHMARKS = ((ADAPTER_BENCH, ADAPTER_BENCH, "test"), (ADAPTER_BENCH_HIST, ADAPTER_BENCH, "test_hist"),
               (REQUEST_BENCH, REQUEST_BENCH, "test"), (REQUEST_BENCH_HIST, REQUEST_BENCH, "test_hist"))
 RECIPE_NAMES = {"A": "generic only", "B": "mixed", "C": "staged", "H": "mixed + later-turn copies",
-                "R": "H + request-style items"}
-SHIPPED_RECIPE = "R"
+                "R": "H + request-style items", "V": "R with varied options + option-domain items"}
+SHIPPED_RECIPE = "V"
 LABELS = list(ADAPTER_DESCRIPTIONS)
 NOTES_HEADING = "## Reading the results"
 SHIPPED_BEGIN, SHIPPED_END = "<!-- shipped-head:begin -->", "<!-- shipped-head:end -->"
+
+
+ZERO_SHOT, NATURAL_FIVE = "zero_shot", "natural_requests_five_adapters"
+
+
+def zero_shot_sets(args: argparse.Namespace, encoder, tok, digest: str, natural: list[dict]) -> dict[str, TaskSet]:  # type: ignore[no-untyped-def]
+    """The zero-shot check (as `scripts/zero_shot_adapter.py` makes it through the served router, here on the head
+    alone, for every seed): the fifth adapter's requests and the natural-request benchmark, each with the four
+    adapter descriptions plus the fifth's as options. Empty when the plays' source is not prepared."""
+    if ZERO_SHOT_SOURCE not in reader.sources(args.data):
+        return {}
+    five = list(ADAPTER_DESCRIPTIONS.values()) + [ZERO_SHOT_DESCRIPTION]
+    answer = {**ADAPTER_DESCRIPTIONS, ZERO_SHOT_ADAPTER: ZERO_SHOT_DESCRIPTION}
+    out = {}
+    requests = zero_shot_requests(args.data, ZERO_SHOT_SOURCE, ZERO_SHOT_KIND, ZERO_SHOT_ADAPTER, ZERO_SHOT_REQUESTS)
+    for name, items in ((ZERO_SHOT, requests), (NATURAL_FIVE, natural)):
+        rows = [{**i, "task": name, "options": five, "answer": five.index(answer[i["label"]])} for i in items]
+        features = extract_h19(encoder, tok, [i["query"] for i in rows], args.cache, digest)
+        out[name] = build_task_sets(rows, features, tok)[name]
+    return out
 
 
 def cap(items: list[dict], per_task: int, seed: int) -> list[dict]:
@@ -100,11 +130,13 @@ def main() -> int:
     p.add_argument("--final-only", action="store_true", help="skip the study: train only the shipped recipe (R) for --steps, seeds 0..--final-seeds-1, ship seed 0")
     p.add_argument("--final-seeds", type=int, default=1, help="with --final-only: seeds of the shipped recipe to train and report (seed 0 is shipped)")
     p.add_argument("--recipes", default=",".join(RECIPE_NAMES), help="recipes of the study (comma separated)")
+    p.add_argument("--compare-recipes", default="R", help="with --final-only: recipes also trained (same seeds, same data) and "
+                   "reported beside the shipped one (comma separated; empty for none)")
     p.add_argument("--no-save", action="store_true", help="do not write the head into the model (experiments)")
     p.add_argument("--adapter-cap", type=int, default=100_000, help="at most this many adapter items per split (smoke runs)")
     args = p.parse_args()
     t_start = time.perf_counter()
-    if not all((args.routing / f"{name}.jsonl").exists() for name in ("generic", "adapter", "requests")):
+    if not all((args.routing / f"{name}.jsonl").exists() for name in FILES):
         write_routing_data(args.data, args.routing)
     tok = ChatTokenizer.load(args.model)
     net = load_checkpoint(args.model)
@@ -116,12 +148,14 @@ def main() -> int:
     generic = load_items(args.routing, "generic")
     adapter = load_items(args.routing, "adapter")
     request = load_items(args.routing, "requests")
+    option = load_items(args.routing, "options")
     base_splits = {
         "train": cap([i for i in generic if i["split"] == "train"], args.train_per_task, 0) + cap([i for i in adapter if i["split"] == "train"], args.adapter_cap, 2),
         "test": cap([i for i in generic if i["split"] == "test"], args.test_per_task, 1) + cap([i for i in adapter if i["split"] == "test"], args.adapter_cap, 3),
     }
     request_splits = {split: cap([i for i in request if i["split"] == split], args.adapter_cap, 4) for split in base_splits}
-    splits = {split: base_splits[split] + request_splits[split] for split in base_splits}
+    option_splits = {split: [i for i in option if i["split"] == split] for split in base_splits}
+    splits = {split: base_splits[split] + request_splits[split] + option_splits[split] for split in base_splits}
     sets = {}
     for split in splits:
         # Extracted in two parts so that regenerating the request items leaves the cached generic/document features
@@ -129,14 +163,20 @@ def main() -> int:
         # histories drawn from every query of the split (any domain, any kind).
         base_q = [i["query"] for i in base_splits[split]]
         req_q = [i["query"] for i in request_splits[split]]
-        first = [extract_h19(encoder, tok, base_q, args.cache, digest), extract_h19(encoder, tok, req_q, args.cache, digest)]
+        opt_q = [i["query"] for i in option_splits[split]]
+        first = [extract_h19(encoder, tok, q, args.cache, digest) for q in (base_q, req_q, opt_q)]
         histories = (synthetic_histories(len(base_q), base_q, seed=0 if split == "train" else 1),
-                     synthetic_histories(len(req_q), base_q + req_q, seed=10 if split == "train" else 11))
-        later = [extract_h19(encoder, tok, base_q, args.cache, digest, histories=histories[0]),
-                 extract_h19(encoder, tok, req_q, args.cache, digest, histories=histories[1])]
+                     synthetic_histories(len(req_q), base_q + req_q, seed=10 if split == "train" else 11),
+                     synthetic_histories(len(opt_q), base_q, seed=20 if split == "train" else 21))
+        later = [extract_h19(encoder, tok, q, args.cache, digest, histories=h) for q, h in zip((base_q, req_q, opt_q), histories)]
         sets[split] = build_task_sets(splits[split], np.concatenate(first), tok)
         sets[split + "_hist"] = build_task_sets(splits[split], np.concatenate(later), tok)
-    generic_tasks = sorted(t for t in sets["train"] if not t.startswith(("adapter", "request")))
+        if split == "train":  # recipe V: the adapter and request items with option-domain descriptions added
+            varied = vary_options(splits[split], seed=0)
+            sets["train_varied"] = build_task_sets(varied, np.concatenate(first), tok)
+            sets["train_varied_hist"] = build_task_sets(varied, np.concatenate(later), tok)
+    generic_tasks = sorted(t for t in sets["train"] if not t.startswith(("adapter", "request", "option")))
+    zero_shot = zero_shot_sets(args, encoder, tok, digest, [i for i in request_splits["test"] if i["task"] == REQUEST_BENCH])
     print(f"items: train {sum(len(s) for s in sets['train'].values())}, test {sum(len(s) for s in sets['test'].values())}; H19 ready after {time.perf_counter() - t_start:.0f} s")
 
     label_of = {d: a for a, d in ADAPTER_DESCRIPTIONS.items()}
@@ -146,6 +186,9 @@ def main() -> int:
         res: dict = {t: accuracy(head, embed, sets["test"][t]) for t in generic_tasks}
         res["generic_mean"] = statistics.mean(res[t] for t in generic_tasks)
         res["generic_mean_later_turn"] = statistics.mean(accuracy(head, embed, sets["test_hist"][t]) for t in generic_tasks)
+        res[OPTION_BENCHMARK_TASK] = accuracy(head, embed, sets["test"][OPTION_BENCHMARK_TASK])
+        for name, ts in zero_shot.items():  # never trained on: the fifth adapter's description beside the four
+            res[name] = accuracy(head, embed, ts)
         for name, task, split in BENCHMARKS:
             ts = sets[split][task]
             chosen = [label_of[ts.descriptions[k]] for k in predictions(head, embed, ts).tolist()]
@@ -160,12 +203,17 @@ def main() -> int:
             stages, steps = [gen], [args.steps]
         elif recipe == "B":
             stages, steps = [gen + [ad]], [args.steps]
-        elif recipe in ("H", "R"):  # B plus every training item again as a later turn (R: and the request items)
+        elif recipe in ("H", "R", "V"):  # B plus every training item again as a later turn (R: and the request items;
+            # V: R with option-domain descriptions among the adapter and request items' options, and option-domain items)
+            first, later = ("train_varied", "train_varied_hist") if recipe == "V" else ("train", "train_hist")
+            ad = limit(sets[first][ADAPTER_TRAIN], n_adapter, seed)
             gen_hist = [sets["train_hist"][t] for t in generic_tasks]
-            ad_hist = limit(sets["train_hist"][ADAPTER_TRAIN], n_adapter, seed)
+            ad_hist = limit(sets[later][ADAPTER_TRAIN], n_adapter, seed)
             stage = gen + [ad] + gen_hist + [ad_hist]
-            if recipe == "R":
-                stage += [sets["train"][REQUEST_TRAIN], sets["train_hist"][REQUEST_TRAIN]]
+            if recipe in ("R", "V"):
+                stage += [sets[first][REQUEST_TRAIN], sets[later][REQUEST_TRAIN]]
+            if recipe == "V":
+                stage += [sets["train"][OPTION_TASK], sets["train_hist"][OPTION_TASK]]
             stages, steps = [stage], [args.steps]
         else:  # C: staged
             stages, steps = [gen, [ad]], [args.steps * 2 // 3, args.steps - args.steps * 2 // 3]
@@ -174,7 +222,8 @@ def main() -> int:
         res = evaluate(head)
         res["train_s"] = time.perf_counter() - t0
         print(f"recipe {recipe} n_adapter {n_adapter} seed {seed}: document windows {res[ADAPTER_BENCH]:.4f} (later turn {res[ADAPTER_BENCH_HIST]:.4f}), "
-              f"natural requests {res[REQUEST_BENCH]:.4f} (later turn {res[REQUEST_BENCH_HIST]:.4f}), generic mean {res['generic_mean']:.4f} ({res['train_s']:.0f} s)", flush=True)
+              f"natural requests {res[REQUEST_BENCH]:.4f} (later turn {res[REQUEST_BENCH_HIST]:.4f}), generic mean {res['generic_mean']:.4f}, option domains {res[OPTION_BENCHMARK_TASK]:.4f}, "
+              + "".join(f"{name} {res[name]:.4f}, " for name in zero_shot) + f"({res['train_s']:.0f} s)", flush=True)
         return res, head
 
     n_all = len(sets["train"][ADAPTER_TRAIN])
@@ -191,8 +240,10 @@ def main() -> int:
         if not args.no_save:
             shipped.save(args.model / "router")
             register_router_files(args.model)
+        compare = {recipe: [run(recipe, n_all, seed)[0] for seed in range(args.final_seeds)]
+                   for recipe in [r for r in args.compare_recipes.split(",") if r and r != SHIPPED_RECIPE]}
         summary = {"recipe": SHIPPED_RECIPE, "steps": args.steps, "seeds": list(range(args.final_seeds)), "shipped_seed": 0,
-                   "results": per_seed[0], "per_seed": per_seed, "wall_s": time.perf_counter() - t_start}
+                   "results": per_seed[0], "per_seed": per_seed, "compare": compare, "wall_s": time.perf_counter() - t_start}
         print(f"final head (recipe {SHIPPED_RECIPE}, {args.steps} steps, seeds {summary['seeds']}): natural requests {mean_std([r[REQUEST_BENCH] for r in per_seed])}% "
               f"(later turns {mean_std([r[REQUEST_BENCH_HIST] for r in per_seed])}%), document windows {mean_std([r[ADAPTER_BENCH] for r in per_seed])}% "
               f"(later turns {mean_std([r[ADAPTER_BENCH_HIST] for r in per_seed])}%), generic mean {mean_std([r['generic_mean'] for r in per_seed])}%; "
@@ -256,6 +307,23 @@ def shipped_lines(summary: dict, argv: list[str]) -> list[str]:
     for seed, r in zip(summary["seeds"], per_seed):
         lines.append(f"| {seed} | {100 * r[REQUEST_BENCH]:.2f} | {100 * r[REQUEST_BENCH_HIST]:.2f} | {100 * r[ADAPTER_BENCH]:.2f} | {100 * r[ADAPTER_BENCH_HIST]:.2f} | {100 * r['generic_mean']:.2f} |")
     lines.append("| mean ± std | " + " | ".join(_ms([r[k] for r in per_seed]) for k in (REQUEST_BENCH, REQUEST_BENCH_HIST, ADAPTER_BENCH, ADAPTER_BENCH_HIST, "generic_mean")) + " |")
+    if ZERO_SHOT in per_seed[0]:
+        lines += ["", f"Never trained on, per seed: the zero-shot fifth adapter `{ZERO_SHOT_ADAPTER}` ({ZERO_SHOT_REQUESTS} requests about "
+                  "Shakespeare's plays, `requests.zero_shot_requests`) with its description beside the four adapters; the natural-request "
+                  "benchmark with those five options; the option-domain benchmark (`option_benchmark` in `options.jsonl`). "
+                  "`scripts/zero_shot_adapter.py` repeats the first two through the served router with the adapter registered by `adapter_admin`.", "",
+                  "| seed | zero-shot fifth adapter | natural requests, five adapters | option domains |", "|---|---|---|---|"]
+        for seed, r in zip(summary["seeds"], per_seed):
+            lines.append(f"| {seed} | {100 * r[ZERO_SHOT]:.2f} | {100 * r[NATURAL_FIVE]:.2f} | {100 * r[OPTION_BENCHMARK_TASK]:.2f} |")
+        lines.append("| mean ± std | " + " | ".join(_ms([r[k] for r in per_seed]) for k in (ZERO_SHOT, NATURAL_FIVE, OPTION_BENCHMARK_TASK)) + " |")
+    if summary.get("compare"):
+        keys = [(REQUEST_BENCH, "natural requests"), (ADAPTER_BENCH, "document windows"), ("generic_mean", "generic mean")]
+        keys += [(k, t) for k, t in ((ZERO_SHOT, "zero-shot fifth adapter"), (NATURAL_FIVE, "natural requests, five adapters"),
+                                     (OPTION_BENCHMARK_TASK, "option domains")) if k in per_seed[0]]
+        lines += ["", "Beside the other recipes, trained in the same run on the same items and seeds (mean ± std, %):", "",
+                  "| recipe | " + " | ".join(t for _, t in keys) + " |", "|---|" + "---|" * len(keys)]
+        for recipe, runs in [(summary["recipe"], per_seed), *summary["compare"].items()]:
+            lines.append(f"| {recipe}: {RECIPE_NAMES[recipe]} | " + " | ".join(_ms([r[k] for r in runs]) for k, _ in keys) + " |")
     lines += ["", "Per class, mean ± std over the seeds, % (first turn / later turn):", "",
               "| benchmark | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
     for name, title in ((REQUEST_BENCH, "natural requests"), (ADAPTER_BENCH, "document windows")):

@@ -31,7 +31,14 @@ from build_engines.lora import AdapterBank
 from build_engines.model.network import EncoderEngine
 from build_engines.routing.data import ADAPTER_DESCRIPTIONS, load_items
 from build_engines.routing.report import adapter_scores, confusion_table
-from build_engines.routing.requests import zero_shot_requests
+from build_engines.routing.requests import (
+    ZERO_SHOT_ADAPTER,
+    ZERO_SHOT_DESCRIPTION,
+    ZERO_SHOT_KIND,
+    ZERO_SHOT_REQUESTS,
+    ZERO_SHOT_SOURCE,
+    zero_shot_requests,
+)
 from build_engines.routing.train import extract_h19, model_digest
 from build_engines.training.train import TrainSettings, perplexity, train_adapter, trainable_adapter
 from tritonserver_backend.admin_auth import admin_headers
@@ -39,9 +46,7 @@ from tritonserver_backend.admin_service import AdminPolicy, AdminService
 from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.router_service import RouterService
 
-NAME, SOURCE, KIND = "L4_drama", "shakespeare", "drama"
-DESCRIPTION = ("recites and explains Shakespeare's plays: characters, acts and scenes, speeches, sonnets, blank "
-               "verse and Early Modern English")
+NAME, SOURCE, KIND, DESCRIPTION = ZERO_SHOT_ADAPTER, ZERO_SHOT_SOURCE, ZERO_SHOT_KIND, ZERO_SHOT_DESCRIPTION
 # The bundled adapters' training settings (build_engines.training.build_default defaults).
 RANK, STEPS, BATCH, SEQ_LEN, SEED, EVAL_WINDOWS = 16, 100, 6, 256, 0, 24
 
@@ -74,7 +79,7 @@ def main() -> int:
     p.add_argument("--cache", type=Path, default=Path("artifacts/router_cache"))
     p.add_argument("--work", type=Path, default=Path("artifacts/zero_shot"))
     p.add_argument("--out", type=Path, default=Path("docs/routing_zero_shot.md"))
-    p.add_argument("--requests", type=int, default=100, help="requests of the new domain")
+    p.add_argument("--requests", type=int, default=ZERO_SHOT_REQUESTS, help="requests of the new domain")
     args = p.parse_args()
     t0 = time.perf_counter()
     if SOURCE not in sources(args.data):
@@ -162,12 +167,18 @@ def write_report(out: Path, results: dict, items: dict, labels4: list[str], labe
     own = r[drama]["five"][f"{drama}:confusion"]
     lines += confusion_table([[a + b for a, b in zip(x, y)] for x, y in zip(natural, own)], labels5)
     own_acc = 100 * r[drama]["five"][drama]
+    drops = {name: 100 * (r[name]["four"][name] - r[name]["five"][name]) for name in items if "four" in r[name]}
+    worst = max(drops.values())
+    verdict = "meets" if own_acc >= 70 and worst <= 3 else "does not meet"
     lines += ["", "Reading:", "",
-              f"- The fifth adapter gets {own_acc:.1f}% of its own requests (the issue asks >= 70%), and the four others do not "
-              "move: with five options the head never picks the new one. Every adapter-routing item it was trained on offers "
-              "the same four adapter descriptions (the generic tasks bring other options, but never a fifth adapter beside "
-              "the four), so beside them the known descriptions always win. Zero-shot routing needs a head trained with "
-              "varied adapter options (other domains as extra options, reworded and held-out descriptions); not done.",
+              f"- The fifth adapter gets {own_acc:.1f}% of its own requests with no head retraining; registering it costs the four "
+              "others " + ", ".join(f"{d:.1f} points on the {n}" for n, d in drops.items()) + f". That {verdict} the issue's bar "
+              "(>= 70%, the others down by at most 3 points).",
+              "- How: the shipped head (recipe V, docs/routing.md) was trained with varied option sets: the adapter and request "
+              "items with descriptions of other domains added beside the four adapters, and requests about those other domains "
+              "(classic novels, news stories, films, products: `build_engines/routing/option_domains.py`) answered by their "
+              "descriptions. It therefore reads what a description says instead of knowing four by heart. Neither Shakespeare's "
+              "plays nor any description or phrasing of them is in that training.",
               f"- The adapter itself is weak: {100 * (1 - results['perplexity'][NAME] / results['perplexity']['base']):.1f}% lower "
               f"perplexity than the base after {STEPS} steps (the bundled adapters reach 11-26%).", ""]
     lines += ["", "Examples (first 8 of the new domain's requests):", ""]

@@ -2,7 +2,8 @@
 
 Command line: `python -m build_engines.routing.data --data artifacts/data --out artifacts/routing [--seed 0]`.
 
-Two files, both built deterministically from the prepared data (read only through `corpora.reader`):
+Files built deterministically from the prepared data (read only through `corpora.reader`); `requests.jsonl` (see
+`requests`) and `options.jsonl` (see `option_domains`) come from their own modules, and:
 - `generic.jsonl`: one item per row of every prepared labelled set (BBC topic, TREC coarse/fine, VADER sentiment and
   collection, SMS spam). The options are that task's labels written as descriptions (`LABEL_DESCRIPTIONS`); TREC
   fine draws a random candidate subset of 2..50 labels (always holding the answer) so that the router sees many
@@ -41,7 +42,7 @@ from typing import Any
 from build_engines.data.corpora import reader
 from build_engines.data.corpora.errors import CorporaError
 from build_engines.data.corpora.output import write_json, write_jsonl
-from build_engines.routing import requests
+from build_engines.routing import option_domains, requests
 
 MAX_QUERY_CHARS = 400
 MAX_SNIPPET_LINES = 6
@@ -55,7 +56,7 @@ ADAPTER_TASK = "adapter_routing"
 BENCHMARK_TASK = "adapter_benchmark"
 ADAPTER_TASKS = (ADAPTER_TASK, BENCHMARK_TASK)
 RECIPES = ("A", "B", "C")
-FILES = ("generic", "adapter", "requests")
+FILES = ("generic", "adapter", "requests", "options")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
@@ -492,9 +493,9 @@ def write_routing_data(data_dir: str | Path, out_dir: str | Path, seed: int = DE
                        per_domain: int = DEFAULT_PER_DOMAIN, *,
                        request_train_per_domain: int = requests.DEFAULT_REQUEST_TRAIN_PER_DOMAIN,
                        request_bench_per_domain: int = requests.DEFAULT_REQUEST_BENCH_PER_DOMAIN) -> dict[str, Any]:
-    """Build the three item sets and write `generic.jsonl`, `adapter.jsonl` (document windows), `requests.jsonl`
-    (request-style items and the natural-request benchmark, see `requests`) and `manifest.json`; return the
-    manifest."""
+    """Build the item sets and write `generic.jsonl`, `adapter.jsonl` (document windows), `requests.jsonl`
+    (request-style items and the natural-request benchmark, see `requests`), `options.jsonl` (requests of domains that
+    are no adapter, see `option_domains`) and `manifest.json`; return the manifest."""
     data_dir, out_dir = Path(data_dir), Path(out_dir)
     data_manifest = reader.load_manifest(data_dir)
     generic = build_generic_items(data_dir, seed)
@@ -504,9 +505,11 @@ def write_routing_data(data_dir: str | Path, out_dir: str | Path, seed: int = DE
     request_items = requests.build_request_items(data_dir, ADAPTER_DESCRIPTIONS, ADAPTER_KINDS, seed,
                                                  request_train_per_domain, request_bench_per_domain,
                                                  stats=request_drawn)
+    option_items = option_domains.build_option_items(data_dir, ADAPTER_DESCRIPTIONS, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {name: write_jsonl(out_dir / f"{name}.jsonl", rows, out_dir)
-             for name, rows in (("generic", generic), ("adapter", adapter), ("requests", request_items))}
+             for name, rows in (("generic", generic), ("adapter", adapter), ("requests", request_items),
+                                ("options", option_items))}
     manifest = {
         "format_version": FORMAT_VERSION,
         "generator": "python -m build_engines.routing.data",
@@ -514,10 +517,13 @@ def write_routing_data(data_dir: str | Path, out_dir: str | Path, seed: int = DE
         "per_domain": per_domain,
         "data_manifest_sha256": hashlib.sha256(json.dumps(data_manifest, sort_keys=True).encode()).hexdigest(),
         "files": files,
-        "counts": {"generic": _counts(generic), "adapter": _counts(adapter), "requests": _counts(request_items)},
+        "counts": {"generic": _counts(generic), "adapter": _counts(adapter), "requests": _counts(request_items),
+                   "options": _counts(option_items)},
         "adapter_snippets_drawn": drawn,
         "requests": requests.manifest_record(request_items, request_drawn, seed, request_train_per_domain,
                                              request_bench_per_domain),
+        "options": option_domains.manifest_record(option_items, seed, option_domains.DEFAULT_OPTION_TRAIN_PER_DOMAIN,
+                                                  option_domains.DEFAULT_OPTION_BENCH_PER_DOMAIN),
         "adapter_descriptions": ADAPTER_DESCRIPTIONS,
         "settings": {"max_query_chars": MAX_QUERY_CHARS, "max_snippet_lines": MAX_SNIPPET_LINES,
                      "train_fraction": TRAIN_FRACTION, "train_per_domain_factor": TRAIN_PER_DOMAIN_FACTOR,
@@ -528,7 +534,7 @@ def write_routing_data(data_dir: str | Path, out_dir: str | Path, seed: int = DE
 
 
 def load_items(out_dir: str | Path, name: str) -> list[dict[str, Any]]:
-    """The items of `generic`, `adapter` or `requests` (a trailing `.jsonl` is accepted)."""
+    """The items of `generic`, `adapter`, `requests` or `options` (a trailing `.jsonl` is accepted)."""
     out_dir = Path(out_dir)
     name = name.removesuffix(".jsonl")
     if name not in FILES:

@@ -49,9 +49,11 @@ class RequestDataError(CorporaError):
     """A domain yields no fact to ask about, so its requests (or its benchmark requests) cannot be built."""
 
 
-def template_fields(template: str) -> set[str]:
-    """The `{field}` names a template uses."""
-    return {name for _, name, _, _ in string.Formatter().parse(template) if name}
+def template_fields(template: str) -> list[str]:
+    """The `{field}` names a template uses, in order of first appearance: `render` draws a slot value per field in
+    this order, so it must not depend on set iteration (string hashing is randomised per process, and a set here
+    made the request files differ from run to run)."""
+    return list(dict.fromkeys(name for _, name, _, _ in string.Formatter().parse(template) if name))
 
 
 def render(template: str, fact: Fact, bank: str, rng: random.Random) -> str | None:
@@ -181,6 +183,14 @@ def manifest_record(items: list[dict[str, Any]], drawn: dict[str, Any], seed: in
         "documents": {"train": len(train_docs), "benchmark": len(bench_docs),
                       "shared": len(train_docs & bench_docs)},
     }
+
+
+# The zero-shot fifth domain: an adapter on Shakespeare's plays registered after the head was trained, with this
+# description only (`scripts/zero_shot_adapter.py`); no router training item is drawn from it (`option_domains`).
+ZERO_SHOT_ADAPTER, ZERO_SHOT_SOURCE, ZERO_SHOT_KIND = "L4_drama", "shakespeare", "drama"
+ZERO_SHOT_DESCRIPTION = ("recites and explains Shakespeare's plays: characters, acts and scenes, speeches, sonnets, "
+                         "blank verse and Early Modern English")
+ZERO_SHOT_REQUESTS = 100
 
 
 def zero_shot_requests(data_dir: str | Path, source: str, kind: str, label: str, n: int, seed: int = 0,

@@ -114,7 +114,7 @@ def split_facts(data_dir: Path, kind: str, split: str) -> list[tuple[str, list[F
 def _usable_templates(bank: str, kind: str) -> list[tuple[int, str]]:
     """(index, template) of the bank's templates for `kind` that name a fact field (chat: the utterance)."""
     need = {"utterance"} if kind == "chat" else FACT_FIELDS
-    return [(i, t) for i, t in enumerate(TEMPLATES[bank][kind]) if template_fields(t) & need]
+    return [(i, t) for i, t in enumerate(TEMPLATES[bank][kind]) if set(template_fields(t)) & need]
 
 
 def draw(docs: list[tuple[str, list[Fact]]], kind: str, bank: str, n: int, rng: random.Random,
@@ -134,7 +134,7 @@ def draw(docs: list[tuple[str, list[Fact]]], kind: str, bank: str, n: int, rng: 
         _, facts = docs[min(bisect.bisect_left(cumulative, rng.random() * total), len(docs) - 1)]
         fact = facts[rng.randrange(len(facts))]
         index, template = templates[rng.randrange(len(templates))]
-        fields = template_fields(template)
+        fields = set(template_fields(template))
         if not accept(fact, fields):
             continue
         request = render(template, fact, bank, rng)
@@ -169,7 +169,7 @@ def build_answer_data(data_dir: str | Path, seed: int = 0, train_per_domain: int
 
         rng = random.Random(f"{seed}:answers:eval:{kind}")
         for i, (fact, request, index) in enumerate(draw(test_docs, kind, "benchmark", eval_per_domain, rng, eval_ok)):
-            fields = template_fields(TEMPLATES["benchmark"][kind][index])
+            fields = set(template_fields(TEMPLATES["benchmark"][kind][index]))
             key = fact[key_field(kind, fields)]
             evaluation.append({"id": f"answers:eval:{adapter}:{i:04d}", "domain": kind, "adapter": adapter,
                                "request": request, "key": key, "key_field": key_field(kind, fields),
@@ -186,7 +186,7 @@ def build_answer_data(data_dir: str | Path, seed: int = 0, train_per_domain: int
         rng = random.Random(f"{seed}:answers:train:{kind}")
         drawn = draw(train_docs, kind, "train", train_per_domain, rng, train_ok)
         for i, (fact, request, index) in enumerate(drawn):
-            fields = template_fields(TEMPLATES["train"][kind][index])
+            fields = set(template_fields(TEMPLATES["train"][kind][index]))
             train.append({"id": f"answers:train:{adapter}:{i:05d}", "domain": kind, "adapter": adapter,
                           "request": request, "answer": ANSWERS[kind](fact, fields, rng),
                           "key": fact[key_field(kind, fields)], "doc": fact["doc"],
@@ -200,7 +200,7 @@ def build_answer_data(data_dir: str | Path, seed: int = 0, train_per_domain: int
 
             rng = random.Random(f"{seed}:answers:seen:{kind}")
             for i, (fact, request, index) in enumerate(draw(test_docs, kind, "benchmark", eval_per_domain, rng, seen_ok)):
-                fields = template_fields(TEMPLATES["benchmark"][kind][index])
+                fields = set(template_fields(TEMPLATES["benchmark"][kind][index]))
                 key = fact[key_field(kind, fields)]
                 seen.append({"id": f"answers:seen:{adapter}:{i:04d}", "domain": kind, "adapter": adapter,
                              "request": request, "key": key, "key_field": key_field(kind, fields),

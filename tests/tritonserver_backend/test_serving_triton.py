@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import urllib.request
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from build_engines.routing.requests import ZERO_SHOT_ADAPTER, ZERO_SHOT_DESCRIPTION
 from tests.tiny import PROJECT_ROOT
 from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
 from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, raw_stream_error
@@ -131,6 +133,52 @@ def test_natural_requests_are_routed_as_the_library_routes_them(server, referenc
     expected = [label for _, label in NATURAL_REQUESTS] * 2
     routed = [(text, got, label) for (text, _), got, label in zip(NATURAL_REQUESTS * 2, served, expected)]
     assert served == library, routed
+
+
+# Hand-written requests about Shakespeare's plays: the domain of the zero-shot fifth adapter.
+PLAY_REQUESTS = [
+    "Who is Ophelia in Hamlet?",
+    "Give me a famous quotation from Macbeth.",
+    "Summarise the plot of Twelfth Night for me.",
+    'Put this into modern English: "Wherefore art thou Romeo?"',
+    "Is The Tempest a comedy or a tragedy?",
+    "Recite a speech by Prospero from The Tempest.",
+]
+
+
+def test_an_adapter_loaded_through_admin_is_routed_by_its_description_alone(server, reference) -> None:  # type: ignore[no-untyped-def]
+    """Zero-shot: a fifth adapter registered through `adapter_admin` with only its description, on the server and in
+    the library alike, the head unchanged. The served ensemble routes the plays' requests and the natural ones as
+    the library does, and the new description does win requests of its domain (how many: the head's zero-shot
+    accuracy, measured in docs/routing_zero_shot.md, not asserted here). Unloaded again at the end."""
+    from tritonserver_backend.admin_auth import admin_headers
+    from tritonserver_backend.admin_service import AdminPolicy, AdminService
+
+    name = ZERO_SHOT_ADAPTER
+    listed = json.loads(_admin(server, action="list"))
+    weights = next(a for a in listed["adapters"] if a["name"] == "L0_chat")["path"]  # routing reads only the description
+    roots = (Path(server.registry_root), reference.registry.root)
+    for root in roots:
+        shutil.copytree(root / weights, root / "adapters" / name)
+    library_admin = AdminService(EMBEDDED, reference.registry, AdminPolicy(), log=lambda level, line: None)
+    _admin(server, action="load", adapter=name, path=f"adapters/{name}", description=ZERO_SHOT_DESCRIPTION)
+    library_admin.handle("load", name, f"adapters/{name}", ZERO_SHOT_DESCRIPTION, admin_headers(roots[1]))
+    chat = GrpcChat(server.grpc_url)
+    try:
+        texts = PLAY_REQUESTS + [text for text, _ in NATURAL_REQUESTS]
+        served, library = [], []
+        for i, text in enumerate(texts):
+            req = TurnRequest(f"zero-shot-{i}", text, new_session=True, max_tokens=1, end_session=True)
+            got, want = chat.turn(req), _reference(reference, req)
+            assert got.error is None, got.error
+            served.append(got.adapter)
+            library.append(want.adapter)
+        assert served == library, list(zip(texts, served))
+        assert name in served[: len(PLAY_REQUESTS)], list(zip(texts, served))
+    finally:
+        chat.close()
+        _admin(server, action="unload", adapter=name)
+        library_admin.handle("unload", name, "", "", admin_headers(roots[1]))
 
 
 def test_explicit_adapter_wins_in_a_batch_mixing_routed_rows(server, reference) -> None:  # type: ignore[no-untyped-def]

@@ -134,7 +134,7 @@ def test_phrasing_banks_are_disjoint() -> None:
     for bank in BANKS:
         for kind, templates in TEMPLATES[bank].items():
             for template in templates:
-                assert rq.template_fields(template) <= provided | set(SLOTS[bank]), (bank, kind, template)
+                assert set(rq.template_fields(template)) <= provided | set(SLOTS[bank]), (bank, kind, template)
 
 
 def test_render_needs_every_field() -> None:
@@ -229,3 +229,29 @@ def test_real_zero_shot_requests() -> None:
     test_docs = _docs(REAL_DATA, "shakespeare", "test")
     assert len(got) == 50 and all(i["doc"] in test_docs and i["label"] == "L4_drama" for i in got)
     assert len({i["query"] for i in got}) == 50
+
+
+_RENDER_ALL = """
+import random
+from build_engines.routing import requests as rq
+from build_engines.routing.request_phrasings import TEMPLATES
+fields = {f for bank in TEMPLATES.values() for ts in bank.values() for t in ts for f in rq.template_fields(t)}
+fact = {f: f.upper() for f in fields}
+rng = random.Random(0)
+for bank, kinds in sorted(TEMPLATES.items()):
+    for kind, templates in sorted(kinds.items()):
+        for template in templates:
+            print(rq.render(template, fact, bank, rng))
+"""
+
+
+def test_rendering_does_not_depend_on_the_process_hash_seed() -> None:
+    """A template's slots are drawn in a fixed order: the request files were once different on every run, because
+    the fields came from a set (string hashes are randomised per process)."""
+    import os
+    import subprocess
+    import sys
+
+    outputs = [subprocess.run([sys.executable, "-c", _RENDER_ALL], capture_output=True, text=True, check=True, cwd=PROJECT_ROOT,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")]
+    assert outputs[0] and outputs[0] == outputs[1] == outputs[2]
