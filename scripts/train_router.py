@@ -1,18 +1,21 @@
 """Train and evaluate the MoL2 router on the embedded default; write docs/routing.md and the trained head.
 
-    .venv/bin/python scripts/train_router.py            # recipes A/B/C/H/R x 3 seeds, data-scaling sweep, final head
-    .venv/bin/python scripts/train_router.py --final-only --steps 1200 --final-seeds 3   # the shipped recipe (R) x 3
-                                                        # seeds at full length; seed 0 is shipped
+    .venv/bin/python scripts/train_router.py            # the recipes x 3 seeds, data-scaling sweep, final head
+    .venv/bin/python scripts/train_router.py --final-only --steps 1200 --final-seeds 3   # the shipped recipe (V) x 3
+                                                        # seeds at full length, R beside it; seed 0 is shipped
 
 The study follows the article: generic pick-one questions rewritten from labelled sets (each with its own candidate
 set) plus adapter-domain user turns; recipe A = generic only, B = mixed, C = staged (generic, then adapter); the
 held-out adapter benchmark and per-source generic test accuracy; a sweep over the amount of adapter data. Recipe H
 is ours: B plus a copy of every training item encoded as a later turn (after a synthetic conversation prefix), since
-serving routes later turns on H19 computed with the history in the encoder. Recipe R (shipped) is H plus
-request-style items (what users ask each adapter, `build_engines.routing.requests`), again as first and later turns.
+serving routes later turns on H19 computed with the history in the encoder. Recipe R is H plus request-style items
+(what users ask each adapter, `build_engines.routing.requests`), again as first and later turns. Recipe V (shipped)
+is R with varied option sets (other domains' descriptions beside the four adapters, and requests about those
+domains answered by their descriptions, `build_engines.routing.option_domains`), so that the head reads a
+description and routes to an adapter it never saw (the zero-shot check, `zero_shot_sets`).
 Every head is evaluated on two adapter benchmarks, the document-window benchmark and the natural-request benchmark
 (sources and phrasings disjoint from training, see `requests`), first turns (the article's setting) and the same
-items as later turns, per class and with a confusion matrix. The head of recipe R (seed 0) becomes the embedded
+items as later turns, per class and with a confusion matrix. The head of recipe V (seed 0) becomes the embedded
 default's router (`<model>/router/`).
 """
 
@@ -127,7 +130,7 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--sweep-seeds", type=int, default=1)
     p.add_argument("--sweep", default="0,50,250,1000,4000")
-    p.add_argument("--final-only", action="store_true", help="skip the study: train only the shipped recipe (R) for --steps, seeds 0..--final-seeds-1, ship seed 0")
+    p.add_argument("--final-only", action="store_true", help="skip the study: train only the shipped recipe (V) for --steps, seeds 0..--final-seeds-1, ship seed 0")
     p.add_argument("--final-seeds", type=int, default=1, help="with --final-only: seeds of the shipped recipe to train and report (seed 0 is shipped)")
     p.add_argument("--recipes", default=",".join(RECIPE_NAMES), help="recipes of the study (comma separated)")
     p.add_argument("--compare-recipes", default="R", help="with --final-only: recipes also trained (same seeds, same data) and "

@@ -37,14 +37,22 @@ class RouterService:
         self.head, self.trained = load_router_head(model_dir, self.embed.shape[1])
         self._options: OptionCache | None = None
         self._option_names: list[str] = []
+        self._option_key: tuple[tuple[str, str], ...] | None = None
         self.refresh(force=True)
 
     @torch.no_grad()
     def refresh(self, force: bool = False) -> None:
-        """Recompute the cached option side when the adapter set or a description changed."""
-        if not self.registry.refresh() and not force:
-            return
+        """Recompute the cached option side when the adapter set or a description changed.
+
+        The cache is keyed on the entries themselves, not on `Registry.refresh()` reporting a change: a registry
+        object shared with another reader (the admin service or the decoder in one process) may have consumed that
+        report already, and the router would keep routing over the old adapter set."""
+        self.registry.refresh()
         entries = self.registry.entries()
+        key = tuple((e.name, e.description) for e in entries)
+        if key == self._option_key and not force:
+            return
+        self._option_key = key
         self._option_names = [e.name for e in entries]
         embedded = [self.embed[torch.tensor(self.tokenizer.encode(option_text(e.description or e.name)))] for e in entries]
         self._options = self.head.encode_options(embedded) if embedded else None

@@ -147,6 +147,30 @@ def test_router_explicit_adapter_wins_in_a_mixed_batch(pipeline) -> None:  # typ
 
 
 @needs_default
+def test_the_router_follows_changes_made_through_a_registry_it_shares(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """A Registry object shared by the router and a writer (the admin service in one process, as
+    scripts/zero_shot_adapter.py runs them): a change the shared object has already re-read must still reach the
+    router's option cache (it used to keep routing over the old adapter set: unloaded adapters, no new ones)."""
+    from tritonserver_backend.router_service import RouterService
+
+    registry = pipeline.registry
+    router = RouterService(EMBEDDED, registry, engine=pipeline.engine)  # as scripts/zero_shot_adapter.py builds it
+    entries = registry.entries()
+    keep = entries[0]
+    rows = [np.random.default_rng(i).standard_normal(router.embed.shape[1]).astype(np.float32) for i in range(32)]
+    try:
+        for e in entries[1:]:
+            registry.remove(e.name)  # the shared object re-reads the file itself here
+        assert router.route(rows, [None] * len(rows)) == [keep.hash] * len(rows)
+    finally:
+        for e in entries[1:]:
+            registry.put(e.name, e.path, e.description)
+    loaded = {e.hash for e in registry.entries()}
+    assert len(loaded) == len(entries)
+    assert set(router.route(rows, [None] * len(rows))) <= loaded
+
+
+@needs_default
 def test_pipeline_errors_lose_nothing(pipeline) -> None:  # type: ignore[no-untyped-def]
     counts = [pipeline.counters.get(name) for name in (k.WRITTEN, k.READ, k.APPLIED)]
     first = pipeline.chat("keep", "Hello, how are you?", new_session=True, params=SamplingParams(max_tokens=4))
