@@ -45,6 +45,7 @@ class TurnRequest:
     repetition_penalty: float | None = None
     history: str | None = None
     end_session: bool = False
+    stream: bool = True  # False: the whole reply in one response (HttpChat then calls /generate)
 
     def tensors(self) -> dict[c.TensorSpec, Any]:
         values: dict[c.TensorSpec, Any] = {c.SESSION_ID: self.session_id, c.TEXT: self.text}
@@ -61,6 +62,7 @@ class TurnRequest:
             c.REPETITION_PENALTY: self.repetition_penalty,
             c.HISTORY: self.history,
             c.END_SESSION: self.end_session or None,
+            c.STREAM: None if self.stream else False,
         }
         values.update({k: v for k, v in optional.items() if v is not None})
         return values
@@ -132,7 +134,8 @@ class GrpcChat:
 
 
 class HttpChat:
-    """HTTP/1.1 `generate_stream` (server-sent events), one event per streamed response."""
+    """HTTP/1.1 `generate_stream` (server-sent events), one event per streamed response; `generate` (one JSON answer)
+    for a request with `stream=False`."""
 
     def __init__(self, url: str) -> None:
         host, _, port = url.partition(":")
@@ -142,14 +145,16 @@ class HttpChat:
         body = {spec.name: value for spec, value in request.tensors().items()}
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            conn.request("POST", f"/v2/models/{c.ENSEMBLE_NAME}/generate_stream", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            endpoint = "generate_stream" if request.stream else "generate"
+            conn.request("POST", f"/v2/models/{c.ENSEMBLE_NAME}/{endpoint}", body=json.dumps(body), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             reply = Reply()
             if resp.status != 200:
                 reply.error = _http_error(resp.read())
                 return reply
-            for raw in resp:
-                line = raw.decode("utf-8").strip()
+            # a stream is read as it comes (on_piece sees each piece at once); /generate answers with one JSON object
+            lines = (raw.decode("utf-8").strip() for raw in resp) if request.stream else ["data:" + resp.read().decode("utf-8")]
+            for line in lines:
                 if not line.startswith("data:"):
                     continue
                 event = json.loads(line[5:])

@@ -50,9 +50,10 @@ PRESENCE_PENALTY = TensorSpec("presence_penalty", "FP32", (1,), True, "[-2, 2]: 
 REPETITION_PENALTY = TensorSpec("repetition_penalty", "FP32", (1,), True, "(0, 10]: divides a positive (multiplies a negative) logit of a token seen in the reply (default 1)")
 PENALTIES = (FREQUENCY_PENALTY, PRESENCE_PENALTY, REPETITION_PENALTY)
 END_SESSION = TensorSpec("end_session", "BOOL", (1,), True, "true drops the session after this turn")
+STREAM = TensorSpec("stream", "BOOL", (1,), True, "false: the whole reply in one response (what Triton's HTTP /generate needs); default true: a response per token")
 
 TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,), doc="one streamed piece of the reply (the text of this response's token ids)")
-TOKEN_ID_OUT = TensorSpec("token_id", "INT32", (-1,), doc="the streamed token ids, one per token of text_output (several with stream_interval > 1); [-1] on the final, empty response")
+TOKEN_ID_OUT = TensorSpec("token_id", "INT32", (-1,), doc="the streamed token ids, one per token of text_output (several with stream_interval > 1); [-1] on the final, empty response; with stream=false every id of the reply")
 ADAPTER_NAME = TensorSpec("adapter_name", "BYTES", (1,), doc='adapter that produced the reply ("base" for none)')
 FINISH_REASON = TensorSpec("finish_reason", "BYTES", (1,), doc='"" while streaming; "stop", "length" or "end_of_turn" on the last response')
 
@@ -105,14 +106,14 @@ ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,
 # more IPC round trips) per streamed token per session, the largest per-token cost of the batched path (docs/load.md)
 DECODER = ModelSpec(
     "decoder",
-    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, CONTROL),
+    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM, CONTROL),
     (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON),
     decoupled=True,
 )
 ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
 SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION), (RESULT,))
 ENSEMBLE_NAME = "mol2"
-ENSEMBLE_INPUTS = (SESSION_ID, TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION)
+ENSEMBLE_INPUTS = (SESSION_ID, TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON)
 MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN, SESSION_CONTROL)
 

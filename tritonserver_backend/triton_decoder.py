@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,11 +46,22 @@ class BlsEncoderPort:
         self._call(session_id, {c.DROP_SESSION: True}, [])
 
 
+@dataclass(frozen=True)
+class Client:
+    """Where a turn's responses go (the TurnRequest's context): the request, asked whether its client left; its
+    response sender; whether the client reads a stream or wants the whole reply in one final response (Triton's HTTP
+    /generate accepts only one response from a model, and refuses it only after the model has run the turn)."""
+
+    request: Any
+    sender: Any
+    stream: bool = True
+
+
 def read_turn(request: Any) -> TurnRequest:
     """The decoder's inputs as a TurnRequest; the response sender rides along as its context."""
-    sender = request.get_response_sender()
-    context = (request, sender)
+    context = Client(request, request.get_response_sender())
     try:
+        context = Client(request, context.sender, bool(glue.read(request, c.STREAM, True)))
         handover = rows_from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})[0]
         return TurnRequest(glue.read(request, c.SESSION_ID), handover, int(glue.read(request, c.ADAPTER_HASH)),
                            glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context)
@@ -81,16 +93,23 @@ class Emitter:
         self.text, self.interval = text, interval
 
     def __call__(self, turn: Turn, token: int, finish: str) -> bool:
-        request, sender = turn.context  # type: ignore[misc]
+        client: Client = turn.context  # type: ignore[assignment]
+        sender = client.sender
         # asking whether the client left is an IPC round trip of its own: ask every CANCEL_CHECK tokens and at the end
-        if (token < 0 or len(turn.generated) % CANCEL_CHECK == 1) and cancelled(request):
+        if (token < 0 or len(turn.generated) % CANCEL_CHECK == 1) and cancelled(client.request):
             if token < 0:
                 sender.send(flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # close the request; nobody reads it
             return False
         if token >= 0:
             turn.unsent.append(token)
-            if len(turn.unsent) < self.interval:
+            if not client.stream or len(turn.unsent) < self.interval:
                 return True
+        if not client.stream:  # the end of the turn: the whole reply in the one, final response
+            ids, turn.unsent = turn.unsent, []
+            outputs = {c.TEXT_OUTPUT: "".join(self.text.piece(t) for t in ids), c.TOKEN_ID_OUT: np.asarray(ids, np.int32),
+                       c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish}
+            sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return True
         if turn.unsent:
             ids, turn.unsent = turn.unsent, []
             outputs = {c.TEXT_OUTPUT: "".join(self.text.piece(t) for t in ids), c.TOKEN_ID_OUT: ids,
@@ -103,7 +122,7 @@ class Emitter:
 
 
 def fail(item: TurnRequest | Turn, exc: BaseException) -> None:
-    _, sender = item.context  # type: ignore[misc]
+    sender = item.context.sender  # type: ignore[union-attr]
     sender.send(glue.error_response(exc), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
@@ -118,7 +137,7 @@ def handle_requests(scheduler: TurnScheduler, requests: list[Any]) -> None:
                 continue
             scheduler.submit(read_turn(request))
         except Exception as exc:  # noqa: BLE001 - this request fails alone
-            sender = exc.context[1] if hasattr(exc, "context") else request.get_response_sender()
+            sender = exc.context.sender if hasattr(exc, "context") else request.get_response_sender()
             sender.send(glue.error_response(exc), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
@@ -131,4 +150,4 @@ def _control(scheduler: TurnScheduler, request: Any, action: str) -> None:
     request.get_response_sender().send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-__all__ = ["BlsEncoderPort", "Emitter", "fail", "handle_requests"]
+__all__ = ["BlsEncoderPort", "Client", "Emitter", "fail", "handle_requests"]

@@ -75,17 +75,22 @@ CONVERSATION = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["grpc", "http"])
-def test_multi_turn_session_matches_in_process_reference(server, reference, transport: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("transport,stream", [("grpc", True), ("http", True), ("grpc", False), ("http", False)])
+def test_multi_turn_session_matches_in_process_reference(server, reference, transport: str, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    """Streamed (a response per token) and whole replies (stream=false: one response; over HTTP that is Triton's
+    /generate endpoint, which accepts one response only) give the library's tokens, turn after turn."""
     chat = GrpcChat(server.grpc_url) if transport == "grpc" else HttpChat(server.http_url)
-    sid = f"conv-{transport}"
+    sid = f"conv-{transport}-{'stream' if stream else 'whole'}"
     adapters = []
     for text, adapter, new in CONVERSATION:
-        req = TurnRequest(sid, text, new_session=new, adapter=adapter, max_tokens=TOKENS)
-        got = chat.turn(req)
+        req = TurnRequest(sid, text, new_session=new, adapter=adapter, max_tokens=TOKENS, stream=stream)
+        responses: list[str] = []
+        got = chat.turn(req, on_piece=responses.append)
         want = _reference(reference, req)
         assert got.error is None, got.error
         assert got.token_ids == want.token_ids, (text, got, want)
+        assert len(responses) == (len(got.token_ids) if stream else 1), responses
+        assert "".join(responses) == "".join(want.pieces)
         assert got.adapter == want.adapter and got.finish_reason == want.finish_reason
         adapters.append(got.adapter)
     assert adapters[2] == "L3_design" and adapters[4] == "base", "explicit adapters win"
