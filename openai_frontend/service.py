@@ -128,7 +128,7 @@ class ChatService:
                            temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                            stop=list(request.stop) or None, frequency_penalty=request.frequency_penalty,
                            presence_penalty=request.presence_penalty, repetition_penalty=request.repetition_penalty,
-                           history=history)
+                           history=history, stream=request.stream)  # a non-streamed completion: one response, not one per token
         pieces = self.stream.turn(turn)
         try:
             first = await anext(pieces)

@@ -107,17 +107,23 @@ class Registry:
     def put(self, name: str, path: str, description: str, max_entries: int | None = None) -> Entry:
         """Add or update `name`. `max_entries` bounds the number of adapters (checked under the lock, so two
         concurrent loads cannot both pass it); an update of a loaded name never counts against it."""
-        if not name or name == BASE_NAME or "/" in name or not name.isprintable():
-            raise BadRequest(f"invalid adapter name {name!r}")
-        with self._locked() as data:
-            if max_entries is not None and name not in data["adapters"] and len(data["adapters"]) >= max_entries:
-                raise BadRequest(f"adapter {name!r} refused: {len(data['adapters'])} adapters are loaded and this server holds at most "
-                                 f"{max_entries} (adapter_admin parameter max_adapters); unload one first")
-            for other, e in data["adapters"].items():
-                if other != name and adapter_hash(e["path"]) == adapter_hash(path):
-                    raise BadRequest(f"path {path!r} is already registered as {other!r}")
-            data["adapters"][name] = {"path": path, "description": description}
+        self.put_all([(name, path, description)], max_entries)
         return self.by_name(name)
+
+    def put_all(self, entries: list[tuple[str, str, str]], max_entries: int | None = None) -> None:
+        """Add or update several (name, path, description) in one write of the file: a reader sees all or none."""
+        for name, _, _ in entries:
+            if not name or name == BASE_NAME or "/" in name or not name.isprintable():
+                raise BadRequest(f"invalid adapter name {name!r}")
+        with self._locked() as data:
+            for name, path, description in entries:
+                if max_entries is not None and name not in data["adapters"] and len(data["adapters"]) >= max_entries:
+                    raise BadRequest(f"adapter {name!r} refused: {len(data['adapters'])} adapters are loaded and this server holds at most "
+                                     f"{max_entries} (adapter_admin parameter max_adapters); unload one first")
+                for other, e in data["adapters"].items():
+                    if other != name and adapter_hash(e["path"]) == adapter_hash(path):
+                        raise BadRequest(f"path {path!r} is already registered as {other!r}")
+                data["adapters"][name] = {"path": path, "description": description}
 
     def remove(self, name: str) -> Entry:
         entry = self.by_name(name)
