@@ -37,11 +37,11 @@ class RouterService:
         self.head, self.trained = load_router_head(model_dir, self.embed.shape[1])
         self._options: OptionCache | None = None
         self._option_names: list[str] = []
-        self._option_key: tuple[tuple[str, str], ...] | None = None
-        self.refresh(force=True)
+        self._option_key: tuple[tuple[str, str], ...] | None = None  # None: nothing cached yet
+        self.refresh()
 
     @torch.no_grad()
-    def refresh(self, force: bool = False) -> None:
+    def refresh(self) -> None:
         """Recompute the cached option side when the adapter set or a description changed.
 
         The cache is keyed on the entries themselves, not on `Registry.refresh()` reporting a change: a registry
@@ -50,7 +50,7 @@ class RouterService:
         self.registry.refresh()
         entries = self.registry.entries()
         key = tuple((e.name, e.description) for e in entries)
-        if key == self._option_key and not force:
+        if key == self._option_key:
             return
         self._option_key = key
         self._option_names = [e.name for e in entries]

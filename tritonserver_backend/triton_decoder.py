@@ -59,9 +59,10 @@ class Client:
 
 def read_turn(request: Any) -> TurnRequest:
     """The decoder's inputs as a TurnRequest; the response sender rides along as its context."""
-    context = Client(request, request.get_response_sender())
+    sender = request.get_response_sender()
+    context = Client(request, sender)  # until `stream` is read, so that a bad value is answered too
     try:
-        context = Client(request, context.sender, bool(glue.read(request, c.STREAM, True)))
+        context = Client(request, sender, bool(glue.read(request, c.STREAM, True)))
         handover = rows_from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})[0]
         return TurnRequest(glue.read(request, c.SESSION_ID), handover, int(glue.read(request, c.ADAPTER_HASH)),
                            glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context)
@@ -105,20 +106,21 @@ class Emitter:
             if not client.stream or len(turn.unsent) < self.interval:
                 return True
         if not client.stream:  # the end of the turn: the whole reply in the one, final response
-            ids, turn.unsent = turn.unsent, []
-            outputs = {c.TEXT_OUTPUT: "".join(self.text.piece(t) for t in ids), c.TOKEN_ID_OUT: np.asarray(ids, np.int32),
-                       c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish}
-            sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._flush(turn, sender, finish, glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return True
         if turn.unsent:
-            ids, turn.unsent = turn.unsent, []
-            outputs = {c.TEXT_OUTPUT: "".join(self.text.piece(t) for t in ids), c.TOKEN_ID_OUT: ids,
-                       c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: ""}
-            sender.send(glue.response(outputs), flags=0)
+            self._flush(turn, sender, "", 0)
         if token < 0:
             outputs = {c.TEXT_OUTPUT: "", c.TOKEN_ID_OUT: -1, c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish}
             sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return True
+
+    def _flush(self, turn: Turn, sender: Any, finish: str, flags: int) -> None:
+        """One response with the turn's unsent token ids and their text."""
+        ids, turn.unsent = turn.unsent, []
+        outputs = {c.TEXT_OUTPUT: "".join(self.text.piece(t) for t in ids), c.TOKEN_ID_OUT: ids,
+                   c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish}
+        sender.send(glue.response(outputs), flags=flags)
 
 
 def fail(item: TurnRequest | Turn, exc: BaseException) -> None:

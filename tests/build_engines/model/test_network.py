@@ -94,7 +94,7 @@ def test_incremental_matches_one_pass(net: CEDNetwork, monkeypatch: pytest.Monke
     incremental = torch.cat(parts, 1)
     assert state.position == LENGTH
     compared = _first_near_tie_flips(full_calls, chunk_calls, cuts, 2)
-    assert sorted(compared)[0] == LENGTH or sorted(compared)[1] == LENGTH, f"near-ties in both rows: {compared}"
+    assert LENGTH in compared, f"near-ties in both rows: {compared}"
     for row, upto in enumerate(compared):
         assert upto > 0 and _relative_error(incremental[row, :upto], full[row, :upto]) < 1e-5
     # the top-k really selected (fewer entries attended than visible), so the test covers sparse selection
