@@ -1,6 +1,50 @@
 #!/usr/bin/env bash
-# The project's test command: set up the environment, then run the whole suite (slow tests included).
+# The project's test command (what CI runs through .ci/run): set up the environments, then run the whole suite, slow
+# tests included.
+#
+#   bash scripts/test.sh              # everything, in the order below
+#   bash scripts/test.sh PYTEST_ARGS  # one plain pytest run with these arguments (after the same setup)
+#
+# On two cores most of the time went to work that leaves the second core idle: pip installing .venv-dynamo and
+# .venv-quant, and single-threaded ONNX exports. So, after .venv:
+#   1. the two other environments install while the embedded default's engines build (the tests reuse them: the build
+#      is idempotent, and its directory lock makes a concurrent builder wait and reuse);
+#   2. the build-stage and plugin tests (exports, quantized builds, kernels; no server, no timing) run on two pytest-xdist
+#      workers, a file per worker;
+#   3. every other test runs in one process: they start tritonservers, Dynamo workers and clients, and some check
+#      latencies, which a second busy worker would distort.
+# Step 3 is "everything step 2 did not run", so no test can fall between the two.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+bash scripts/setup.sh --main-only
+if [ "$#" -gt 0 ]; then
+    bash scripts/setup_dynamo.sh
+    exec .venv/bin/python -m pytest -q "$@"
+fi
+
+LOGS=build/test_setup
+mkdir -p "$LOGS"
+names=() pids=()
+in_background() {  # NAME COMMAND...: run COMMAND with its output in $LOGS/NAME.log
+    local name=$1; shift
+    "$@" >"$LOGS/$name.log" 2>&1 &
+    names+=("$name") pids+=("$!")
+}
+in_background dynamo-venv bash scripts/setup_dynamo.sh
+in_background quant-venv bash scripts/setup_quant.sh
+in_background default-engines .venv/bin/python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
+failed=0
+for i in "${!pids[@]}"; do
+    if wait "${pids[$i]}"; then
+        echo "${names[$i]}: $(grep -v '^WARNING: Location' "$LOGS/${names[$i]}.log" | tail -n 1)"
+    else
+        echo "${names[$i]} FAILED; the end of $LOGS/${names[$i]}.log:"; tail -n 40 "$LOGS/${names[$i]}.log"; failed=1
+    fi
+done
+[ "$failed" = 0 ] || exit 1
+
+PARALLEL=(tests/build_engines tests/plugins tests/test_collection.py)
+status=0
+OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
+.venv/bin/python -m pytest -q tests "${PARALLEL[@]/#/--ignore=}" || status=$?
+exit "$status"
