@@ -3,7 +3,9 @@
 # tests included.
 #
 #   bash scripts/test.sh              # everything, in the order below
-#   bash scripts/test.sh PYTEST_ARGS  # one plain pytest run with these arguments (after the same setup)
+#   bash scripts/test.sh PYTEST_ARGS  # one pytest run with these arguments, slow tests included (after the same setup)
+#
+# (A plain `pytest` is the fast subset: pyproject.toml deselects the `slow` marker by default; `-m ""` lifts that.)
 #
 # On two cores most of the time went to work that leaves the second core idle: pip installing .venv-dynamo and
 # .venv-quant, and single-threaded ONNX exports. So, after .venv:
@@ -19,7 +21,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --main-only
 if [ "$#" -gt 0 ]; then
     bash scripts/setup_dynamo.sh
-    exec .venv/bin/python -m pytest -q "$@"
+    exec .venv/bin/python -m pytest -q -m "" "$@"  # slow tests included unless the arguments say otherwise
 fi
 
 LOGS=build/test_setup
@@ -45,6 +47,6 @@ done
 
 PARALLEL=(tests/build_engines tests/plugins tests/test_collection.py)
 status=0
-OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
-.venv/bin/python -m pytest -q tests "${PARALLEL[@]/#/--ignore=}" || status=$?
+OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "" "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
+.venv/bin/python -m pytest -q -m "" tests "${PARALLEL[@]/#/--ignore=}" || status=$?
 exit "$status"
