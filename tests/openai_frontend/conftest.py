@@ -11,9 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.tiny import PROJECT_ROOT
-
-EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
+from tests.conftest import EMBEDDED
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import PROJECT_ROOT
+from tests.conftest import EMBEDDED
 from tritonserver_backend.admin_auth import (
     ADMIN_KEY_HEADER,
     AdminDenied,
@@ -35,7 +35,6 @@ from tritonserver_backend.admin_auth import (
 from tritonserver_backend.errors import BadRequest
 from tritonserver_backend.registry import Registry
 
-EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 

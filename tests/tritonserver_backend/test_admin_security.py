@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 from tritonserver_backend.admin_auth import ADMIN_KEY_HEADER, AuditLog, admin_headers
 from tritonserver_backend.client import GrpcChat, TurnRequest
 
-EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built"),

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import PROJECT_ROOT
+from tests.conftest import EMBEDDED
 from tritonserver_backend.registry_init import ensure_registry
-
-EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
 
 
 def _digests(folder: Path) -> dict[str, str]:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 from tritonserver_backend import contract as c
 from tritonserver_backend import counters as k
@@ -19,7 +20,6 @@ from tritonserver_backend.repository import render
 from tritonserver_backend.sampling import Sampler, SamplingParams
 from tritonserver_backend.session_store import SessionStore
 
-EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
 needs_default = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built (python -m build_engines.training.build_default)")
 
 

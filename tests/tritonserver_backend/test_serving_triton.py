@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from build_engines.routing.requests import ZERO_SHOT_ADAPTER, ZERO_SHOT_DESCRIPTION
+from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
 from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, raw_stream_error
@@ -19,7 +20,6 @@ from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
 
 ROOT = PROJECT_ROOT
-EMBEDDED = ROOT / "embedded" / "mol2-small"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built"),
