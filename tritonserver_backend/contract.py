@@ -99,7 +99,13 @@ class ModelSpec:
     max_batch_size: int = 0
 
 
-PREPROCESS = ModelSpec("preprocess", (TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES), (TOKEN_IDS, PREFIX_IDS, START))
+# Triton 2.51 checks an ensemble request's required inputs only when fewer than their number arrive: a request
+# without session_id (or text) but with some optional input passed that check, the step needing it never ran and the
+# client got no response at all (HTTP /generate: "expected exactly 1 response"). So the ensemble declares both
+# optional and preprocess, its first step, refuses a request without them with a clear error.
+SESSION_ID_IN = TensorSpec(SESSION_ID.name, SESSION_ID.dtype, SESSION_ID.dims, True, "conversation id: required; declared optional to Triton so that preprocess can answer its absence")
+TEXT_IN = TensorSpec(TEXT.name, TEXT.dtype, TEXT.dims, True, "the user turn: required; declared optional to Triton so that preprocess can answer its absence")
+PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES), (TOKEN_IDS, PREFIX_IDS, START))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 # the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two
@@ -113,7 +119,7 @@ DECODER = ModelSpec(
 ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
 SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION), (RESULT,))
 ENSEMBLE_NAME = "mol2"
-ENSEMBLE_INPUTS = (SESSION_ID, TEXT, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM)
+ENSEMBLE_INPUTS = (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON)
 MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN, SESSION_CONTROL)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -221,9 +222,26 @@ def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, r
     # a malformed tensor: max_tokens sent as FP32 (the ensemble is decoupled, so this goes over the gRPC stream)
     error = raw_stream_error(server.grpc_url, [("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"), ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")])
     assert error is not None and "max_tokens" in error and ("FP32" in error or "INT32" in error), error
+    _missing_inputs_are_answered(server)
     after = TurnRequest("intact", "And now?", max_tokens=TOKENS)
     assert chat.turn(after).token_ids == _reference(reference, after).token_ids, "the session survived every error"
     chat.close()
+
+
+def _missing_inputs_are_answered(server) -> None:  # type: ignore[no-untyped-def]
+    """Without session_id or text but with another input, Triton 2.51's own count check passes and, before preprocess
+    checked them, the client got no answer at all (gRPC: nothing; /generate: "expected exactly 1 response")."""
+    text, sid = ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("session_id", np.array([b"intact"], dtype=np.object_), "BYTES")
+    for tensors, missing in [([text, ("max_tokens", np.array([3], np.int32), "INT32")], "session_id"),
+                             ([sid, ("stream", np.array([True]), "BOOL")], "text")]:
+        error = raw_stream_error(server.grpc_url, tensors, timeout=30)
+        assert error is not None and f"missing required input '{missing}'" in error, error
+    for endpoint in ("generate", "generate_stream"):
+        request = urllib.request.Request(f"http://{server.http_url}/v2/models/mol2/{endpoint}", json.dumps({"text": "x", "stream": False}).encode())
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request, timeout=30)
+        body = answer.value.read().decode()
+        assert answer.value.code == 400 and "missing required input 'session_id'" in body, body
 
 
 def test_sixteen_concurrent_sessions_match_their_solo_runs(server, reference) -> None:  # type: ignore[no-untyped-def]
