@@ -16,7 +16,7 @@ from .counters import Counters
 from .decoder_service import DecoderService, Turn
 from .encoder_service import EncoderService, Handover
 from .engines import open_engine
-from .registry import BASE_NAME, Registry
+from .registry import Registry
 from .router_service import RouterService
 from .sampling import SamplingParams
 from .scheduler import TurnRequest, TurnScheduler
@@ -62,7 +62,7 @@ class InProcessPipeline:
     def chat(self, session_id: str, text: str, adapter: str | None = None, new_session: bool = False, history: str | None = None,
              params: SamplingParams | None = None, end_session: bool = False) -> TurnResult:
         params = params or SamplingParams()
-        check_explicit(self.registry, adapter)  # fail before anything is encoded
+        self.registry.check_explicit(adapter)  # fail before anything is encoded
         ids, prefix, start = self.text.preprocess(text, new_session, history)
         h19, handover = self.encoder.encode_turn(session_id, ids, prefix, start)
         routed = self.router.route([h19], [adapter])[0]
@@ -95,12 +95,3 @@ class InProcessPipeline:
         pieces = [self.text.piece(t) for t in tokens]
         adapter = used[0] if used else self.registry.name_of(request.adapter_hash)
         return TurnResult(tokens, self.text.decode(tokens), adapter, finish[0] if finish else "", pieces)
-
-
-def check_explicit(registry: Registry, adapter: str | None) -> None:
-    """An explicit adapter must exist before the turn is encoded (errors lose nothing)."""
-    if adapter and adapter != BASE_NAME:
-        registry.refresh()
-        registry.by_name(adapter)
-
-

@@ -75,6 +75,12 @@ class Registry:
             raise UnknownAdapter(f"unknown adapter {name!r}; loaded adapters: {sorted(self._entries)} (or {BASE_NAME!r})")
         return self._entries[name]
 
+    def check_explicit(self, adapter: str | None) -> None:
+        """An explicit adapter must exist before the turn is encoded (errors lose nothing); empty or "base" passes."""
+        if adapter and adapter != BASE_NAME:
+            self.refresh()
+            self.by_name(adapter)
+
     def by_hash(self, value: int) -> Entry | None:
         """None for 0 (base); UnknownAdapter for a hash no loaded adapter has (e.g. unloaded meanwhile)."""
         if value == 0:

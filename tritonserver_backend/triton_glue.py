@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,7 @@ from .errors import BadRequest, ServingError
 
 if TYPE_CHECKING:
     from .registry import Registry
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
 
 LOG = logging.getLogger("mol2")
 
@@ -57,9 +58,12 @@ def setup(args: dict) -> tuple[dict[str, str], Path, "Registry | None"]:
 
 
 def set_threads(params: dict[str, str]) -> None:
-    import torch
-
-    torch.set_num_threads(int(params.get("torch_threads", "1")))
+    """CPU threads of this stub's math: torch reads OMP_NUM_THREADS when it starts, so the stubs that never import
+    torch (preprocess, encoder and session_control on compiled engines) do not pay for importing it here."""
+    threads = params.get("torch_threads", "1")
+    os.environ["OMP_NUM_THREADS"] = threads
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def engine(args: dict, params: dict[str, str], model_dir: Path):  # type: ignore[no-untyped-def]
@@ -107,7 +111,7 @@ def read(request: Any, spec: c.TensorSpec, default: Any = None) -> Any:
 
 def sampling_params(request: Any) -> "SamplingParams":
     """The request's sampling inputs with their defaults (validated: a bad value is a BadRequest)."""
-    from .sampling import DEFAULT_MAX_TOKENS, SamplingParams
+    from .sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
 
     return SamplingParams(
         max_tokens=int(read(request, c.MAX_TOKENS, DEFAULT_MAX_TOKENS)),

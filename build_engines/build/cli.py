@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "config.json").exists():
         print(f"error: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
-    from build_engines.export.onnx_export import OPSET
+    from build_engines.export.opset import OPSET
 
     settings = BuildSettings(args.format, args.quant, OPSET, args.kv_quant)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,8 @@ from torch.export import Dim
 from plugins import DOMAIN, OPSET_VERSION, onnx_functions, register_onnx_schemas
 
 from .layout import GraphTensor, StepLayout
+from .opset import OPSET
 
-OPSET = 18
 _DTYPES = {"float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
 
 

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from build_engines.formats.config_file import CONFIG_FILE, CheckpointError, load_config
 from build_engines.formats.quant_formats import (
     dequantize_fp4_packed,
     dequantize_fp8_blocks,
@@ -25,13 +26,8 @@ from build_engines.formats.release_format import Storage, is_optional_extra, sto
 from build_engines.model.config import CEDConfig
 from build_engines.model.network import CEDNetwork, init_weights
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 SCALE_SUFFIX = ".scale"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the network; the message names the tensor or key."""
 
 
 def save_checkpoint(net: CEDNetwork, directory: str | Path) -> Path:
@@ -122,13 +118,6 @@ def check_tensors(net: CEDNetwork, tensors: dict[str, torch.Tensor]) -> None:
             problems.append(f"tensor {name!r} holds NaN or Inf")
     if problems:
         raise CheckpointError("; ".join(problems))
-
-
-def load_config(directory: str | Path) -> CEDConfig:
-    path = Path(directory) / CONFIG_FILE
-    if not path.exists():
-        raise CheckpointError(f"{path} not found: a checkpoint directory needs its {CONFIG_FILE}")
-    return CEDConfig.load(path)
 
 
 def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CEDNetwork:

@@ -6,22 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .identity import adapter_hash
+
 
 class AdapterError(ValueError):
     """An adapter that cannot be loaded or used; the message names the adapter and the offending modules."""
-
-
-def adapter_hash(path: str) -> int:
-    """31-bit FNV-1a of the adapter path (UTF-8); 0 is reserved for the base model.
-
-    This is the identity that travels as the INT32 `ADAPTER_HASH` tensor from router to decoder.
-    """
-    h = 0x811C9DC5
-    for byte in path.encode("utf-8"):
-        h ^= byte
-        h = (h * 0x01000193) & 0xFFFFFFFF
-    h &= 0x7FFFFFFF
-    return h or 1
 
 
 @dataclass

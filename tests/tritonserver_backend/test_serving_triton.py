@@ -16,7 +16,7 @@ from build_engines.routing.requests import ZERO_SHOT_ADAPTER, ZERO_SHOT_DESCRIPT
 from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
-from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, raw_stream_error
+from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, cancel_turn, raw_stream_error
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
 
@@ -226,6 +226,27 @@ def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, r
     after = TurnRequest("intact", "And now?", max_tokens=TOKENS)
     assert chat.turn(after).token_ids == _reference(reference, after).token_ids, "the session survived every error"
     chat.close()
+
+
+def test_stubs_that_need_no_torch_do_not_load_it(server, backend) -> None:  # type: ignore[no-untyped-def]
+    """preprocess and session_control never need PyTorch, nor does the encoder on compiled engines: importing it costs
+    each stub about 1.4 s of CPU at start and 190 MB. Read from each stub's memory maps in the running server."""
+    light = {"preprocess", "session_control"} | ({"encoder"} if backend == "onnx" else set())
+    chat = GrpcChat(server.grpc_url)  # first every path of these stubs: history, explicit adapter, sampling, a cancel
+    history = json.dumps([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}])
+    reply = chat.turn(TurnRequest("light", "Next?", history=history, adapter="L2_code", max_tokens=3, temperature=0.7, top_p=0.9,
+                                  seed=3, stop=["zz"], frequency_penalty=0.5, presence_penalty=0.1, repetition_penalty=1.2))
+    assert reply.error is None, reply.error
+    assert chat.turn(TurnRequest("light", "x", adapter="L9_nope", max_tokens=3)).error is not None
+    chat.close()
+    cancel_turn(server.http_url, "light")
+    seen: dict[str, bool] = {}
+    for stub in server.snapshot().stubs:
+        model = next((m for m in light if f"/{m}/" in (stub.model or "")), None)
+        if model is not None:
+            seen[model] = "libtorch" in Path(f"/proc/{stub.pid}/maps").read_text()
+    assert set(seen) == light, f"stubs seen: {seen}"
+    assert not any(seen.values()), f"stubs that loaded torch: {[m for m, t in seen.items() if t]}"
 
 
 def _missing_inputs_are_answered(server) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from build_engines.export.layout import StepLayout
-from build_engines.formats.checkpoint import load_config
+from build_engines.formats.config_file import load_config
 
 BACKENDS = ("torch", "onnx", "trt")
 Arrays = dict[str, np.ndarray]
@@ -71,7 +71,7 @@ def open_engine(backend: str, model_dir: str | Path, engine_dir: str | Path | No
 def check_engine_dir(engine_dir: Path, model_dir: Path, fmt: str) -> dict:
     """The manifest of a current engine directory, or EngineUnavailable naming the build command."""
     from build_engines.build.manifest import BuildSettings, read_manifest, stale_reason
-    from build_engines.export.onnx_export import OPSET
+    from build_engines.export.opset import OPSET
 
     manifest = read_manifest(engine_dir)
     settings = (manifest or {}).get("settings", {})

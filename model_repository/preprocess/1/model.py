@@ -5,7 +5,6 @@ import triton_python_backend_utils as pb_utils  # noqa: F401  (the stub provides
 from tritonserver_backend import contract as c
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.errors import BadRequest
-from tritonserver_backend.pipeline import check_explicit
 from tritonserver_backend.text_service import TextService
 
 
@@ -22,7 +21,7 @@ class TritonPythonModel:
                     if glue.read(request, required) is None:
                         raise BadRequest(f"missing required input {required.name!r}: every request to {c.ENSEMBLE_NAME!r} carries "
                                          f"{c.SESSION_ID.name!r} and {c.TEXT.name!r}")
-                check_explicit(self.registry, glue.read(request, c.ADAPTER, ""))
+                self.registry.check_explicit(glue.read(request, c.ADAPTER, ""))
                 glue.sampling_params(request)  # bad sampling parameters fail here, before the turn is encoded
                 ids, prefix, start = self.text.preprocess(glue.read(request, c.TEXT_IN), bool(glue.read(request, c.NEW_SESSION, False)), glue.read(request, c.HISTORY, None))
                 responses.append(glue.response({c.TOKEN_IDS: ids, c.PREFIX_IDS: prefix, c.START: start}))

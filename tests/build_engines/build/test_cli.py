@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from build_engines.build.manifest import BuildSettings, read_manifest, stale_reason
-from build_engines.export.onnx_export import OPSET
+from build_engines.export.opset import OPSET
 from plugins.tensorrt_support import tensorrt_missing_reason
 from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
