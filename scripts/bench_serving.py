@@ -1,10 +1,11 @@
 """Aggregate decode throughput through a real tritonserver at 1, 4, 16 and 32 concurrent sessions, in one run.
 
     .venv/bin/python scripts/bench_serving.py [--sessions 1 4 16 32] [--tokens 64] [--rounds 2] [--stream-intervals 1 4]
-                                              [--lanes 1] [--out docs/load.md]
+                                              [--lanes 1] [--client asyncio|threads] [--out docs/load.md]
 
 Each session is its own gRPC stream (tritonclient) holding a two-turn conversation; every turn asks for `--tokens`
-greedy tokens (the small model rarely ends a turn by itself before that). Per concurrency level: aggregate decode
+greedy tokens (the small model rarely ends a turn by itself before that). By default one asyncio loop drives every
+stream, which takes less of the server's 2 cores than a thread per session (`--client threads`). Per concurrency level: aggregate decode
 tokens/s (tokens after each turn's first, over the time in which at least one turn was decoding: turn starts are time
 to first token) and end-to-end tokens/s (all tokens over the wall time). Levels are measured in interleaved rounds on
 one server and medians are reported with their ratio to one session. Every session's replies are checked against the
@@ -17,6 +18,7 @@ is kept).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -26,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
-from tritonserver_backend.client import GrpcChat, TurnRequest  # noqa: E402
+from tritonserver_backend.client import AsyncGrpcChat, GrpcChat, TurnRequest  # noqa: E402
 from tritonserver_backend.launcher import TritonServer  # noqa: E402
 from tritonserver_backend.repository import build_repository  # noqa: E402
 
@@ -41,21 +43,40 @@ PROMPTS = ["Tell me about your weekend plans.", "def area(r):\n    return 3.14 *
 SECTION = "## Throughput (scripts/bench_serving.py)"
 
 
+def _turn_request(sid: str, index: int, turn: int, tokens: int) -> TurnRequest:
+    text = PROMPTS[(index + turn) % len(PROMPTS)] + f" (session {index}, turn {turn})"
+    return TurnRequest(sid, text, new_session=turn == 0, max_tokens=tokens, end_session=turn == 1)
+
+
+def _record(sid: str, reply, stamps: list[float], windows: list[tuple[float, float, int]], interval: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """A turn's decode window: first response's time, last response's time, tokens after the first response (which
+    carries `interval` tokens)."""
+    if reply.error:
+        raise RuntimeError(f"{sid}: {reply.error}")
+    if len(stamps) > 1:
+        windows.append((stamps[0], stamps[-1], len(reply.token_ids) - min(interval, len(reply.token_ids))))
+    return reply.token_ids
+
+
 def conversation(chat: GrpcChat, sid: str, index: int, tokens: int, windows: list[tuple[float, float, int]],
                  interval: int = 1) -> list[list[int]]:
-    """Two turns; each turn's decode window (first response's time, last response's time, tokens after the first
-    response, which carries `interval` tokens) is recorded."""
+    """Two turns on a thread of their own; each turn's decode window is recorded."""
     replies = []
     for turn in range(2):
-        text = PROMPTS[(index + turn) % len(PROMPTS)] + f" (session {index}, turn {turn})"
         stamps: list[float] = []
-        request = TurnRequest(sid, text, new_session=turn == 0, max_tokens=tokens, end_session=turn == 1)
-        reply = chat.turn(request, timeout=600, on_piece=lambda _: stamps.append(time.perf_counter()))
-        if reply.error:
-            raise RuntimeError(f"{sid}: {reply.error}")
-        replies.append(reply.token_ids)
-        if len(stamps) > 1:
-            windows.append((stamps[0], stamps[-1], len(reply.token_ids) - min(interval, len(reply.token_ids))))
+        reply = chat.turn(_turn_request(sid, index, turn, tokens), timeout=600, on_piece=lambda _: stamps.append(time.perf_counter()))
+        replies.append(_record(sid, reply, stamps, windows, interval))
+    return replies
+
+
+async def conversation_async(chat: AsyncGrpcChat, sid: str, index: int, tokens: int, windows: list[tuple[float, float, int]],
+                             interval: int = 1) -> list[list[int]]:
+    """The same two turns as a coroutine: every session of a level shares one event loop."""
+    replies = []
+    for turn in range(2):
+        stamps: list[float] = []
+        reply = await chat.turn(_turn_request(sid, index, turn, tokens), on_piece=lambda _: stamps.append(time.perf_counter()))
+        replies.append(_record(sid, reply, stamps, windows, interval))
     return replies
 
 
@@ -74,19 +95,37 @@ def decode_rate(windows: list[tuple[float, float, int]]) -> float:
     return sum(n for _, _, n in windows) / covered if covered > 0 else 0.0
 
 
-def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0, interval: int = 1) -> tuple[float, int, dict[int, list[list[int]]], float]:
+def run_level(url: str, sessions: int, tokens: int, tag: str, first: int = 0, interval: int = 1,
+              client: str = "asyncio") -> tuple[float, int, dict[int, list[list[int]]], float]:
     """`sessions` concurrent conversations (numbered first, first + 1, ...) -> wall time, tokens, replies by number,
-    aggregate decode tokens/s."""
-    chats = [GrpcChat(url) for _ in range(sessions)]
+    aggregate decode tokens/s. `client`: "asyncio" (one event loop, a stream per session: the lighter load generator)
+    or "threads" (a thread and a stream per session)."""
     windows: list[tuple[float, float, int]] = []
-    try:
-        wall, out = run_together(sessions, lambda i: conversation(chats[i], f"{tag}-{first + i}", first + i, tokens, windows, interval), tag)
-    finally:
-        for chat in chats:
-            chat.close()
+    if client == "asyncio":
+        wall, out = asyncio.run(_run_async(url, sessions, tokens, tag, first, interval, windows))
+    else:
+        chats = [GrpcChat(url) for _ in range(sessions)]
+        try:
+            wall, out = run_together(sessions, lambda i: conversation(chats[i], f"{tag}-{first + i}", first + i, tokens, windows, interval), tag)
+        finally:
+            for chat in chats:
+                chat.close()
     results = {first + i: replies for i, replies in out.items()}
     generated = sum(len(r) for replies in results.values() for r in replies)
     return wall, generated, results, decode_rate(windows)
+
+
+async def _run_async(url: str, sessions: int, tokens: int, tag: str, first: int, interval: int,
+                     windows: list[tuple[float, float, int]]) -> tuple[float, dict[int, list[list[int]]]]:
+    chats = [AsyncGrpcChat(url) for _ in range(sessions)]
+    try:
+        t0 = time.perf_counter()
+        replies = await asyncio.gather(*(conversation_async(chats[i], f"{tag}-{first + i}", first + i, tokens, windows, interval)
+                                         for i in range(sessions)))
+        return time.perf_counter() - t0, dict(enumerate(replies))
+    finally:
+        for chat in chats:
+            await chat.close()
 
 
 def measure_server(args: argparse.Namespace, interval: int) -> list[tuple]:
@@ -103,11 +142,12 @@ def measure_server(args: argparse.Namespace, interval: int) -> list[tuple]:
         print(f"stream_interval {interval}: server ready after {server.wait_ready(300):.1f} s", flush=True)
         solo = {}
         for i in range(max(args.sessions)):
-            solo.update(run_level(server.grpc_url, 1, args.tokens, f"solo{interval}", first=i, interval=interval)[2])
+            solo.update(run_level(server.grpc_url, 1, args.tokens, f"solo{interval}", first=i, interval=interval, client=args.client)[2])
         measured: dict[int, list[tuple[float, float]]] = {n: [] for n in args.sessions}
         for r in range(args.rounds):
             for n in args.sessions:
-                wall, generated, results, decode = run_level(server.grpc_url, n, args.tokens, f"i{interval}r{r}n{n}", interval=interval)
+                wall, generated, results, decode = run_level(server.grpc_url, n, args.tokens, f"i{interval}r{r}n{n}", interval=interval,
+                                                             client=args.client)
                 for i, replies in results.items():
                     if replies != solo[i]:
                         raise RuntimeError(f"session {i} at {n} concurrent sessions differs from its solo run")
@@ -133,6 +173,8 @@ def main() -> int:
     p.add_argument("--backend", default="onnx")
     p.add_argument("--stream-intervals", type=int, nargs="+", default=[1], help="the decoder's stream_interval, one server each")
     p.add_argument("--lanes", type=int, default=1, help="the decoder's decode_lanes")
+    p.add_argument("--client", choices=("asyncio", "threads"), default="asyncio",
+                   help="load generator: one asyncio loop with a gRPC stream per session (default), or a thread per session")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "load.md")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench_serving")
     args = p.parse_args()
@@ -144,7 +186,8 @@ def main() -> int:
     table = [SECTION, "",
              f"`.venv/bin/python scripts/bench_serving.py --sessions {' '.join(map(str, args.sessions))} --tokens {args.tokens} "
              f"--rounds {args.rounds} --backend {args.backend} --stream-intervals {' '.join(map(str, args.stream_intervals))} "
-             f"--lanes {args.lanes}` ({time.strftime('%Y-%m-%d')}): each session a gRPC stream with two turns of {args.tokens} "
+             f"--lanes {args.lanes} --client {args.client}` ({time.strftime('%Y-%m-%d')}): each session a gRPC stream "
+             f"({'every stream driven from one asyncio loop' if args.client == 'asyncio' else 'a client thread each'}) with two turns of {args.tokens} "
              "greedy tokens, all sessions starting together. Aggregate decode tokens/s = tokens after each turn's first "
              "response / time during which at least one turn was decoding (turn starts excluded: prefill, routing and replay "
              "are time to first token); end to end = all tokens / wall time. Medians of the rounds; every session's replies "
