@@ -99,6 +99,35 @@ def test_multi_turn_session_matches_in_process_reference(server, reference, tran
         chat.close()
 
 
+def test_async_client_conversations_match_the_reference(server, reference) -> None:  # type: ignore[no-untyped-def]
+    """AsyncGrpcChat (tritonclient.grpc.aio): three conversations on one event loop, each turn the library's tokens,
+    an unknown adapter answered as an error on the same stream, which then carries the next turn."""
+    import asyncio
+
+    from tritonserver_backend.client import AsyncGrpcChat
+
+    async def conversation(i: int) -> None:
+        chat = AsyncGrpcChat(server.grpc_url)
+        try:
+            for text, adapter, new in CONVERSATION[:3]:
+                req = TurnRequest(f"aio-{i}", f"{text} ({i})", new_session=new, adapter=adapter, max_tokens=TOKENS)
+                pieces: list[str] = []
+                got = await chat.turn(req, on_piece=pieces.append)
+                want = _reference(reference, req)
+                assert got.error is None and got.token_ids == want.token_ids and "".join(pieces) == "".join(want.pieces), (got, want)
+            bad = await chat.turn(TurnRequest(f"aio-{i}", "x", adapter="L9_nope", max_tokens=3))
+            assert bad.error is not None and "unknown adapter" in bad.error
+            after = TurnRequest(f"aio-{i}", "And then?", max_tokens=TOKENS)
+            assert (await chat.turn(after)).token_ids == _reference(reference, after).token_ids
+        finally:
+            await chat.close()
+
+    async def main() -> None:
+        await asyncio.gather(*(conversation(i) for i in range(3)))
+
+    asyncio.run(main())
+
+
 # Hand-written requests, as a new user types them (not drawn from the corpora or the phrasing banks): three per
 # domain, the adapter each should reach.
 NATURAL_REQUESTS = [
