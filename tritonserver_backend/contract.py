@@ -20,8 +20,8 @@ class TensorSpec:
     optional: bool = False
     doc: str = ""
 
-    def as_optional(self) -> "TensorSpec":
-        return TensorSpec(self.name, self.dtype, self.dims, True, self.doc)
+    def as_optional(self, doc: str | None = None) -> "TensorSpec":
+        return TensorSpec(self.name, self.dtype, self.dims, True, self.doc if doc is None else doc)
 
     @property
     def numpy_dtype(self) -> type:
@@ -103,8 +103,8 @@ class ModelSpec:
 # without session_id (or text) but with some optional input passed that check, the step needing it never ran and the
 # client got no response at all (HTTP /generate: "expected exactly 1 response"). So the ensemble declares both
 # optional and preprocess, its first step, refuses a request without them with a clear error.
-SESSION_ID_IN = TensorSpec(SESSION_ID.name, SESSION_ID.dtype, SESSION_ID.dims, True, "conversation id: required; declared optional to Triton so that preprocess can answer its absence")
-TEXT_IN = TensorSpec(TEXT.name, TEXT.dtype, TEXT.dims, True, "the user turn: required; declared optional to Triton so that preprocess can answer its absence")
+SESSION_ID_IN = SESSION_ID.as_optional("conversation id: required; declared optional to Triton so that preprocess can answer its absence")
+TEXT_IN = TEXT.as_optional("the user turn: required; declared optional to Triton so that preprocess can answer its absence")
 PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES), (TOKEN_IDS, PREFIX_IDS, START))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
