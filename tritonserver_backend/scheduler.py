@@ -71,6 +71,9 @@ class TurnScheduler:
         self._pending: list[tuple[list[Turn], Future | BaseException, np.ndarray] | None] = [None] * lanes
         self._next_lane = 0
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="mol2-engine")  # every engine call, never pb_utils
+        # the per-step encoder call, so that responses stream while it runs; one call at a time, and it is the only
+        # port call that does not run on the scheduler's own thread (see `_advance`)
+        self._encoder_calls = ThreadPoolExecutor(1, thread_name_prefix="mol2-encoder-call")
 
     @property
     def active(self) -> list[Turn]:
@@ -97,6 +100,7 @@ class TurnScheduler:
         return "no turn in flight"
 
     def close(self) -> None:
+        self._encoder_calls.shutdown(wait=True)
         self._compute.shutdown(wait=True)
 
     @property
@@ -117,11 +121,15 @@ class TurnScheduler:
         self._advance(lane)
 
     def _advance(self, lane: int) -> None:
-        """Settle the lane's previous decoder step, sample a token for each of its turns, start its next step (the
-        encoder call now, the decoder step on the compute thread), then stream the tokens and finish the turns that
-        ended while that step runs: each send is an IPC round trip and needs nothing from the step (measured: with
-        16 sessions the sends cost about as much as the decoder step itself, docs/load.md). The next lane's encoder
-        call then overlaps this lane's decoder step."""
+        """Settle the lane's previous decoder step, sample a token for each of its turns, run its next step (the encoder
+        call, then the decoder step on the compute thread), stream the tokens and finish the turns that ended.
+
+        The streamed responses overlap both halves of the step: each send is an IPC round trip that needs nothing
+        from the step (at 16 sessions the sends cost about as much as the decoder step itself, docs/load.md), so they
+        go out while the encoder call runs on its own thread, and whatever is left once it returns goes out while the
+        decoder step runs. Sending only during the decoder step left the second core idle through the encoder call
+        and stretched the decoder step with the sends' CPU. The next lane's encoder call overlaps this lane's decoder
+        step."""
         self._settle_lane(lane)
         turns = self.lanes[lane]
         going: list[Turn] = []
@@ -134,14 +142,22 @@ class TurnScheduler:
                 chosen.append((turn, token))
             if not turn.finish:
                 going.append(turn)
+        unsent = deque(chosen)
         if going:
-            self._pending[lane] = (going, *self._step(going, np.asarray([t.generated[-1] for t in going], np.int64)[:, None]))
-        for turn, token in chosen:
-            if not self.emit(turn, token, ""):
-                turn.finish = turn.finish or FINISH_CANCELLED  # seen at the next iteration; its partial reply is kept
+            tokens = np.asarray([t.generated[-1] for t in going], np.int64)[:, None]
+            encoding = self._encoder_calls.submit(self.encoder.step, [t.session_id for t in going], tokens, False)
+            while unsent and not encoding.done():
+                self._stream(*unsent.popleft())
+            self._pending[lane] = (going, self._start_decoder(going, encoding), tokens)
+        while unsent:
+            self._stream(*unsent.popleft())
         for turn in [t for t in turns if t.finish and t.finish != "error" and t not in going]:
             self._end(turn)
         self.lanes[lane] = [t for t in turns if t.finish != "error" and (t in going or not t.finish)]
+
+    def _stream(self, turn: Turn, token: int) -> None:
+        if not self.emit(turn, token, ""):
+            turn.finish = turn.finish or FINISH_CANCELLED  # seen at the next iteration; its partial reply is kept
 
     def _settle_lane(self, lane: int) -> None:
         pending, self._pending[lane] = self._pending[lane], None
@@ -200,11 +216,17 @@ class TurnScheduler:
     def _step(self, turns: list[Turn], tokens: np.ndarray) -> tuple[Future | BaseException, np.ndarray]:
         """The encoder call for these turns' tokens, then the decoder step started on the compute thread (or the
         encoder's error: it refuses a batch as a whole, before changing anything)."""
+        encoding = self._encoder_calls.submit(self.encoder.step, [t.session_id for t in turns], tokens, False)
+        return self._start_decoder(turns, encoding), tokens
+
+    def _start_decoder(self, turns: list[Turn], encoding: Future) -> Future | BaseException:
+        """Wait for the encoder call, then start the decoder step on the compute thread; the encoder's error instead,
+        if it refused the batch."""
         try:
-            handovers = self.encoder.step([t.session_id for t in turns], tokens, False)
+            handovers = encoding.result()
         except Exception as exc:  # noqa: BLE001
-            return exc, tokens
-        return self._compute.submit(self.decoder.advance, turns, handovers), tokens
+            return exc
+        return self._compute.submit(self.decoder.advance, turns, handovers)
 
     def _settle(self, turns: list[Turn], advancing: Future | BaseException, tokens: np.ndarray) -> None:
         """Wait for the decoder step. An encoder refusal (a session evicted meanwhile) is retried turn by turn, so only

@@ -1,9 +1,10 @@
 """The decoder model's Triton side: requests in, streamed responses out, the encoder through BLS, one thread.
 
-Every `pb_utils` call of the decoder stub happens on the scheduler thread (`SchedulerThread` runs `handle_requests`
-and `TurnScheduler.iterate` there): `execute` only queues the request objects. See docs/load.md for why: a custom
-metric's `increment` rewrites the metric's shared-memory record, and two threads incrementing at once made the stub
-throw `boost::interprocess::lock_exception` and the server take Signal 11.
+Every `pb_utils` call of the decoder stub happens on the scheduler thread (`TurnWorker` runs `handle_requests` and
+`TurnScheduler.iterate` there), except each step's BLS call to the encoder, which runs on the scheduler's
+encoder-call thread while responses stream: `execute` only queues the request objects. See docs/load.md for why: a
+custom metric's `increment` rewrites the metric's shared-memory record, and two threads incrementing at once made the
+stub throw `boost::interprocess::lock_exception` and the server take Signal 11.
 """
 
 from __future__ import annotations

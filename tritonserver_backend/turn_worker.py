@@ -1,4 +1,5 @@
-"""The one thread that owns every call into Triton's Python backend for the decoder model, and runs its scheduler.
+"""The one thread that owns the decoder model's requests, responses and metrics in Triton's Python backend, and runs
+its scheduler.
 
 Why one thread: `pb_utils` objects are not thread-safe inside one stub. A custom metric's `increment` rewrites the
 metric's shared-memory record (`Metric::SendIncrementRequest` stores the value in the object, allocates a new
@@ -9,7 +10,11 @@ The decoder used to run one thread per request, each reading inputs, calling the
 responses and incrementing counters: two of four load runs killed the server (docs/load.md).
 
 So `execute` only hands request objects to this thread and returns; the thread reads them, runs the scheduler
-(one batched step for every active turn per iteration), talks BLS, sends every response and increments every metric.
+(one batched step for every active turn per iteration), sends every response and increments every metric. The one
+exception is each step's BLS call to the encoder, which the scheduler runs on a thread of its own so that responses
+stream meanwhile (`TurnScheduler._advance`): the BLS request and response objects are touched by that thread only,
+one call at a time, which is the pattern the Python backend's own `async_exec` uses (it runs `exec` on an executor
+thread while the model sends responses); no object is shared between the two threads.
 It is Triton-free: reading requests is the `handle` callback, a step is the `iterate` callback.
 """
 

@@ -1,6 +1,7 @@
 """decoder (decoupled): applies ADAPTER_HASH, bounded replay, then streams every active turn's tokens (text pieces) in batched steps.
 
-Every `pb_utils` call (inputs, BLS, responses, metrics) runs on one worker thread: see turn_worker.py.
+Every `pb_utils` call (inputs, responses, metrics, BLS) runs on one worker thread, except each step's BLS call to the
+encoder, which runs on its own thread while responses stream: see turn_worker.py.
 """
 
 import triton_python_backend_utils as pb_utils  # noqa: F401
