@@ -27,5 +27,10 @@ class ServerBusy(ServingError):
     """Admission control refused the request at once (too many turns in flight); the client should retry later."""
 
 
+class TurnFailed(ServingError):
+    """The decoder's scheduler failed unexpectedly while the turn was in flight: the turn was rolled back, and the
+    session keeps its earlier turns (the client may resend it)."""
+
+
 class TurnCancelled(ServingError):
     """The client cancelled the turn (session_control "cancel")."""

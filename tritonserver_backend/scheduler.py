@@ -24,7 +24,7 @@ import numpy as np
 from . import counters as k
 from .decoder_service import FINISH_CANCELLED, DecoderService, Turn
 from .encoder_service import MAX_DECODE_LANES, Handover
-from .errors import ServingError, TurnCancelled, TurnRejected
+from .errors import ServingError, TurnCancelled, TurnFailed, TurnRejected
 from .sampling import SamplingParams
 
 LOG = logging.getLogger("mol2")
@@ -108,6 +108,41 @@ class TurnScheduler:
         return not self.waiting and not any(self.lanes) and all(p is None for p in self._pending)
 
     def iterate(self) -> None:
+        """One iteration (`_iterate`). Should it fail unexpectedly (a bug, an engine failure outside the guarded calls),
+        every turn in flight is answered with the error and rolled back, and the scheduler starts afresh: the caller's
+        loop goes on, and no client waits forever for a turn nobody advances."""
+        try:
+            self._iterate()
+        except Exception as exc:  # noqa: BLE001
+            LOG.exception("decoder: a scheduler iteration failed; every turn in flight is answered and rolled back")
+            self._fail_everything(exc)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        error = TurnFailed(f"the decoder failed while serving this turn ({type(exc).__name__}: {exc}); the turn was "
+                           "rolled back and the session keeps its earlier turns: resend it")
+        for lane in range(len(self.lanes)):  # let steps in flight finish: they write into these turns' rows
+            pending, self._pending[lane] = self._pending[lane], None
+            if pending is not None and isinstance(pending[1], Future):
+                pending[1].exception()
+        turns = self.active
+        self.lanes = [[] for _ in self.lanes]
+        for turn in turns:
+            if turn.finish != "error":
+                self._guarded(self._abort, turn, error)
+        while self.waiting:
+            request = self.waiting.popleft()
+            self.decoder.count(k.REJECTED, request.adapter_hash)
+            self._quietly(self.encoder.rollback, request.session_id)
+            self._guarded(self.fail, request, error)
+
+    @staticmethod
+    def _guarded(call: Callable[..., None], *args: object) -> None:
+        try:
+            call(*args)
+        except Exception:  # noqa: BLE001 - failing one turn must not stop failing the others
+            LOG.exception("decoder: answering a failed turn failed")
+
+    def _iterate(self) -> None:
         """One token for every turn of the next lane (waiting turns join first, when rows are free).
 
         Joining needs the engine to itself (a replay may restack the adapter bank), so every lane's step in flight is

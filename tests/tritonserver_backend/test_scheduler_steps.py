@@ -67,3 +67,44 @@ def test_tokens_stream_while_the_encoder_call_runs(pipeline) -> None:  # type: i
     scheduler.close()
     assert [got[f"joint-{i}"] for i in range(len(PROMPTS))] == [solo[i] for i in range(len(PROMPTS))]
     assert len(waited) >= 7 and all(waited)
+
+
+def test_an_iteration_that_fails_answers_every_turn_and_loses_no_session(pipeline, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An unexpected failure inside an iteration (here: sampling raises on the 12th token) used to leave the turns in
+    flight unanswered, their clients waiting forever. Now every turn in flight gets the error at once, the encoder
+    rolls each back, the scheduler goes on, and each session's resent turn gets exactly the reply it would have got."""
+    from tritonserver_backend.errors import TurnFailed
+
+    sessions = [f"fail-{i}" for i in range(len(PROMPTS))]
+    first = {s: pipeline.answer(_request(pipeline, s, p)).token_ids for s, p in zip(sessions, PROMPTS)}
+    for s, p in zip(sessions, PROMPTS):  # the same conversations, undisturbed, for reference
+        pipeline.answer(_request(pipeline, f"ref-{s}", p))
+    expected = {s: pipeline.answer(_request(pipeline, f"ref-{s}", "And then?")).token_ids for s in sessions}
+    assert all(first.values())
+
+    failures: dict[str, BaseException] = {}
+    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), lambda *_: True,
+                              lambda item, exc: failures.__setitem__(item.session_id, exc))
+    real_choose, calls = pipeline.decoder.choose, []
+
+    def choose(turn: Turn) -> int | None:
+        calls.append(turn.session_id)
+        if len(calls) == 12:
+            raise RuntimeError("sampling broke")
+        return real_choose(turn)
+
+    monkeypatch.setattr(pipeline.decoder, "choose", choose)
+    for s in sessions:
+        scheduler.submit(_request(pipeline, s, "And then?"))
+    for _ in range(100):
+        if scheduler.idle:
+            break
+        scheduler.iterate()
+    assert scheduler.idle
+    assert set(failures) == set(sessions)
+    assert all(isinstance(e, TurnFailed) and "sampling broke" in str(e) and "resend" in str(e) for e in failures.values())
+    monkeypatch.setattr(pipeline.decoder, "choose", real_choose)
+
+    resent = {s: pipeline.answer(_request(pipeline, s, "And then?")).token_ids for s in sessions}
+    scheduler.close()
+    assert resent == expected
