@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tritonserver_backend.in_process import onnx_pipeline, routed_request
 from tritonserver_backend.decoder_service import Turn
 from tritonserver_backend.pipeline import DirectEncoderPort, InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import SamplingParams
 from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
 
 PROMPTS = ["How do I center a div?", "grep -rn pattern .", "def area(r):", "Tell me a story.", "ls -la /tmp", "color: red;"]
@@ -17,18 +16,11 @@ LENGTHS = [9, 4, 12, 7, 10, 5]  # max_tokens: turns end at different steps, so l
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    from tests.conftest import EMBEDDED
-
-    root = tmp_path_factory.mktemp("registry")
-    ensure_registry(root, EMBEDDED)
-    return InProcessPipeline(EMBEDDED, root, backend="onnx", engine_dir=default_engines)
+    return onnx_pipeline(tmp_path_factory, default_engines)
 
 
 def _request(pipeline: InProcessPipeline, session: str, index: int) -> TurnRequest:
-    ids, prefix, start = pipeline.text.preprocess(PROMPTS[index], True, None)
-    h19, handover = pipeline.encoder.encode_turn(session, ids, prefix, start)
-    adapter = pipeline.router.route([h19], [None])[0]
-    return TurnRequest(session, handover, int(adapter), SamplingParams(max_tokens=LENGTHS[index]))
+    return routed_request(pipeline, session, PROMPTS[index], LENGTHS[index])
 
 
 def _run_together(pipeline: InProcessPipeline, tag: str, lanes: int, max_active: int) -> tuple[dict[str, list[int]], list[int]]:

@@ -8,11 +8,10 @@ import threading
 import numpy as np
 import pytest
 
+from tests.tritonserver_backend.in_process import onnx_pipeline, routed_request
 from tritonserver_backend.decoder_service import Turn
 from tritonserver_backend.encoder_service import Handover
 from tritonserver_backend.pipeline import DirectEncoderPort, InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import SamplingParams
 from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
 
 PROMPTS = ["How do I center a div?", "grep -rn pattern .", "def area(r):"]
@@ -20,18 +19,11 @@ PROMPTS = ["How do I center a div?", "grep -rn pattern .", "def area(r):"]
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    from tests.conftest import EMBEDDED
-
-    root = tmp_path_factory.mktemp("registry")
-    ensure_registry(root, EMBEDDED)
-    return InProcessPipeline(EMBEDDED, root, backend="onnx", engine_dir=default_engines)
+    return onnx_pipeline(tmp_path_factory, default_engines)
 
 
 def _request(pipeline: InProcessPipeline, session: str, text: str) -> TurnRequest:
-    ids, prefix, start = pipeline.text.preprocess(text, True, None)
-    h19, handover = pipeline.encoder.encode_turn(session, ids, prefix, start)
-    adapter = pipeline.router.route([h19], [None])[0]
-    return TurnRequest(session, handover, int(adapter), SamplingParams(max_tokens=8))
+    return routed_request(pipeline, session, text, max_tokens=8)
 
 
 def test_tokens_stream_while_the_encoder_call_runs(pipeline) -> None:  # type: ignore[no-untyped-def]

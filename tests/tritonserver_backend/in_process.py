@@ -1,0 +1,27 @@
+"""What the in-process scheduler tests share: the embedded default on the onnx engines with its own registry, and a
+user turn encoded and routed the way the server's ensemble does it before the decoder sees it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tritonserver_backend.pipeline import InProcessPipeline
+from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.sampling import SamplingParams
+from tritonserver_backend.scheduler import TurnRequest
+
+
+def onnx_pipeline(tmp_path_factory: Any, engine_dir: Any) -> InProcessPipeline:
+    from tests.conftest import EMBEDDED
+
+    root = tmp_path_factory.mktemp("registry")
+    ensure_registry(root, EMBEDDED)
+    return InProcessPipeline(EMBEDDED, root, backend="onnx", engine_dir=engine_dir)
+
+
+def routed_request(pipeline: InProcessPipeline, session: str, text: str, max_tokens: int) -> TurnRequest:
+    """The turn's encoding (the session's next user turn) and the router's adapter, as the decoder receives them."""
+    ids, prefix, start = pipeline.text.preprocess(text, True, None)
+    h19, handover = pipeline.encoder.encode_turn(session, ids, prefix, start)
+    adapter = pipeline.router.route([h19], [None])[0]
+    return TurnRequest(session, handover, int(adapter), SamplingParams(max_tokens=max_tokens))
