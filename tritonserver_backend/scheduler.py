@@ -74,6 +74,7 @@ class TurnScheduler:
         # the per-step encoder call, so that responses stream while it runs; one call at a time, and it is the only
         # port call that does not run on the scheduler's own thread (see `_advance`)
         self._encoder_calls = ThreadPoolExecutor(1, thread_name_prefix="mol2-encoder-call")
+        self._encoding: Future | None = None  # the encoder call in flight, until its decoder step starts
 
     @property
     def active(self) -> list[Turn]:
@@ -120,6 +121,9 @@ class TurnScheduler:
     def _fail_everything(self, exc: BaseException) -> None:
         error = TurnFailed(f"the decoder failed while serving this turn ({type(exc).__name__}: {exc}); the turn was "
                            "rolled back and the session keeps its earlier turns: resend it")
+        if self._encoding is not None:  # an encoder call in flight finishes before any rollback is sent
+            self._encoding.exception()
+            self._encoding = None
         for lane in range(len(self.lanes)):  # let steps in flight finish: they write into these turns' rows
             pending, self._pending[lane] = self._pending[lane], None
             if pending is not None and isinstance(pending[1], Future):
@@ -180,7 +184,7 @@ class TurnScheduler:
         unsent = deque(chosen)
         if going:
             tokens = np.asarray([t.generated[-1] for t in going], np.int64)[:, None]
-            encoding = self._encoder_calls.submit(self.encoder.step, [t.session_id for t in going], tokens, False)
+            encoding = self._encode(going, tokens)
             while unsent and not encoding.done():
                 self._stream(*unsent.popleft())
             self._pending[lane] = (going, self._start_decoder(going, encoding), tokens)
@@ -251,8 +255,12 @@ class TurnScheduler:
     def _step(self, turns: list[Turn], tokens: np.ndarray) -> tuple[Future | BaseException, np.ndarray]:
         """The encoder call for these turns' tokens, then the decoder step started on the compute thread (or the
         encoder's error: it refuses a batch as a whole, before changing anything)."""
-        encoding = self._encoder_calls.submit(self.encoder.step, [t.session_id for t in turns], tokens, False)
-        return self._start_decoder(turns, encoding), tokens
+        return self._start_decoder(turns, self._encode(turns, tokens)), tokens
+
+    def _encode(self, turns: list[Turn], tokens: np.ndarray) -> Future:
+        """Start the encoder call for these turns' tokens on its thread (one at a time: the previous one was waited for)."""
+        self._encoding = self._encoder_calls.submit(self.encoder.step, [t.session_id for t in turns], tokens, False)
+        return self._encoding
 
     def _start_decoder(self, turns: list[Turn], encoding: Future) -> Future | BaseException:
         """Wait for the encoder call, then start the decoder step on the compute thread; the encoder's error instead,
@@ -261,6 +269,8 @@ class TurnScheduler:
             handovers = encoding.result()
         except Exception as exc:  # noqa: BLE001
             return exc
+        finally:
+            self._encoding = None
         return self._compute.submit(self.decoder.advance, turns, handovers)
 
     def _settle(self, turns: list[Turn], advancing: Future | BaseException, tokens: np.ndarray) -> None:

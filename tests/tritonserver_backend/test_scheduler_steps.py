@@ -61,13 +61,15 @@ def test_tokens_stream_while_the_encoder_call_runs(pipeline) -> None:  # type: i
     assert len(waited) >= 7 and all(waited)
 
 
-def test_an_iteration_that_fails_answers_every_turn_and_loses_no_session(pipeline, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """An unexpected failure inside an iteration (here: sampling raises on the 12th token) used to leave the turns in
-    flight unanswered, their clients waiting forever. Now every turn in flight gets the error at once, the encoder
-    rolls each back, the scheduler goes on, and each session's resent turn gets exactly the reply it would have got."""
+@pytest.mark.parametrize("where", ["sampling", "streaming"])
+def test_an_iteration_that_fails_answers_every_turn_and_loses_no_session(pipeline, monkeypatch, where) -> None:  # type: ignore[no-untyped-def]
+    """An unexpected failure inside an iteration (sampling raises on the 12th token, or streaming it does, while that
+    step's encoder call runs) used to leave the turns in flight unanswered, their clients waiting forever. Now every
+    turn in flight gets the error at once, the encoder rolls each back (after the call in flight), the scheduler goes
+    on, and each session's resent turn gets exactly the reply it would have got."""
     from tritonserver_backend.errors import TurnFailed
 
-    sessions = [f"fail-{i}" for i in range(len(PROMPTS))]
+    sessions = [f"fail-{where}-{i}" for i in range(len(PROMPTS))]
     first = {s: pipeline.answer(_request(pipeline, s, p)).token_ids for s, p in zip(sessions, PROMPTS)}
     for s, p in zip(sessions, PROMPTS):  # the same conversations, undisturbed, for reference
         pipeline.answer(_request(pipeline, f"ref-{s}", p))
@@ -75,14 +77,25 @@ def test_an_iteration_that_fails_answers_every_turn_and_loses_no_session(pipelin
     assert all(first.values())
 
     failures: dict[str, BaseException] = {}
-    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), lambda *_: True,
+    calls: list[str] = []
+
+    def breaks(what: str) -> None:
+        calls.append(what)
+        if len(calls) == 12:
+            raise RuntimeError(f"{where} broke")
+
+    def emit(turn: Turn, token: int, reason: str) -> bool:
+        if where == "streaming" and token >= 0:
+            breaks("emit")
+        return True
+
+    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit,
                               lambda item, exc: failures.__setitem__(item.session_id, exc))
-    real_choose, calls = pipeline.decoder.choose, []
+    real_choose = pipeline.decoder.choose
 
     def choose(turn: Turn) -> int | None:
-        calls.append(turn.session_id)
-        if len(calls) == 12:
-            raise RuntimeError("sampling broke")
+        if where == "sampling":
+            breaks("choose")
         return real_choose(turn)
 
     monkeypatch.setattr(pipeline.decoder, "choose", choose)
@@ -94,7 +107,7 @@ def test_an_iteration_that_fails_answers_every_turn_and_loses_no_session(pipelin
         scheduler.iterate()
     assert scheduler.idle
     assert set(failures) == set(sessions)
-    assert all(isinstance(e, TurnFailed) and "sampling broke" in str(e) and "resend" in str(e) for e in failures.values())
+    assert all(isinstance(e, TurnFailed) and f"{where} broke" in str(e) and "resend" in str(e) for e in failures.values())
     monkeypatch.setattr(pipeline.decoder, "choose", real_choose)
 
     resent = {s: pipeline.answer(_request(pipeline, s, "And then?")).token_ids for s in sessions}
