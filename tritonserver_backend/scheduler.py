@@ -90,9 +90,7 @@ class TurnScheduler:
         for request in list(self.waiting):
             if request.session_id == session_id:
                 self.waiting.remove(request)
-                self.decoder.count(k.REJECTED, request.adapter_hash)
-                self._quietly(self.encoder.rollback, session_id)
-                self.fail(request, TurnCancelled(f"the turn of session {session_id!r} was cancelled before it started"))
+                self._refuse(request, TurnCancelled(f"the turn of session {session_id!r} was cancelled before it started"))
                 return "cancelled before it started"
         for turn in self.active:
             if turn.session_id == session_id and not turn.finish:
@@ -134,10 +132,7 @@ class TurnScheduler:
             if turn.finish != "error":
                 self._guarded(self._abort, turn, error)
         while self.waiting:
-            request = self.waiting.popleft()
-            self.decoder.count(k.REJECTED, request.adapter_hash)
-            self._quietly(self.encoder.rollback, request.session_id)
-            self._guarded(self.fail, request, error)
+            self._guarded(self._refuse, self.waiting.popleft(), error)
 
     @staticmethod
     def _guarded(call: Callable[..., None], *args: object) -> None:
@@ -187,7 +182,7 @@ class TurnScheduler:
             encoding = self._encode(going, tokens)
             while unsent and not encoding.done():
                 self._stream(*unsent.popleft())
-            self._pending[lane] = (going, self._start_decoder(going, encoding), tokens)
+            self._pending[lane] = (going, self._start_decoder(going), tokens)
         while unsent:
             self._stream(*unsent.popleft())
         for turn in [t for t in turns if t.finish and t.finish != "error" and t not in going]:
@@ -220,9 +215,7 @@ class TurnScheduler:
             try:
                 turn = self.decoder.prepare(request.session_id, request.handover, request.adapter_hash, request.params)
             except TurnRejected as exc:  # nothing was absorbed: undo the turn's encoding so the session loses nothing
-                self.decoder.count(k.REJECTED, request.adapter_hash)
-                self._quietly(self.encoder.rollback, request.session_id)
-                self.fail(request, exc)
+                self._refuse(request, exc)
                 continue
             turn.end_session, turn.context = request.end_session, request.context
             starting.append(turn)
@@ -255,18 +248,20 @@ class TurnScheduler:
     def _step(self, turns: list[Turn], tokens: np.ndarray) -> tuple[Future | BaseException, np.ndarray]:
         """The encoder call for these turns' tokens, then the decoder step started on the compute thread (or the
         encoder's error: it refuses a batch as a whole, before changing anything)."""
-        return self._start_decoder(turns, self._encode(turns, tokens)), tokens
+        self._encode(turns, tokens)
+        return self._start_decoder(turns), tokens
 
     def _encode(self, turns: list[Turn], tokens: np.ndarray) -> Future:
         """Start the encoder call for these turns' tokens on its thread (one at a time: the previous one was waited for)."""
         self._encoding = self._encoder_calls.submit(self.encoder.step, [t.session_id for t in turns], tokens, False)
         return self._encoding
 
-    def _start_decoder(self, turns: list[Turn], encoding: Future) -> Future | BaseException:
-        """Wait for the encoder call, then start the decoder step on the compute thread; the encoder's error instead,
-        if it refused the batch."""
+    def _start_decoder(self, turns: list[Turn]) -> Future | BaseException:
+        """Wait for the encoder call in flight (`_encode`), then start the decoder step on the compute thread; the
+        encoder's error instead, if it refused the batch."""
+        assert self._encoding is not None
         try:
-            handovers = encoding.result()
+            handovers = self._encoding.result()
         except Exception as exc:  # noqa: BLE001
             return exc
         finally:
@@ -302,6 +297,13 @@ class TurnScheduler:
         if turn.end_session:
             self.decoder.end(turn.session_id)
             self._quietly(self.encoder.drop, turn.session_id)
+
+    def _refuse(self, request: TurnRequest, exc: BaseException) -> None:
+        """A turn that never started (rejected, cancelled while waiting, or failed with the scheduler): counted as a
+        rejected routing decision, its encoding rolled back so that the session loses nothing, its error answered."""
+        self.decoder.count(k.REJECTED, request.adapter_hash)
+        self._quietly(self.encoder.rollback, request.session_id)
+        self.fail(request, exc)
 
     def _abort(self, turn: Turn, exc: BaseException) -> None:
         """A turn whose step failed (session evicted meanwhile, engine error): its error goes to its client; the
