@@ -116,9 +116,13 @@ class TurnScheduler:
             LOG.exception("decoder: a scheduler iteration failed; every turn in flight is answered and rolled back")
             self._fail_everything(exc)
 
+    @staticmethod
+    def _failure(exc: BaseException) -> TurnFailed:
+        return TurnFailed(f"the decoder failed while serving this turn ({type(exc).__name__}: {exc}); the turn was "
+                          "rolled back and the session keeps its earlier turns: resend it")
+
     def _fail_everything(self, exc: BaseException) -> None:
-        error = TurnFailed(f"the decoder failed while serving this turn ({type(exc).__name__}: {exc}); the turn was "
-                           "rolled back and the session keeps its earlier turns: resend it")
+        error = self._failure(exc)
         if self._encoding is not None:  # an encoder call in flight finishes before any rollback is sent
             self._encoding.exception()
             self._encoding = None
@@ -216,6 +220,10 @@ class TurnScheduler:
                 turn = self.decoder.prepare(request.session_id, request.handover, request.adapter_hash, request.params)
             except TurnRejected as exc:  # nothing was absorbed: undo the turn's encoding so the session loses nothing
                 self._refuse(request, exc)
+                continue
+            except Exception as exc:  # noqa: BLE001 - a bug while checking one turn: it is answered, the others go on
+                LOG.exception("decoder: checking the turn of %s failed", request.session_id)
+                self._refuse(request, self._failure(exc))
                 continue
             turn.end_session, turn.context = request.end_session, request.context
             starting.append(turn)

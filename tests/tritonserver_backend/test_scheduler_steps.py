@@ -113,3 +113,43 @@ def test_an_iteration_that_fails_answers_every_turn_and_loses_no_session(pipelin
     resent = {s: pipeline.answer(_request(pipeline, s, "And then?")).token_ids for s in sessions}
     scheduler.close()
     assert resent == expected
+
+
+def test_a_turn_whose_check_fails_unexpectedly_is_answered_and_the_others_go_on(pipeline, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A turn taken from the queue whose check raises something unexpected (not a TurnRejected) used to be lost: it was
+    neither waiting nor active any more, so nobody answered it. Now it gets TurnFailed and is rolled back, the turns
+    admitted with it decode as they would alone, and its resent turn gets the reply it would have got."""
+    from tritonserver_backend.errors import TurnFailed
+
+    sessions = [f"check-{i}" for i in range(len(PROMPTS))]
+    solo = {s: pipeline.answer(_request(pipeline, f"ref-{s}", p)).token_ids for s, p in zip(sessions, PROMPTS)}
+    real_prepare = pipeline.decoder.prepare
+
+    def prepare(session_id, *args):  # type: ignore[no-untyped-def]
+        if session_id == "check-1":
+            raise KeyError("a bug")
+        return real_prepare(session_id, *args)
+
+    monkeypatch.setattr(pipeline.decoder, "prepare", prepare)
+    got: dict[str, list[int]] = {s: [] for s in sessions}
+    failures: dict[str, BaseException] = {}
+
+    def emit(turn: Turn, token: int, reason: str) -> bool:
+        if token >= 0:
+            got[turn.session_id].append(token)
+        return True
+
+    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit,
+                              lambda item, exc: failures.__setitem__(item.session_id, exc))
+    for s, p in zip(sessions, PROMPTS):
+        scheduler.submit(_request(pipeline, s, p))
+    for _ in range(100):
+        if scheduler.idle:
+            break
+        scheduler.iterate()
+    scheduler.close()
+    assert scheduler.idle and set(failures) == {"check-1"}
+    assert isinstance(failures["check-1"], TurnFailed) and "a bug" in str(failures["check-1"])
+    assert got["check-0"] == solo["check-0"] and got["check-2"] == solo["check-2"]
+    monkeypatch.setattr(pipeline.decoder, "prepare", real_prepare)
+    assert pipeline.answer(_request(pipeline, "check-1", PROMPTS[1])).token_ids == solo["check-1"]
