@@ -1,7 +1,7 @@
 """Aggregate decode throughput through a real tritonserver at 1, 4, 16 and 32 concurrent sessions, in one run.
 
     .venv/bin/python scripts/bench_serving.py [--sessions 1 4 16 32] [--tokens 64] [--rounds 2] [--stream-intervals 1 4]
-                                              [--lanes 1] [--client asyncio|threads] [--out docs/load.md]
+                                              [--lanes 1] [--threads 1] [--client asyncio|threads] [--out docs/load.md]
 
 Each session is its own gRPC stream (tritonclient) holding a two-turn conversation; every turn asks for `--tokens`
 greedy tokens (the small model rarely ends a turn by itself before that). By default one asyncio loop drives every
@@ -133,7 +133,7 @@ def measure_server(args: argparse.Namespace, interval: int) -> list[tuple]:
     interleaved rounds -> table rows."""
     params = {"model_dir": str(MODEL), "registry_root": str(args.work / "registry"), "engine_backend": args.backend,
               "engine_dir": str(ENGINES), "max_active_turns": str(max(args.sessions)), "max_queued_turns": str(max(args.sessions)),
-              "stream_interval": str(interval), "decode_lanes": str(args.lanes)}
+              "stream_interval": str(interval), "decode_lanes": str(args.lanes), "torch_threads": str(args.threads)}
     repo = build_repository(args.work / "repo", params)
     server = TritonServer(work_dir=args.work / "server")
     server.start(repo)
@@ -173,6 +173,7 @@ def main() -> int:
     p.add_argument("--backend", default="onnx")
     p.add_argument("--stream-intervals", type=int, nargs="+", default=[1], help="the decoder's stream_interval, one server each")
     p.add_argument("--lanes", type=int, default=1, help="the decoder's decode_lanes")
+    p.add_argument("--threads", type=int, default=1, help="the models' torch_threads (onnxruntime intra-op threads)")
     p.add_argument("--client", choices=("asyncio", "threads"), default="asyncio",
                    help="load generator: one asyncio loop with a gRPC stream per session (default), or a thread per session")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "load.md")
@@ -186,7 +187,7 @@ def main() -> int:
     table = [SECTION, "",
              f"`.venv/bin/python scripts/bench_serving.py --sessions {' '.join(map(str, args.sessions))} --tokens {args.tokens} "
              f"--rounds {args.rounds} --backend {args.backend} --stream-intervals {' '.join(map(str, args.stream_intervals))} "
-             f"--lanes {args.lanes} --client {args.client}` ({time.strftime('%Y-%m-%d')}): each session a gRPC stream "
+             f"--lanes {args.lanes} --threads {args.threads} --client {args.client}` ({time.strftime('%Y-%m-%d')}): each session a gRPC stream "
              f"({'every stream driven from one asyncio loop' if args.client == 'asyncio' else 'a client thread each'}) with two turns of {args.tokens} "
              "greedy tokens, all sessions starting together. Aggregate decode tokens/s = tokens after each turn's first "
              "response / time during which at least one turn was decoding (turn starts excluded: prefill, routing and replay "

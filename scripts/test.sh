@@ -15,7 +15,8 @@
 #      workers, a file per worker;
 #   3. every other test runs in one process: they start tritonservers, Dynamo workers and clients, and some check
 #      latencies, which a second busy worker would distort.
-# Step 3 is "everything step 2 did not run", so no test can fall between the two.
+# Step 3 is "everything step 2 did not run", so no test can fall between the two. Both steps print their slowest
+# tests (--durations), so that a CI log shows where the suite's time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --main-only
@@ -47,6 +48,6 @@ done
 
 PARALLEL=(tests/build_engines tests/plugins tests/test_collection.py)
 status=0
-OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "" "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
-.venv/bin/python -m pytest -q -m "" tests "${PARALLEL[@]/#/--ignore=}" || status=$?
+OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "" --durations=15 "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
+.venv/bin/python -m pytest -q -m "" --durations=25 tests "${PARALLEL[@]/#/--ignore=}" || status=$?
 exit "$status"

@@ -105,5 +105,5 @@ class DecoderStep(StepModule):
         local = torch.cat((ring, kv), 1)
         topk = ctx["topk"]
         rows = torch.cat((win, torch.where(topk < 0, topk, topk + local.shape[1])), -1)
-        o = sparse_global_attention(q, local, kv_store, rows, attn.attn_sink, cfg.head_dim ** -0.5)
+        o = sparse_global_attention(q, local, kv_store, rows, attn.attn_sink, cfg.head_dim ** -0.5, window=win.shape[-1])
         return output_projection(attn, o, tables, ropes, lora.linear, prefix)

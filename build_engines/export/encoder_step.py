@@ -118,7 +118,7 @@ class EncoderStep(StepModule):
         topk, used = ctx["topk"], src.used.view(-1, 1, 1)
         new_row = W + kv.shape[1] + (topk - used)  # entries of this step live in the local table
         rows = torch.where(topk < 0, topk, torch.where(topk < used, topk + local.shape[1], new_row))
-        o = sparse_global_attention(q, local, src.kv, torch.cat((win, rows), -1), attn.attn_sink, scale)
+        o = sparse_global_attention(q, local, src.kv, torch.cat((win, rows), -1), attn.attn_sink, scale, window=win.shape[-1])
         return output_projection(attn, o, tables, ropes, plain_linear, prefix)
 
     def _write_source(self, l: int, x: torch.Tensor, positions: torch.Tensor, src: _Source, ropes: RopeKinds) -> None:

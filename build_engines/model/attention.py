@@ -265,8 +265,8 @@ class Attention(nn.Module):
             assert ctx.topk is not None, f"layer {self.layer} reuses an index selection that no layer made"
             cache = ctx.sources[cfg.kv_source_of(self.layer)]
             global_rows = torch.where(ctx.topk >= 0, ctx.topk + local.shape[1], ctx.topk)  # rows of [local ; global]
-            rows = torch.cat((rows, global_rows), -1)
-            o = sparse_global_attention(q, local, cache.kv, rows, self.attn_sink, D ** -0.5)
+            o = sparse_global_attention(q, local, cache.kv, torch.cat((rows, global_rows), -1), self.attn_sink, D ** -0.5,
+                                        window=rows.shape[-1])
         o = apply_rope_tail(o, cos.unsqueeze(1), sin.unsqueeze(1), rd, inverse=True)
         G = cfg.o_groups
         o = o.reshape(B, S, G, H * D // G)

@@ -13,8 +13,8 @@ OP_TYPE = "SparseGlobalAttention"
 
 @torch.library.custom_op("mol2::sparse_global_attention", mutates_args=(), device_types="cpu")
 def _op(q: torch.Tensor, local_kv: torch.Tensor, global_kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
-        scale: float) -> torch.Tensor:
-    return sparse_global_attention_reference(q, local_kv, global_kv, idx, sink, scale)
+        scale: float, window: int) -> torch.Tensor:
+    return sparse_global_attention_reference(q, local_kv, global_kv, idx, sink, scale, window)
 
 
 _op.register_kernel("cuda")(cuda_kernel_or_reference("plugins.sparse_global_attention.kernel", "sparse_global_attention_triton",
@@ -22,15 +22,15 @@ _op.register_kernel("cuda")(cuda_kernel_or_reference("plugins.sparse_global_atte
 
 
 @_op.register_fake
-def _(q, local_kv, global_kv, idx, sink, scale):  # type: ignore[no-untyped-def]
+def _(q, local_kv, global_kv, idx, sink, scale, window):  # type: ignore[no-untyped-def]
     return torch.empty_like(q)
 
 
 def sparse_global_attention(q: torch.Tensor, local_kv: torch.Tensor, global_kv: torch.Tensor, idx: torch.Tensor,
-                            sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """See reference.py for shapes. One `mol2::SparseGlobalAttention` node when exporting."""
+                            sink: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """See reference.py for shapes and `window`. One `mol2::SparseGlobalAttention` node when exporting."""
     if exporting():
-        return symbolic(OP_TYPE, (q, local_kv, global_kv, idx, sink), {"scale": float(scale)}, q)
+        return symbolic(OP_TYPE, (q, local_kv, global_kv, idx, sink), {"scale": float(scale), "window": int(window)}, q)
     if needs_grad(q, local_kv, global_kv, sink):
-        return sparse_global_attention_reference(q, local_kv, global_kv, idx, sink, scale)
-    return torch.ops.mol2.sparse_global_attention(q, local_kv, global_kv, idx, sink, float(scale))
+        return sparse_global_attention_reference(q, local_kv, global_kv, idx, sink, scale, window)
+    return torch.ops.mol2.sparse_global_attention(q, local_kv, global_kv, idx, sink, float(scale), int(window))

@@ -1,6 +1,7 @@
 """TensorRT plugin `mol2::SparseGlobalAttention` (`tensorrt.plugin`, the "quickly deployable plugin" API).
 
-- `register`: shape and type inference (the output is like q) with the ONNX node's attribute `scale` (float);
+- `register`: shape and type inference (the output is like q) with the ONNX node's attributes `scale` (float)
+  and `window` (int; accepted and not needed: the kernel picks each listed row's table itself);
 - `autotune`: the type combinations (every float tensor fp32, fp16 or bf16 together; idx int64), linear layout;
 - `impl`: the Triton kernel launched on TensorRT's stream through torch views of the TensorRT tensors;
 - `aot_impl`: the Triton kernel compiled ahead of time for the build's GPU (`compile_kernel`), returned as
@@ -108,7 +109,7 @@ def _define() -> None:
 
     @trtp.register(PLUGIN_ID)
     def desc(q: trtp.TensorDesc, local_kv: trtp.TensorDesc, global_kv: trtp.TensorDesc, idx: trtp.TensorDesc,
-             sink: trtp.TensorDesc, scale: float) -> trtp.TensorDesc:
+             sink: trtp.TensorDesc, scale: float, window: int) -> trtp.TensorDesc:
         return q.like()
 
     @trtp.autotune(PLUGIN_ID)
@@ -116,7 +117,8 @@ def _define() -> None:
         return [trtp.AutoTuneCombination(IO_TYPES, "LINEAR")]
 
     @trtp.impl(PLUGIN_ID)
-    def impl(q, local_kv, global_kv, idx, sink, scale, outputs, stream):  # type: ignore[no-untyped-def]
+    def impl(q, local_kv, global_kv, idx, sink, scale, window, outputs, stream):  # type: ignore[no-untyped-def]
+        # window: the kernel picks each row's table itself (kernel.py), so the attribute only has to be accepted
         import torch
 
         from .kernel import launch
@@ -126,7 +128,7 @@ def _define() -> None:
             launch(*args, float(scale), torch_views(outputs)[0])
 
     @trtp.aot_impl(PLUGIN_ID)
-    def aot_impl(q, local_kv, global_kv, idx, sink, scale, outputs):  # type: ignore[no-untyped-def]
+    def aot_impl(q, local_kv, global_kv, idx, sink, scale, window, outputs):  # type: ignore[no-untyped-def]
         qs = q.shape_expr
         heads, head_dim = constant(qs[2], "the head count"), constant(qs[3], "the head dimension")
         kernel = compile_kernel(build_target(), triton_dtype(q.dtype), heads, head_dim, float(scale))

@@ -41,17 +41,32 @@ def _index_lists(B: int, S: int, J: int, rows: int, masked: float, generator: to
     return idx
 
 
-def test_sparse_global_attention_function_matches_reference(seed: int) -> None:
+@pytest.mark.parametrize("window", [0, 6, 14])
+def test_sparse_global_attention_function_matches_reference(seed: int, window: int) -> None:
+    """`window` leading entries come from local_kv alone, the rest from either table (window 14: the whole list)."""
     g = torch.Generator().manual_seed(seed)
     B, S, H, D, Tl, Tg, J = 3, 5, 4, 16, 9, 37, 14
     q, local_kv, global_kv = torch.randn(B, S, H, D, generator=g), torch.randn(B, Tl, D, generator=g), torch.randn(B, Tg, D, generator=g)
     idx, sink = _index_lists(B, S, J, Tl + Tg, 0.3, g), torch.randn(H, generator=g)
-    want = sparse_global_attention_reference(q, local_kv, global_kv, idx, sink, D ** -0.5)
+    idx[..., :window] = torch.where(idx[..., :window] < 0, idx[..., :window], idx[..., :window] % Tl)  # the contract
+    want = sparse_global_attention_reference(q, local_kv, global_kv, idx, sink, D ** -0.5, window)
     inputs = {"q": q, "local_kv": local_kv, "global_kv": global_kv, "idx": idx, "sink": sink}
-    got = _run_single_node("SparseGlobalAttention", {k: v.numpy() for k, v in inputs.items()}, {"scale": D ** -0.5}, 4)
+    got = _run_single_node("SparseGlobalAttention", {k: v.numpy() for k, v in inputs.items()}, {"scale": D ** -0.5, "window": window}, 4)
     assert np.abs(got - want.numpy()).max() < 1e-5
     assert np.all(got[0, 0] == 0), "a query with no valid key returns zeros"
-    assert (idx[..., :Tl] >= Tl).any() and (idx < Tl).any(), "both tables were read"
+    if window < J:
+        assert (idx >= Tl).any() and (idx[..., window:] < Tl).any(), "both tables were read after the window"
+
+
+def test_sparse_global_attention_reference_refuses_a_list_that_breaks_the_window() -> None:
+    from plugins.sparse_global_attention.reference import check_window
+
+    idx = torch.tensor([[[0, 3, -1, 20]]])
+    check_window(idx, local_rows=4, window=3)  # rows 0, 3 and none: within the local table
+    with pytest.raises(ValueError, match="first 4 entries"):
+        check_window(idx, local_rows=4, window=4)  # row 20 is a global entry
+    with pytest.raises(ValueError, match="window must lie in"):
+        check_window(idx, local_rows=4, window=5)
 
 
 def test_swa_replay_attention_function_matches_reference(seed: int) -> None:

@@ -15,7 +15,7 @@ import plugins
 from plugins.tensorrt_support import tensorrt_missing_reason
 
 EXPECTED = [f"{plugins.PLUGIN_NAMESPACE}::{op}" for op in plugins.OPS]
-ATTRIBUTES = {"SparseGlobalAttention": {"scale": float}, "SwaReplayAttention": {"scale": float}, "PointerScore": {"heads": int}}
+ATTRIBUTES = {"SparseGlobalAttention": {"scale": float, "window": int}, "SwaReplayAttention": {"scale": float}, "PointerScore": {"heads": int}}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def _network(trt):  # type: ignore[no-untyped-def]
 
 CASES = {  # op -> input (name, shape, TensorRT type name), attributes, output shape
     "SparseGlobalAttention": ([("q", (2, 3, 8, 64), "FLOAT"), ("local_kv", (2, 40, 64), "FLOAT"), ("global_kv", (2, 300, 64), "FLOAT"),
-                               ("idx", (2, 3, 96), "INT64"), ("sink", (8,), "FLOAT")], {"scale": 0.125}, (2, 3, 8, 64)),
+                               ("idx", (2, 3, 96), "INT64"), ("sink", (8,), "FLOAT")], {"scale": 0.125, "window": 0}, (2, 3, 8, 64)),
     "SwaReplayAttention": ([("q", (2, 5, 8, 64), "FLOAT"), ("kv", (2, 133, 64), "FLOAT"), ("idx", (2, 5, 128), "INT64"),
                             ("sink", (8,), "FLOAT")], {"scale": 0.125}, (2, 5, 8, 64)),
     "PointerScore": ([("x", (3, 64), "FLOAT"), ("xn", (3, 64), "FLOAT"), ("attn_query", (64, 4 * 6 * 5), "FLOAT"),
@@ -125,7 +125,7 @@ def _reference(op: str, feed: dict[str, torch.Tensor]) -> torch.Tensor:
 
     attrs = CASES[op][1]
     if op == "SparseGlobalAttention":
-        return sparse_global_attention_reference(*feed.values(), attrs["scale"])
+        return sparse_global_attention_reference(*feed.values(), attrs["scale"], attrs["window"])
     if op == "SwaReplayAttention":
         return swa_replay_attention_reference(*feed.values(), attrs["scale"])
     return pointer_score_reference(*feed.values(), attrs["heads"])

@@ -20,13 +20,20 @@ from .interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
 
 def session_options(threads: int, config: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
     """`config`: session config entries the engine directory's manifest asks for (`quant.session_config`; release-format
-    engines fold their weight dequantization at load)."""
+    engines fold their weight dequantization at load).
+
+    With more than one intra-op thread the pool's threads sleep between parallel sections instead of spinning
+    (`MOL2_ORT_SPIN=1` restores onnxruntime's spinning): a Triton server runs several engine stubs side by side, and
+    their spinning threads took the cores from each other; measured with `torch_threads` 2 on 2 cores
+    (docs/load.md), spinning halved the served tokens/s and sleeping matched one thread."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     options.intra_op_num_threads = threads
+    if threads > 1 and os.environ.get("MOL2_ORT_SPIN") != "1":
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

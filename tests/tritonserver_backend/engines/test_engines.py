@@ -103,3 +103,19 @@ def test_a_routed_five_turn_conversation_is_the_same_on_both_engines(default_eng
     assert results["torch"] == results["onnx"]
     assert [a for a, _ in results["onnx"]][2] == "L3_design" and results["onnx"][4][0] == "base"
     assert all(len(t) > 0 for _, t in results["onnx"])
+
+
+def test_onnx_threads_beyond_one_sleep_instead_of_spinning(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Several engine stubs share the cores: spinning pool threads took them from each other (docs/load.md)."""
+    pytest.importorskip("onnxruntime")
+    from tritonserver_backend.engines.onnx_engine import session_options
+
+    spin = "session.intra_op.allow_spinning"
+    monkeypatch.delenv("MOL2_ORT_SPIN", raising=False)
+    assert session_options(2).get_session_config_entry(spin) == "0"
+    assert session_options(1).intra_op_num_threads == 1
+    with pytest.raises(RuntimeError, match="does not have"):  # one thread: no pool, the entry stays unset
+        session_options(1).get_session_config_entry(spin)
+    monkeypatch.setenv("MOL2_ORT_SPIN", "1")
+    with pytest.raises(RuntimeError, match="does not have"):
+        session_options(2).get_session_config_entry(spin)
