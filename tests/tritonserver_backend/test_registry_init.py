@@ -16,13 +16,15 @@ def _digests(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _initialise(root: str, start: mp.synchronize.Event, out: mp.Queue) -> None:  # type: ignore[name-defined]
-    start.wait()
-    try:
-        registry = ensure_registry(root, EMBEDDED)
-        out.put(("ok", sorted(e.name for e in registry.entries())))
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        out.put(("error", repr(exc)))
+def _initialise(roots: list[str], start: mp.synchronize.Barrier, out: mp.Queue) -> None:  # type: ignore[name-defined]
+    """One model process: for each fresh registry root in turn, wait until every process is ready, then create it."""
+    for attempt, root in enumerate(roots):
+        start.wait()
+        try:
+            registry = ensure_registry(root, EMBEDDED)
+            out.put((attempt, "ok", sorted(e.name for e in registry.entries())))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out.put((attempt, "error", repr(exc)))
 
 
 @pytest.mark.slow
@@ -33,17 +35,17 @@ def test_model_processes_starting_together_initialise_one_complete_registry(tmp_
     process could find the registry with only part of the bundled adapters in it."""
     bundled = sorted(p.name for p in (EMBEDDED / "adapters").iterdir() if (p / "adapter_config.json").exists())
     ctx = mp.get_context("spawn")
-    for attempt in range(3):
-        root = tmp_path / f"registry-{attempt}"
-        start, out = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_initialise, args=(str(root), start, out)) for _ in range(7)]
-        for p in procs:
-            p.start()
-        start.set()
-        results = [out.get(timeout=120) for _ in procs]
-        for p in procs:
-            p.join(60)
-        assert all(kind == "ok" for kind, _ in results), results
-        assert all(names == bundled for _, names in results), results
+    roots = [tmp_path / f"registry-{attempt}" for attempt in range(3)]  # three races; each process is spawned once
+    start, out = ctx.Barrier(7), ctx.Queue()
+    procs = [ctx.Process(target=_initialise, args=([str(r) for r in roots], start, out)) for _ in range(7)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=180) for _ in range(len(procs) * len(roots))]
+    for p in procs:
+        p.join(60)
+    for attempt, root in enumerate(roots):
+        mine = [(kind, names) for a, kind, names in results if a == attempt]
+        assert len(mine) == len(procs) and all(kind == "ok" for kind, _ in mine), mine
+        assert all(names == bundled for _, names in mine), mine
         for name in bundled:
             assert _digests(root / "adapters" / name) == _digests(EMBEDDED / "adapters" / name)
