@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import collections
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,33 +61,56 @@ def describe(model: onnx.ModelProto, path: Path, inputs: list[GraphTensor], outp
     }
 
 
-def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
-    """Export encoder, decoder and pointer graphs into `out`; returns their descriptions and parity figures."""
+def step_modules(model_dir: Path) -> tuple[StepLayout, dict[str, tuple[torch.nn.Module, list[GraphTensor], list[GraphTensor]]], torch.nn.Module]:
+    """The checkpoint's step modules to export, by graph name (with their inputs and outputs), and the router head."""
     net = load_checkpoint(model_dir)
     cfg = net.cfg
     layout = StepLayout(cfg)
     state = net.state_dict()
-    encoder = EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval()
-    decoder = DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval()).eval()
     head, _ = load_router_head(model_dir, cfg.dim)
-    pointer = PointerStep(head).eval()
-    sizes = export_sizes(layout)
-    width = head.cfg.width
-    jobs = [
-        ("encoder", encoder, layout.encoder_inputs(), layout.encoder_outputs()),
-        ("decoder", decoder, layout.decoder_inputs(), layout.decoder_outputs()),
-        ("pointer", pointer, layout.pointer_inputs(cfg.dim, width), layout.pointer_outputs()),
-    ]
-    graphs, parity = {}, {}
+    modules = {
+        "encoder": (EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval(), layout.encoder_inputs(), layout.encoder_outputs()),
+        "decoder": (DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval()).eval(), layout.decoder_inputs(), layout.decoder_outputs()),
+        "pointer": (PointerStep(head).eval(), layout.pointer_inputs(cfg.dim, head.cfg.width), layout.pointer_outputs()),
+    }
+    return layout, modules, head
+
+
+def export_graph(model_dir: Path, name: str, out: Path) -> dict[str, Any]:
+    """Export one graph of the checkpoint into `out` and describe it (also the body of `build_onnx`'s worker)."""
+    t0 = time.perf_counter()
+    layout, modules, _ = step_modules(model_dir)
+    module, inputs, outputs = modules[name]
+    path = out / GRAPH_FILES[name]
+    graph = describe(export_module(module, inputs, outputs, export_sizes(layout), path), path, inputs, outputs)
+    graph["export_seconds"] = round(time.perf_counter() - t0, 1)
+    return graph
+
+
+def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
+    """Export encoder, decoder and pointer graphs into `out`; returns their descriptions and parity figures.
+
+    Why a second process: each export is single-threaded Python (torch.onnx's tracer and optimizer), about two
+    minutes for the encoder and one and a half for the decoder on a 2-core CI machine, so the encoder exports in a
+    spawned worker while this process exports the others (`MOL2_BUILD_WORKERS=0` exports all three here). The graphs
+    do not depend on where they were exported (the manifest's hashes are the same)."""
     out.mkdir(parents=True, exist_ok=True)
-    for name, module, inputs, outputs in tqdm(jobs, desc="exporting", unit="graph"):
-        t0 = time.perf_counter()
-        path = out / GRAPH_FILES[name]
-        model = export_module(module, inputs, outputs, sizes, path)
-        graphs[name] = describe(model, path, inputs, outputs)
-        graphs[name]["export_seconds"] = round(time.perf_counter() - t0, 1)
+    graphs: dict[str, dict[str, Any]] = {}
+    in_worker = ["encoder"] if os.environ.get("MOL2_BUILD_WORKERS", "1") != "0" and (os.cpu_count() or 1) > 1 else []
+    with tqdm(total=len(GRAPH_FILES), desc="exporting", unit="graph") as bar, \
+            ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pending = {name: pool.submit(export_graph, model_dir, name, out) for name in in_worker}
+        for name in GRAPH_FILES:
+            if name not in pending:
+                graphs[name] = export_graph(model_dir, name, out)
+                bar.update()
+        for name, future in pending.items():
+            graphs[name] = future.result()
+            bar.update()
+    graphs = {name: graphs[name] for name in GRAPH_FILES}
     tqdm.write("checking each graph against its module (onnxruntime CPU)")
-    parity = check_parity(out, layout, encoder, decoder, pointer, head)
+    layout, modules, head = step_modules(model_dir)
+    parity = check_parity(out, layout, modules["encoder"][0], modules["decoder"][0], modules["pointer"][0], head)
     worst = {name: max(d.values()) for name, d in parity.items()}
     if any(v > PARITY_BOUND for v in worst.values()):
         raise ParityError(f"exported graphs differ from their modules beyond {PARITY_BOUND}: {parity}")

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (EMBEDDED / "model.safete
 
 
 def test_a_short_soak_run_passes(default_engines, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    result = subprocess.run([sys.executable, "scripts/soak.py", "--duration", "45", "--clients", "8", "--no-doc", "--work", str(tmp_path / "soak")],
+    result = subprocess.run([sys.executable, "scripts/soak.py", "--duration", "35", "--clients", "8", "--no-doc", "--work", str(tmp_path / "soak")],
                             cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
     print(result.stdout[-3000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
