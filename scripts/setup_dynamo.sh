@@ -18,15 +18,15 @@ if $V/bin/python -c "import dynamo.runtime, dynamo.frontend, dynamo_deploy, trit
 fi
 echo "installing NVIDIA Dynamo $DYNAMO into $V (about a minute)"
 $V/bin/python -m pip install --quiet --upgrade pip >/dev/null
-$V/bin/python -m pip install --quiet --no-compile "torch==2.13.0" "numpy>=1.24,<2"
-$V/bin/python -m pip install --quiet --no-compile "ai-dynamo-runtime==$DYNAMO"
-$V/bin/python -m pip install --quiet --no-compile --no-deps "ai-dynamo==$DYNAMO"
-$V/bin/python -m pip install --quiet --no-compile "aiohttp>=3.14.3,<4" "certifi>=2026.10.19" "kubernetes>=32.0.1,<33" "msgspec>=0.19" \
+$V/bin/python -m pip install --quiet "torch==2.13.0" "numpy>=1.24,<2"
+$V/bin/python -m pip install --quiet "ai-dynamo-runtime==$DYNAMO"
+$V/bin/python -m pip install --quiet --no-deps "ai-dynamo==$DYNAMO"
+$V/bin/python -m pip install --quiet "aiohttp>=3.14.3,<4" "certifi>=2026.10.19" "kubernetes>=32.0.1,<33" "msgspec>=0.19" \
     "prometheus-client>=0.23.1,<1" "pyzmq>=26" "redis>=6.2,<9" "tqdm>=4" "transformers>=4.56" "typing-extensions>=4.10" \
     "zstandard>=0.23,<1" "pytest>=8,<10" "numpy>=1.24,<2" "torch==2.13.0"
-$V/bin/python -m pip install --quiet --no-compile -e ".[dynamo]" "numpy>=1.24,<2" "torch==2.13.0"
+$V/bin/python -m pip install --quiet -e ".[dynamo]" "numpy>=1.24,<2" "torch==2.13.0"
 # NIXL (memory-to-memory transfers through UCX; runs on CPU) for dynamo_deploy.nixl_bench: the nixl-cu12 wheel, then the
 # `nixl` module that dynamo.nixl_connect imports, without its dependencies (they would add nixl-cu13); optional
-$V/bin/python -m pip install --quiet --no-compile "nixl-cu12==1.5.1" && $V/bin/python -m pip install --quiet --no-deps "nixl==1.5.2" \
+$V/bin/python -m pip install --quiet "nixl-cu12==1.5.1" && $V/bin/python -m pip install --quiet --no-deps "nixl==1.5.2" \
     || echo "NIXL did not install: hand-overs travel inline (they do anyway; only the benchmark needs it)"
 $V/bin/python -c 'import numpy, torch, dynamo.runtime; assert numpy.__version__.startswith("1."), numpy.__version__; print(f"dynamo environment ready: torch {torch.__version__}, numpy {numpy.__version__}")'

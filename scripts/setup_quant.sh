@@ -10,7 +10,7 @@ PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv-quant/bin/python ] || "$PY" -m venv .venv-quant
 .venv-quant/bin/python -m pip install --quiet --upgrade pip >/dev/null
-.venv-quant/bin/python -m pip install --quiet --no-compile "torch==2.13.0"
-.venv-quant/bin/python -m pip install --quiet --no-compile "nvidia-modelopt==0.47.0" requests huggingface_hub "onnx>=1.17,<2" \
+.venv-quant/bin/python -m pip install --quiet "torch==2.13.0"
+.venv-quant/bin/python -m pip install --quiet "nvidia-modelopt==0.47.0" requests huggingface_hub "onnx>=1.17,<2" \
     "onnxruntime>=1.20,<2" onnxscript onnx-graphsurgeon onnxconverter-common onnxslim polygraphy lief cppimport ml_dtypes
 .venv-quant/bin/python -c 'import modelopt.onnx.quantization, numpy, importlib.metadata as m; print("quantization environment ready: modelopt", m.version("nvidia-modelopt"), "numpy", numpy.__version__)'
