@@ -76,15 +76,20 @@ def step_modules(model_dir: Path) -> tuple[StepLayout, dict[str, tuple[torch.nn.
     return layout, modules, head
 
 
-def export_graph(model_dir: Path, name: str, out: Path) -> dict[str, Any]:
-    """Export one graph of the checkpoint into `out` and describe it (also the body of `build_onnx`'s worker)."""
+def export_graph(name: str, module: torch.nn.Module, inputs: list[GraphTensor], outputs: list[GraphTensor], sizes: dict[str, int],
+                 out: Path) -> dict[str, Any]:
+    """Export one step module as graph `name` into `out` and describe it."""
     t0 = time.perf_counter()
-    layout, modules, _ = step_modules(model_dir)
-    module, inputs, outputs = modules[name]
     path = out / GRAPH_FILES[name]
-    graph = describe(export_module(module, inputs, outputs, export_sizes(layout), path), path, inputs, outputs)
+    graph = describe(export_module(module, inputs, outputs, sizes, path), path, inputs, outputs)
     graph["export_seconds"] = round(time.perf_counter() - t0, 1)
     return graph
+
+
+def export_graph_from_checkpoint(model_dir: Path, name: str, out: Path) -> dict[str, Any]:
+    """`build_onnx`'s worker: a spawned process has nothing of its parent's, so it loads the checkpoint itself."""
+    layout, modules, _ = step_modules(model_dir)
+    return export_graph(name, *modules[name], export_sizes(layout), out)
 
 
 def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
@@ -95,21 +100,22 @@ def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], d
     spawned worker while this process exports the others (`MOL2_BUILD_WORKERS=0` exports all three here). The graphs
     do not depend on where they were exported (the manifest's hashes are the same)."""
     out.mkdir(parents=True, exist_ok=True)
+    layout, modules, head = step_modules(model_dir)
+    sizes = export_sizes(layout)
     graphs: dict[str, dict[str, Any]] = {}
     in_worker = ["encoder"] if os.environ.get("MOL2_BUILD_WORKERS", "1") != "0" and (os.cpu_count() or 1) > 1 else []
     with tqdm(total=len(GRAPH_FILES), desc="exporting", unit="graph") as bar, \
             ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pending = {name: pool.submit(export_graph, model_dir, name, out) for name in in_worker}
+        pending = {name: pool.submit(export_graph_from_checkpoint, model_dir, name, out) for name in in_worker}
         for name in GRAPH_FILES:
             if name not in pending:
-                graphs[name] = export_graph(model_dir, name, out)
+                graphs[name] = export_graph(name, *modules[name], sizes, out)
                 bar.update()
         for name, future in pending.items():
             graphs[name] = future.result()
             bar.update()
     graphs = {name: graphs[name] for name in GRAPH_FILES}
     tqdm.write("checking each graph against its module (onnxruntime CPU)")
-    layout, modules, head = step_modules(model_dir)
     parity = check_parity(out, layout, modules["encoder"][0], modules["decoder"][0], modules["pointer"][0], head)
     worst = {name: max(d.values()) for name, d in parity.items()}
     if any(v > PARITY_BOUND for v in worst.values()):
