@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from build_engines.export.layout import GraphTensor, StepLayout
+from build_engines.export.lora_grid import MIN_GRID_ROWS
 from plugins.tensorrt_support import require_tensorrt_plugin
 
 from .manifest import sha256_file
@@ -39,15 +40,16 @@ def profile_ranges(layout: StepLayout, graph: str, limits: TrtLimits, head_count
     cfg = layout.cfg
     stores = {f"N_{s}": (layout.min_global_entries, layout.padded_entries(1024 // layout.ratio[s]),
                          layout.padded_entries(limits.max_context // layout.ratio[s] + limits.prefill_chunk)) for s in layout.sources}
-    lora = {"A": (1, 5, limits.max_adapter_slots), "R": (1, 16, limits.max_rank)}
+    lora = {"A": (1, 5, limits.max_adapter_slots), "R": (1, 16, limits.max_rank), "U": (1, 4, limits.max_adapter_slots)}
     B = (1, 16, limits.max_batch)
     if graph == "encoder":
         return {"prefill": {"B": (1, 1, 1), "S": (1, 128, limits.prefill_chunk), **stores},
                 "decode": {"B": B, "S": (1, 1, 2), **stores}}
     if graph == "decoder":
         W = cfg.window_size
-        return {"replay": {"B": (1, 1, limits.max_batch), "S": (1, W, W), **stores, **lora},
-                "decode": {"B": B, "S": (1, 1, 2), **stores, **lora}}
+        grid = MIN_GRID_ROWS  # a LoRA grid row holds one used slot's positions (build_engines/export/lora_grid.py)
+        return {"replay": {"B": (1, 1, limits.max_batch), "S": (1, W, W), "C": (grid, W, limits.max_batch * W), **stores, **lora},
+                "decode": {"B": B, "S": (1, 1, 2), "C": (grid, 16, 2 * limits.max_batch), **stores, **lora}}
     hl = head_count * limits.max_options * limits.max_option_tokens
     return {"route": {"B": B, "n": (1, 4, limits.max_options), "HL": (1, head_count * 4 * 32, hl)}}
 

@@ -27,25 +27,49 @@ from .layout import LoraGroup
 
 
 class LoraInputs:
-    """The adapter bank of one call, by group name, gathered for each row's slot once per step."""
+    """The adapter bank of one call, by group name, and where each position's LoRA product is computed.
 
-    def __init__(self, groups: list[LoraGroup], slot: torch.Tensor, bank: tuple[torch.Tensor, ...]) -> None:
+    Why a grid instead of each row's own copy of its adapter: gathering the bank by row (`index_select` per row)
+    copied a whole adapter for every row of every group (1.8 MB a row for the embedded default), and each row's
+    product then ran as a GEMM of its own: together the largest growth of a 16-row step over one row. Instead the
+    slots the batch uses (`lora_used`) are gathered once, the positions of each slot are gathered into that slot's
+    row of a grid (`lora_rows`, padded by repeating a position), every LoRA product runs as one GEMM per used slot,
+    and each position reads its result back from the grid (`lora_at`). The grid is built by
+    `build_engines.export.lora_grid`.
+
+    Batch invariance: a slot's GEMM has at least two rows (the grid pads to two), and onnxruntime's CPU GEMM gives a
+    row the same bits for any row count from two up (docs/load.md: a single row takes another path when the right-
+    hand matrix is an input). So a position's result depends only on its own input and its adapter, alone or in any
+    batch, whichever slots and positions share the call."""
+
+    def __init__(self, groups: list[LoraGroup], used: torch.Tensor, rows: torch.Tensor, at: torch.Tensor,
+                 bank: tuple[torch.Tensor, ...]) -> None:
         self.by_module: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.experts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rows, self.at = rows, at
         for i, g in enumerate(groups):
-            a, b = bank[2 * i].index_select(0, slot), bank[2 * i + 1].index_select(0, slot)  # (B, ...)
+            a, b = bank[2 * i].index_select(0, used), bank[2 * i + 1].index_select(0, used)  # (U, ...)
             if g.kind == "linear":
                 self.by_module[g.modules[0]] = (a, b)
             else:
                 self.experts[g.name] = (a, b)
 
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (U, C, ...): each used slot's positions."""
+        U, C = self.rows.shape
+        return x.flatten(0, 1).index_select(0, self.rows.flatten()).view(U, C, *x.shape[2:])
+
+    def scatter(self, grid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """(U, C, ...) -> (B, S, ...): each position's result, read from its slot's row of the grid."""
+        return grid.flatten(0, 1).index_select(0, self.at.flatten()).view(*like.shape[:2], *grid.shape[2:])
+
     def linear(self, x: torch.Tensor, name: str, module: nn.Linear) -> torch.Tensor:
-        """x (B, S, in) -> x W^T + (x A) B for the row's adapter (B already carries alpha / r)."""
+        """x (B, S, in) -> x W^T + (x A) B for each position's adapter (B already carries alpha / r)."""
         base = x @ module.weight.float().t()
         if name not in self.by_module:
             return base
-        a, b = self.by_module[name]
-        return base + (x @ a) @ b
+        a, b = self.by_module[name]  # (U, in, R), (U, R, out)
+        return base + self.scatter((self.gather(x) @ a) @ b, x)
 
 
 class DecoderStep(StepModule):
@@ -59,11 +83,11 @@ class DecoderStep(StepModule):
         self.attentions = {l: engine.layers[str(l)].attn for l in layers if l > self.E}
 
     def forward(self, streams: torch.Tensor, ffn_pre: torch.Tensor, topk: torch.Tensor, candidates: torch.Tensor, start: torch.Tensor,
-                ring_start: torch.Tensor, rings: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor, lora_slot: torch.Tensor,
-                *lora_bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                ring_start: torch.Tensor, rings: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor, lora_used: torch.Tensor,
+                lora_rows: torch.Tensor, lora_at: torch.Tensor, *lora_bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg, E, W = self.cfg, self.E, self.cfg.window_size
         S = streams.shape[1]
-        lora = LoraInputs(self.groups, lora_slot, lora_bank)
+        lora = LoraInputs(self.groups, lora_used, lora_rows, lora_at, lora_bank)
         positions = chunk_positions(start, S, streams)
         win = window_rows(window_ring_positions(start, ring_start, W), positions, W, ring_start)
         ropes = RopeKinds(cfg, self.attentions)
@@ -82,16 +106,16 @@ class DecoderStep(StepModule):
     def _moe(self, layer: int, x: torch.Tensor, lora: LoraInputs) -> torch.Tensor:
         """Dense experts with each row's adapter on every expert's w1/w3 and w2."""
         experts = self.experts[layer]
-        B, S = x.shape[0], x.shape[1]
         G, inter = experts.count, experts.inter
         h13 = x @ experts.w13  # (B, S, G*2*I)
-        a13, b13 = lora.experts[f"layers.{layer}.ffn.experts_w13"]  # (B, dim, 2G, R), (B, 2G, R, I)
-        u = (x @ a13.flatten(2)).view(B, S, 2 * G, -1).transpose(1, 2)  # (B, 2G, S, R)
-        h13 = h13 + (u @ b13).transpose(1, 2).reshape(B, S, 2 * G * inter)
+        a13, b13 = lora.experts[f"layers.{layer}.ffn.experts_w13"]  # (U, dim, 2G, R), (U, 2G, R, I)
+        U, C = lora.rows.shape
+        u = (lora.gather(x) @ a13.flatten(2)).view(U, C, 2 * G, -1).transpose(1, 2)  # (U, 2G, C, R)
+        h13 = h13 + lora.scatter((u @ b13).transpose(1, 2).reshape(U, C, 2 * G * inter), x)
         act = experts.activations(h13, experts.routing_weights(x))  # (B, S, G*I)
-        a2, b2 = lora.experts[f"layers.{layer}.ffn.experts_w2"]  # (B, G, I, R), (B, G, R, dim)
-        v = (act.view(B, S, G, inter).transpose(1, 2) @ a2).transpose(1, 2).reshape(B, S, -1)  # (B, S, G*R)
-        return act @ experts.w2 + v @ b2.flatten(1, 2)
+        a2, b2 = lora.experts[f"layers.{layer}.ffn.experts_w2"]  # (U, G, I, R), (U, G, R, dim)
+        v = (lora.gather(act).view(U, C, G, inter).transpose(1, 2) @ a2).transpose(1, 2).reshape(U, C, -1)  # (U, C, G*R)
+        return act @ experts.w2 + lora.scatter(v @ b2.flatten(1, 2), x)
 
     def _attention(self, l: int, x: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, win: torch.Tensor, kv_store: torch.Tensor,
                    index_store: torch.Tensor, candidates: torch.Tensor, ropes: RopeKinds, lora: LoraInputs, ctx: dict[str, torch.Tensor],

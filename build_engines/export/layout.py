@@ -160,7 +160,9 @@ class StepLayout:
                         "the active adapter's rings of layers E+1..L-1"),
             GraphTensor("kv", "float32", ("B", f"N_{E}", cfg.head_dim), f"layer {E}'s global KV mirror, these rows included"),
             GraphTensor("index_k", "float32", ("B", f"N_{E}", cfg.index_head_dim), f"layer {E}'s index keys, these rows included"),
-            GraphTensor("lora_slot", "int64", ("B",), "adapter slot of each row (0 = base)"),
+            GraphTensor("lora_used", "int64", ("U",), "bank slots this step uses (0 = base), ascending"),
+            GraphTensor("lora_rows", "int64", ("U", "C"), "positions (b * S + s) on each used slot, padded by repeating one (C >= 2)"),
+            GraphTensor("lora_at", "int64", ("B", "S"), "each position's place in that grid: u * C + c (`lora_grid.py`)"),
         ]
         for g in self.lora_groups():
             a, b = self.lora_shapes(g)

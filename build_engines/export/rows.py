@@ -27,6 +27,7 @@ from build_engines.model.config import CEDConfig
 
 from .arena import ArenaField, StepArena
 from .layout import StepLayout
+from .lora_grid import lora_grid
 
 F32 = np.float32
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
@@ -300,7 +301,7 @@ def decoder_inputs(layout: StepLayout, rows: list[DecoderRow], handover: list[di
     feed.update({
         "start": np.asarray(starts, np.int64),
         "ring_start": np.asarray(ring_starts, np.int64),
-        "lora_slot": np.asarray(slots, np.int64),
+        **lora_grid(slots, rows_in[0]["streams"].shape[0]),
     })
     if handover is not None and arena is not None and len(rows) > 1:
         feed.update(arena.stack(rows, decoder_fields(length)))

@@ -10,6 +10,7 @@ import torch
 
 from build_engines.export.decoder_step import DecoderStep
 from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.lora_grid import lora_grid, row_slots
 from build_engines.export.parity import torch_runner
 from build_engines.export.pointer_step import PointerStep
 from build_engines.formats.checkpoint import load_checkpoint
@@ -18,7 +19,7 @@ from build_engines.routing.pointer_head import load_router_head
 
 from .interface import Arrays, StepEngine
 
-PER_ROW = {"encoder": ("tokens", "start", "rings"), "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k", "lora_slot")}
+PER_ROW = {"encoder": ("tokens", "start", "rings"), "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k")}
 
 
 class TorchEngine(StepEngine):
@@ -52,7 +53,13 @@ class TorchEngine(StepEngine):
         return _by_row(self._runner("encoder"), feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
 
     def decoder(self, feed: Arrays) -> Arrays:
-        return _by_row(self._runner("decoder"), {**feed, **self.lora_bank}, batch_inputs=set(PER_ROW["decoder"]))
+        """Row by row like every step here, each row with its own one-slot LoRA grid."""
+        run, steps = self._runner("decoder"), feed["streams"].shape[1]
+        parts = []
+        for b, slot in enumerate(row_slots(feed)):
+            row = {k: v[b:b + 1] for k, v in feed.items() if k in PER_ROW["decoder"]}
+            parts.append(run({**row, **lora_grid([int(slot)], steps), **self.lora_bank}))
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     def pointer(self, feed: Arrays) -> Arrays:
         return _by_row(self._runner("pointer"), feed, batch_inputs={"h19", "option_mask"})
