@@ -38,7 +38,7 @@ def lora_grid(slots: Sequence[int], steps: int) -> dict[str, np.ndarray]:
         filled[u] += steps
     for u, count in enumerate(filled):
         rows[u, count:] = rows[u, 0]
-    return {"lora_used": used.astype(np.int64), "lora_rows": rows, "lora_at": at}
+    return {"lora_used": used, "lora_rows": rows, "lora_at": at}
 
 
 def row_slots(feed: dict[str, np.ndarray]) -> np.ndarray:

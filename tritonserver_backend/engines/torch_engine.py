@@ -54,22 +54,21 @@ class TorchEngine(StepEngine):
 
     def decoder(self, feed: Arrays) -> Arrays:
         """Row by row like every step here, each row with its own one-slot LoRA grid."""
-        run, steps = self._runner("decoder"), feed["streams"].shape[1]
-        parts = []
-        for b, slot in enumerate(row_slots(feed)):
-            row = {k: v[b:b + 1] for k, v in feed.items() if k in PER_ROW["decoder"]}
-            parts.append(run({**row, **lora_grid([int(slot)], steps), **self.lora_bank}))
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        slots, steps = row_slots(feed), feed["streams"].shape[1]
+        return _by_row(self._runner("decoder"), {**feed, **self.lora_bank}, batch_inputs=set(PER_ROW["decoder"]),
+                       row_inputs=lambda b: lora_grid([int(slots[b])], steps))
 
     def pointer(self, feed: Arrays) -> Arrays:
         return _by_row(self._runner("pointer"), feed, batch_inputs={"h19", "option_mask"})
 
 
-def _by_row(run, feed: Arrays, batch_inputs: set[str]) -> Arrays:  # type: ignore[no-untyped-def]
+def _by_row(run, feed: Arrays, batch_inputs: set[str], row_inputs: Callable[[int], Arrays] | None = None) -> Arrays:  # type: ignore[no-untyped-def]
     """Run each batch row alone and stack the results: PyTorch's CPU GEMM picks kernels by row count, so a row's
-    result would otherwise depend on how many other rows share the call."""
+    result would otherwise depend on how many other rows share the call. `row_inputs(b)` replaces inputs that are
+    not sliced by row (the decoder's LoRA grid) with row b's own."""
     rows = next(feed[k] for k in batch_inputs if k in feed).shape[0]
     if rows == 1:
         return run(feed)
-    parts = [run({k: (v[b:b + 1] if k in batch_inputs else v) for k, v in feed.items()}) for b in range(rows)]
+    parts = [run({**{k: (v[b:b + 1] if k in batch_inputs else v) for k, v in feed.items()}, **(row_inputs(b) if row_inputs else {})})
+             for b in range(rows)]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
