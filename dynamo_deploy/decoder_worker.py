@@ -40,7 +40,7 @@ class Sink:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     closed: bool = False
 
-    def put(self, item: tuple[str, Any, Any]) -> None:
+    def put(self, item: tuple[str, Any, Any, Any]) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
@@ -75,12 +75,13 @@ class DecoderWorker:
 
     def _emit(self, turn: Turn, token: int, reason: str) -> bool:
         sink: Sink = turn.context  # type: ignore[assignment]
-        sink.put(("token", token, reason))
+        logprob = turn.logprobs[-1].logprob if token >= 0 and turn.params.logprobs else None
+        sink.put(("token", token, reason, logprob))
         return not sink.closed
 
     def _fail(self, request: TurnRequest | Turn, exc: BaseException) -> None:
         sink: Sink = request.context  # type: ignore[assignment]
-        sink.put(("error", f"{type(exc).__name__}: {exc}", None))
+        sink.put(("error", f"{type(exc).__name__}: {exc}", None, None))
 
     async def turn(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         rows, _ = await self.channel.take(request["handover"])  # NIXL: read in full before the turn is admitted
@@ -95,13 +96,13 @@ class DecoderWorker:
         watcher = asyncio.ensure_future(self._stop_when_told(context, sink))
         try:
             while True:
-                kind, a, b = await sink.queue.get()
+                kind, a, b, logprob = await sink.queue.get()
                 if kind == "error":
                     yield {"error": a}
                     return
                 if a >= 0:
                     generated += 1
-                    yield {"token": int(a)}
+                    yield {"token": int(a)} if logprob is None else {"token": int(a), "logprob": logprob}
                 if b:
                     self.stats.add(turns=1, generated_tokens=generated)
                     self.stats.flush()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import time
@@ -85,6 +86,8 @@ class EncoderWorker:
             raise ValueError("the prompt must end with the assistant prompt (a chat request, not a partial reply)")
         key = (request.get("agent_context") or {}).get("session_id") or "anon-" + fingerprint(prompt, self.tokenizer.end_of_turn_id)
         params = sampling_params(request)
+        if self.settings.record_logprobs:
+            params = dataclasses.replace(params, logprobs=True)
         explicit = explicit_adapter(request.get("model"))  # an explicit adapter always wins over routing
         for _ in range(1 + len(self.decoders.instance_ids())):
             try:
@@ -135,6 +138,7 @@ class EncoderWorker:
         self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(handover), handover_turn_rows=int(handover["positions"].size),
                        handover_turn_pack_s=time.perf_counter() - t0)
         generated: list[int] = []
+        logprobs: list[float] = []
         started = False
         log = dict(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id), decoder=target,
                    rebuilt=rebuilt, prompt_tokens=len(prompt), new_tokens=int(handover["positions"].size), adapter_hash=int(routed),
@@ -155,13 +159,16 @@ class EncoderWorker:
                 started = True
                 if "token" in data:
                     generated.append(int(data["token"]))
+                    if "logprob" in data:
+                        logprobs.append(float(data["logprob"]))
                     yield {"token_ids": [int(data["token"])], "index": 0}
                 if "finish" in data:
                     self.settling.pop(sid, None)
                     record.expected = prompt + reply_ids(self.tokenizer, generated)
                     record.turns += 1
                     self.stats.add(turns=1, rebuilds=int(rebuilt))
-                    self.stats.log_turn(**log, tokens=generated, finish=data["finish"])
+                    self.stats.log_turn(**log, tokens=generated, finish=data["finish"],
+                                        **({"logprobs": logprobs} if params.logprobs else {}))
                     self.stats.flush()
                     yield {"token_ids": [], "index": 0, "finish_reason": openai_finish(data["finish"])}
                     return

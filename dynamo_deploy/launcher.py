@@ -37,6 +37,7 @@ class Deployment:
     max_context: int = 2048
     affinity_ttl_s: int = 3600
     nixl_threshold_bytes: int = 0  # hand-overs from this size move through NIXL (0: NIXL off, all inline; transfer.py)
+    record_logprobs: bool = False  # turns.jsonl keeps each token's log-probability (tests compare them bit for bit)
     python: Path = field(default_factory=lambda: Path(os.environ.get("MOL2_DYNAMO_PYTHON", DYNAMO_PYTHON)))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -70,7 +71,7 @@ class Deployment:
             "-m", f"dynamo_deploy.{role}_worker", "--index", str(index), "--run-dir", str(self.run_dir),
             "--model-dir", str(self.model_dir), "--engine-dir", str(self.engine_dir),
             "--registry-root", str(self.run_dir / "registry"), "--backend", self.backend, "--max-context", str(self.max_context),
-            "--nixl-threshold-bytes", str(self.nixl_threshold_bytes)])
+            "--nixl-threshold-bytes", str(self.nixl_threshold_bytes), *(["--record-logprobs"] if self.record_logprobs else [])])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")

@@ -28,7 +28,7 @@ def sampling_params(request: dict[str, Any]) -> SamplingParams:
 def params_to_json(p: SamplingParams) -> dict[str, Any]:
     return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "stop": list(p.stop),
             "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
-            "repetition_penalty": p.repetition_penalty}
+            "repetition_penalty": p.repetition_penalty, "logprobs": p.logprobs, "top_logprobs": p.top_logprobs}
 
 
 def params_from_json(d: dict[str, Any]) -> SamplingParams:

@@ -35,6 +35,7 @@ class WorkerSettings:
     backend: str = "onnx"
     max_context: int = 2048
     nixl_threshold: int = 0  # hand-overs of at least this many bytes move through NIXL; <= 0: all inline (transfer.py)
+    record_logprobs: bool = False  # every turn computes its tokens' log-probabilities and turns.jsonl keeps them
 
     @classmethod
     def from_args(cls, role: str, argv: list[str] | None = None) -> "WorkerSettings":
@@ -49,9 +50,12 @@ class WorkerSettings:
         p.add_argument("--nixl-threshold-bytes", type=int, default=0,
                        help="hand-overs of at least this many bytes move through NIXL, smaller ones inline; 0 (default) = "
                             "NIXL off: its agent busy-polls a core per worker (docs/scale_out.md)")
+        p.add_argument("--record-logprobs", action="store_true",
+                       help="compute every token's log-probability and keep them in turns.jsonl (what the tests "
+                            "compare bit for bit)")
         a = p.parse_args(argv)
         return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context,
-                   a.nixl_threshold_bytes)
+                   a.nixl_threshold_bytes, a.record_logprobs)
 
     @property
     def name(self) -> str:

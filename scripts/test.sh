@@ -9,8 +9,9 @@
 #
 # On two cores most of the time went to work that leaves the second core idle: pip installing .venv-dynamo and
 # .venv-quant, and single-threaded ONNX exports. So, after .venv:
-#   1. the two other environments install while the embedded default's engines build (the tests reuse them: the build
-#      is idempotent, and its directory lock makes a concurrent builder wait and reuse);
+#   1. the two other environments install while the embedded default's engines build and the corpora are prepared
+#      into artifacts/data (the tests reuse both: each step is idempotent, and a lock makes a concurrent builder or
+#      preparer wait and reuse; tests/real_data.py);
 #   2. the build-stage and plugin tests (exports, quantized builds, kernels; no server, no timing) run on two pytest-xdist
 #      workers, a file per worker;
 #   3. every other test runs in one process: they start tritonservers, Dynamo workers and clients, and some check
@@ -36,6 +37,7 @@ in_background() {  # NAME COMMAND...: run COMMAND with its output in $LOGS/NAME.
 in_background dynamo-venv bash scripts/setup_dynamo.sh
 in_background quant-venv bash scripts/setup_quant.sh
 in_background default-engines .venv/bin/python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
+in_background corpora .venv/bin/python -m tests.real_data
 failed=0
 for i in "${!pids[@]}"; do
     if wait "${pids[$i]}"; then
@@ -46,7 +48,7 @@ for i in "${!pids[@]}"; do
 done
 [ "$failed" = 0 ] || exit 1
 
-PARALLEL=(tests/build_engines tests/plugins tests/test_collection.py)
+PARALLEL=(tests/build_engines tests/plugins tests/test_collection.py tests/test_docs.py)
 status=0
 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "" --durations=15 "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
 .venv/bin/python -m pytest -q -m "" --durations=25 tests "${PARALLEL[@]/#/--ignore=}" || status=$?

@@ -1,4 +1,5 @@
-"""Shared fixtures: a fresh random seed per test, and a tiny network drawn with it."""
+"""Shared fixtures: a fresh random seed per test, a tiny network drawn with it, and (session-wide, made on first use)
+the embedded default's engines and the prepared corpora."""
 
 from __future__ import annotations
 
@@ -31,10 +32,17 @@ def net(seed: int) -> CEDNetwork:
 @pytest.fixture(scope="session")
 def default_engines():  # type: ignore[no-untyped-def]
     """The embedded default's ONNX engines, built (about a minute) or reused when current, as `scripts/main.sh` does."""
-    if not (EMBEDDED / "model.safetensors").exists():
-        pytest.skip("the embedded default is not built")
     from build_engines.build.cli import main as build
 
     code = build(["--model", str(EMBEDDED), "--out", str(DEFAULT_ENGINES)])
     assert code == 0, f"python -m build_engines build exited {code}"
     return DEFAULT_ENGINES
+
+
+@pytest.fixture(scope="session")
+def real_data():  # type: ignore[no-untyped-def]
+    """The real corpora in artifacts/data, prepared (about 25 s from the download cache, 1.5 min without) or reused
+    when current (tests/real_data.py), for the checks of the shipped settings on real text."""
+    from tests.real_data import ensure_real_data
+
+    return ensure_real_data()

@@ -24,6 +24,9 @@ class Reply:
     adapter: str = ""
     finish_reason: str = ""
     error: str | None = None
+    logprobs: list[float] = field(default_factory=list)  # with TurnRequest.logprobs: one per token id
+    top_token_ids: list[list[int]] = field(default_factory=list)  # with top_logprobs k: k ids per token
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -47,6 +50,8 @@ class TurnRequest:
     history: str | None = None
     end_session: bool = False
     stream: bool = True  # False: the whole reply in one response (HttpChat then calls /generate)
+    logprobs: bool = False  # each token's log-probability comes back in Reply.logprobs
+    top_logprobs: int | None = None  # and the k most likely alternatives at each position
 
     def tensors(self) -> dict[c.TensorSpec, Any]:
         values: dict[c.TensorSpec, Any] = {c.SESSION_ID: self.session_id, c.TEXT: self.text}
@@ -64,6 +69,8 @@ class TurnRequest:
             c.HISTORY: self.history,
             c.END_SESSION: self.end_session or None,
             c.STREAM: None if self.stream else False,
+            c.LOGPROBS: self.logprobs or None,
+            c.TOP_LOGPROBS: self.top_logprobs,
         }
         values.update({k: v for k, v in optional.items() if v is not None})
         return values
@@ -76,13 +83,21 @@ def _numpy(spec: c.TensorSpec, value: Any) -> np.ndarray:
     return np.asarray([value], dtype=spec.numpy_dtype)
 
 
-def _add(reply: Reply, tokens: list[int], piece: str, adapter: str, finish: str) -> None:
+def _add(reply: Reply, tokens: list[int], piece: str, adapter: str, finish: str,
+         logprobs: tuple[Any, Any, Any] | None = None) -> None:
     """One streamed response: its token ids (several when the server groups them, `stream_interval`; [-1] on the final
-    response) and their text."""
+    response), their text and, when asked for, their log-probabilities (token, top ids, top log-probabilities)."""
     ids = [t for t in tokens if t >= 0]
     if ids:
         reply.token_ids.extend(ids)
         reply.pieces.append(piece)
+    if logprobs is not None:
+        token_lp, top_ids, top_lp = (np.asarray(v) for v in logprobs)
+        reply.logprobs.extend(float(x) for x in token_lp.reshape(-1))
+        k = top_ids.size // token_lp.size if token_lp.size else 0  # HTTP's JSON flattens (tokens, k)
+        if k:
+            reply.top_token_ids.extend([int(x) for x in row] for row in top_ids.reshape(-1, k))
+            reply.top_logprobs.extend([float(x) for x in row] for row in np.asarray(top_lp, np.float32).reshape(-1, k))
     reply.adapter = adapter or reply.adapter
     reply.finish_reason = finish or reply.finish_reason
 
@@ -114,7 +129,9 @@ def _take(reply: Reply, result: Any, error: Any, on_piece: Callable[[str], None]
     token_ids = result.as_numpy(c.TOKEN_ID_OUT.name)
     if token_ids is not None:
         ids, piece = [int(t) for t in token_ids.reshape(-1)], _grpc_text(result, c.TEXT_OUTPUT)
-        _add(reply, ids, piece, _grpc_text(result, c.ADAPTER_NAME), _grpc_text(result, c.FINISH_REASON))
+        lp = tuple(result.as_numpy(s.name) for s in c.LOGPROB_OUTPUTS)
+        _add(reply, ids, piece, _grpc_text(result, c.ADAPTER_NAME), _grpc_text(result, c.FINISH_REASON),
+             None if any(v is None for v in lp) else lp)
         if on_piece is not None and any(t >= 0 for t in ids):  # token-carrying responses, not the final one
             on_piece(piece)
     return final is not None and final.bool_param
@@ -208,7 +225,9 @@ class HttpChat:
                     piece = str(_scalar(event.get(c.TEXT_OUTPUT.name, "")))
                     ids = event[c.TOKEN_ID_OUT.name]
                     ids = [int(t) for t in (ids if isinstance(ids, list) else [ids])]
-                    _add(reply, ids, piece, str(_scalar(event.get(c.ADAPTER_NAME.name, ""))), str(_scalar(event.get(c.FINISH_REASON.name, ""))))
+                    lp = tuple(event.get(s.name) for s in c.LOGPROB_OUTPUTS)
+                    _add(reply, ids, piece, str(_scalar(event.get(c.ADAPTER_NAME.name, ""))), str(_scalar(event.get(c.FINISH_REASON.name, ""))),
+                         None if any(v is None for v in lp) else lp)
                     if on_piece is not None and any(t >= 0 for t in ids):
                         on_piece(piece)
             return reply

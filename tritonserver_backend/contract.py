@@ -51,11 +51,17 @@ REPETITION_PENALTY = TensorSpec("repetition_penalty", "FP32", (1,), True, "(0, 1
 PENALTIES = (FREQUENCY_PENALTY, PRESENCE_PENALTY, REPETITION_PENALTY)
 END_SESSION = TensorSpec("end_session", "BOOL", (1,), True, "true drops the session after this turn")
 STREAM = TensorSpec("stream", "BOOL", (1,), True, "false: the whole reply in one response (what Triton's HTTP /generate needs); default true: a response per token")
+LOGPROBS = TensorSpec("logprobs", "BOOL", (1,), True, "true: each token's log-probability under the model (log-softmax of the engine's logits, before penalties and temperature) comes back in token_logprob")
+TOP_LOGPROBS = TensorSpec("top_logprobs", "INT32", (1,), True, "0..20 (needs logprobs): the k most likely tokens at each position and their log-probabilities (top_token_id, top_logprob)")
 
 TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,), doc="one streamed piece of the reply (the text of this response's token ids)")
 TOKEN_ID_OUT = TensorSpec("token_id", "INT32", (-1,), doc="the streamed token ids, one per token of text_output (several with stream_interval > 1); [-1] on the final, empty response; with stream=false every id of the reply")
 ADAPTER_NAME = TensorSpec("adapter_name", "BYTES", (1,), doc='adapter that produced the reply ("base" for none)')
 FINISH_REASON = TensorSpec("finish_reason", "BYTES", (1,), doc='"" while streaming; "stop", "length" or "end_of_turn" on the last response')
+TOKEN_LOGPROB_OUT = TensorSpec("token_logprob", "FP32", (-1,), doc="with logprobs: one log-probability per id of token_id; empty without logprobs and on the final, empty response")
+TOP_TOKEN_ID_OUT = TensorSpec("top_token_id", "INT32", (-1, -1), doc="with top_logprobs k: (tokens, k) the most likely ids at each position, most likely first; (tokens, 0) without")
+TOP_LOGPROB_OUT = TensorSpec("top_logprob", "FP32", (-1, -1), doc="with top_logprobs k: (tokens, k) their log-probabilities")
+LOGPROB_OUTPUTS = (TOKEN_LOGPROB_OUT, TOP_TOKEN_ID_OUT, TOP_LOGPROB_OUT)
 
 # ------------------------------------------------------------------------------------ between models
 TOKEN_IDS = TensorSpec("TOKEN_IDS", "INT64", (-1,), doc="the user turn rendered by the chat template (ends with the assistant prompt); H19 is pooled over it")
@@ -105,22 +111,24 @@ class ModelSpec:
 # optional and preprocess, its first step, refuses a request without them with a clear error.
 SESSION_ID_IN = SESSION_ID.as_optional("conversation id: required; declared optional to Triton so that preprocess can answer its absence")
 TEXT_IN = TEXT.as_optional("the user turn: required; declared optional to Triton so that preprocess can answer its absence")
-PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES), (TOKEN_IDS, PREFIX_IDS, START))
+PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, LOGPROBS, TOP_LOGPROBS), (TOKEN_IDS, PREFIX_IDS, START))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 # the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two
 # more IPC round trips) per streamed token per session, the largest per-token cost of the batched path (docs/load.md)
 DECODER = ModelSpec(
     "decoder",
-    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM, CONTROL),
-    (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON),
+    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM,
+     LOGPROBS, TOP_LOGPROBS, CONTROL),
+    (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS),
     decoupled=True,
 )
 ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
 SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION), (RESULT,))
 ENSEMBLE_NAME = "mol2"
-ENSEMBLE_INPUTS = (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM)
-ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON)
+ENSEMBLE_INPUTS = (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM,
+                   LOGPROBS, TOP_LOGPROBS)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS)
 MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN, SESSION_CONTROL)
 
 

@@ -10,6 +10,10 @@ REPLAYS, REPLAY_TOKENS, EXPLICIT = "replays", "replay_tokens", "explicit_overrid
 REJECTED = "routing_decisions_rejected"
 ENCODED_TOKENS = "encoded_tokens"  # the encoder's, labelled by kind (TURN: user turns and rebuilt history, STEP: replies)
 TURN, STEP = "turn", "step"
+# the decoder's batching, labelled by kind (REPLAY: bounded replays of starting turns, DECODE: one token per turn):
+# rows / steps above 1 is what shows that turns of different sessions shared engine calls
+DECODER_STEPS, DECODER_ROWS, REPLAY_PADDING = "decoder_steps", "decoder_step_rows", "replay_padding_positions"
+REPLAY, DECODE = "replay", "decode"
 DESCRIPTIONS = {
     WRITTEN: "routing decisions written by the router (explicit overrides included)",
     READ: "routing decisions read by the decoder",
@@ -18,6 +22,9 @@ DESCRIPTIONS = {
     REPLAYS: "bounded replays run by the decoder",
     REPLAY_TOKENS: "positions replayed through the decoder",
     EXPLICIT: "requests whose explicit adapter overrode the router",
+    DECODER_STEPS: "decoder engine calls (kind=replay: a batch of bounded replays, kind=decode: one token for every active turn)",
+    DECODER_ROWS: "sessions' rows in those calls (rows / steps is the mean batch size)",
+    REPLAY_PADDING: "inert front-padding positions added so that replays of different lengths share one call",
     ENCODED_TOKENS: "tokens run through the encoder (kind=turn: user turns and any rebuilt history; kind=step: generated tokens fed back)",
 }
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from build_engines.export.arena_pool import ArenaPool
-from build_engines.export.rows import HANDOVER_FIELDS, DecoderRow, absorb_decoder, decoder_inputs
+from build_engines.export.rows import HANDOVER_FIELDS, DecoderRow, absorb_decoder, decoder_inputs, replay_length
 from build_engines.lora import Adapter
 from build_engines.model.network import CEDNetwork
 
@@ -30,6 +30,25 @@ from .sampling import Sampler, SamplingParams
 from .session_store import SessionStore
 
 FINISH_EOT, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED = "end_of_turn", "length", "stop", "cancelled"
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the position's most likely alternatives (`top_logprobs` of them)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
+    """Log-softmax of the engine's logits in fp32 (the model's own distribution: penalties and temperature only shape
+    what the sampler draws), read at `token` and at the `top` most likely ids (ties: the lower id first)."""
+    lp = torch.log_softmax(torch.from_numpy(np.asarray(logits, np.float32)), dim=-1)
+    if not top:
+        return TokenLogprobs(float(lp[token]))
+    order = np.lexsort((np.arange(lp.shape[0]), -lp.numpy()))[:top]
+    return TokenLogprobs(float(lp[token]), tuple(int(i) for i in order), tuple(float(lp[i]) for i in order))
 
 
 @dataclass
@@ -50,6 +69,7 @@ class Turn:
     end_session: bool = False
     context: object = None  # what the caller needs to answer (a response sender)
     unsent: list[int] = field(default_factory=list)  # sampled tokens not streamed yet (a stream interval above 1)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs: one per generated token
 
     @property
     def adapter_name(self) -> str:
@@ -118,10 +138,19 @@ class DecoderService:
     def count_applied(self, turns: list[Turn]) -> None:
         """Counters of replayed turns. Separate from `replay`, which may run on the engine thread: counters become
         Triton metrics, and only the thread that owns `pb_utils` may touch those."""
+        counts = [t.row.replay_count for t in turns]
+        length = replay_length(counts, self.cfg.window_size)
+        self.count_step(k.REPLAY, len(turns))
+        self.counters.add(k.REPLAY_PADDING, k.REPLAY, sum(length - n for n in counts))
         for turn in turns:
             self.counters.add(k.APPLIED, turn.adapter_name)
             self.counters.add(k.REPLAYS, turn.adapter_name)
             self.counters.add(k.REPLAY_TOKENS, turn.adapter_name, turn.row.replay_count)
+
+    def count_step(self, kind: str, rows: int) -> None:
+        """One decoder engine call of `rows` sessions (on the thread that owns the metrics, like `count_applied`)."""
+        self.counters.add(k.DECODER_STEPS, kind)
+        self.counters.add(k.DECODER_ROWS, kind, rows)
 
     def _check_rows(self, handover: Handover) -> None:
         """Inner shapes against this model, positions consecutive: a malformed hand-over never reaches the engine."""
@@ -144,6 +173,8 @@ class DecoderService:
             turn.finish = FINISH_EOT
             return None
         turn.generated.append(token)
+        if turn.params.logprobs:
+            turn.logprobs.append(token_logprobs(turn.logits, token, turn.params.top_logprobs))
         if turn.params.stop and any(s in self.tokenizer.decode(turn.generated) for s in turn.params.stop):
             turn.finish = FINISH_STOP
         elif len(turn.generated) >= turn.limit:

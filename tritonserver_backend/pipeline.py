@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .counters import Counters
-from .decoder_service import DecoderService, Turn
+from .decoder_service import DecoderService, TokenLogprobs, Turn
 from .encoder_service import EncoderService, Handover
 from .engines import open_engine
 from .registry import Registry
@@ -30,6 +30,7 @@ class TurnResult:
     adapter: str
     finish_reason: str
     pieces: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs: one per token id
 
 
 class DirectEncoderPort:
@@ -77,9 +78,11 @@ class InProcessPipeline:
         finish: list[str] = []
         failure: list[BaseException] = []
         used: list[str] = []
+        logprobs: list[TokenLogprobs] = []
 
         def emit(turn: Turn, token: int, reason: str) -> bool:
             used[:] = [turn.adapter_name]
+            logprobs[:] = turn.logprobs
             if token >= 0:
                 tokens.append(token)
             if reason:
@@ -94,4 +97,4 @@ class InProcessPipeline:
             raise failure[0]
         pieces = [self.text.piece(t) for t in tokens]
         adapter = used[0] if used else self.registry.name_of(request.adapter_hash)
-        return TurnResult(tokens, self.text.decode(tokens), adapter, finish[0] if finish else "", pieces)
+        return TurnResult(tokens, self.text.decode(tokens), adapter, finish[0] if finish else "", pieces, logprobs)

@@ -1,7 +1,7 @@
 """Render the model repository's config.pbtxt files from the tensor contract.
 
-`python -m tritonserver_backend.repository` rewrites `model_repository/*/config.pbtxt` (committed; a test checks
-they match the contract). Paths in the parameters are relative to the project root (the model repository's
+`python -m tritonserver_backend.repository --out DIR` writes a deployable repository (configs, model.py files, absolute
+paths); `--out model_repository --force` rewrites the committed configs (a test checks they match the contract). Paths in the parameters are relative to the project root (the model repository's
 parent), so `tritonserver --model-repository model_repository` serves the embedded default as it is.
 """
 
@@ -106,19 +106,49 @@ def contract_markdown() -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("model_repository"))
+PATH_PARAMETERS = ("model_dir", "registry_root", "engine_dir", "admin_key_file")  # resolved against the project root
+PROJECT_ROOT = SOURCE_REPOSITORY.parent
+
+
+def absolute_paths(params: dict[str, str]) -> dict[str, str]:
+    """Relative path parameters made absolute against the project root: the models resolve relative ones against
+    their repository's parent, which is the project root only for the committed `model_repository`."""
+    out = dict(params)
+    for key in PATH_PARAMETERS:
+        if out.get(key) and not Path(out[key]).is_absolute():
+            out[key] = str(PROJECT_ROOT / out[key])
+    if out.get("adapter_roots"):
+        out["adapter_roots"] = ":".join(p if Path(p).is_absolute() else str(PROJECT_ROOT / p) for p in out["adapter_roots"].split(":"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="--out DIR writes a deployable repository (configs and model.py files, paths made absolute); "
+               "rewriting the committed model_repository/ needs --out model_repository --force.")
+    parser.add_argument("--out", type=Path, required=True, help="folder of the repository to write")
+    parser.add_argument("--force", action="store_true", help="allowed to rewrite the committed model_repository/")
     for key, value in DEFAULT_PARAMETERS.items():
         parser.add_argument(f"--{key.replace('_', '-')}", default=value)
     args = parser.parse_args(argv)
     params = {k: getattr(args, k) for k in DEFAULT_PARAMETERS}
-    for path, text in render(args.out, params).items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        (path.parent / "1").mkdir(exist_ok=True)
-        path.write_text(text)
+    if args.out.resolve() == SOURCE_REPOSITORY.resolve():
+        if not args.force:
+            parser.error(f"{args.out} is the committed repository (its configs are checked against the contract); "
+                         "render elsewhere with --out DIR, or pass --force to rewrite it")
+        written = render(args.out, params)
+        for path, text in written.items():
+            path.write_text(text)
+    else:
+        build_repository(args.out, absolute_paths(params))
+        written = render(args.out, params)
+    for path in written:
         print(f"wrote {path}")
+    if args.out.resolve() != SOURCE_REPOSITORY.resolve():
+        print(f"serve it: tritonserver --model-repository {args.out}   (or scripts/tritonserver.py start --model-repository {args.out})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -11,6 +11,7 @@ DEFAULT_MAX_TOKENS = 64
 MAX_TOKENS_LIMIT = 4096
 PENALTY_LIMIT = 2.0  # the OpenAI API's range for frequency and presence penalties
 REPETITION_LIMIT = 10.0
+TOP_LOGPROBS_LIMIT = 20  # the OpenAI API's limit for top_logprobs
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI semantics: logit -= penalty * count of the token in the reply so far
     presence_penalty: float = 0.0  # logit -= penalty once the token appeared in the reply
     repetition_penalty: float = 1.0  # CTRL / HF semantics: a seen token's logit is divided (>0) or multiplied (<0) by it
+    logprobs: bool = False  # return each sampled token's log-probability (log-softmax of the raw logits)
+    top_logprobs: int = 0  # and the k most likely tokens at each position with theirs
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -38,6 +41,10 @@ class SamplingParams:
                 raise BadRequest(f"{name} must lie in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= REPETITION_LIMIT:
             raise BadRequest(f"repetition_penalty must lie in (0, {REPETITION_LIMIT:g}], got {self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= TOP_LOGPROBS_LIMIT:
+            raise BadRequest(f"top_logprobs must lie in 0..{TOP_LOGPROBS_LIMIT}, got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true")
 
     @property
     def penalised(self) -> bool:

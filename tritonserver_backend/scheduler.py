@@ -285,6 +285,8 @@ class TurnScheduler:
             except Exception as exc:  # noqa: BLE001
                 for turn in turns:
                     self._abort(turn, exc)
+                return
+            self.decoder.count_step(k.DECODE, len(turns))
             return
         if len(turns) == 1:
             self._abort(turns[0], advancing)

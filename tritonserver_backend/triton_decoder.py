@@ -18,7 +18,7 @@ import numpy as np
 
 from . import contract as c
 from . import triton_glue as glue
-from .decoder_service import Turn
+from .decoder_service import TokenLogprobs, Turn
 from .encoder_service import Handover
 from .errors import BadRequest
 from .handover_codec import rows_from_arrays
@@ -112,16 +112,28 @@ class Emitter:
         if turn.unsent:
             self._flush(turn, sender, "", 0)
         if token < 0:
-            outputs = {c.TEXT_OUTPUT: "", c.TOKEN_ID_OUT: -1, c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish}
+            outputs = {c.TEXT_OUTPUT: "", c.TOKEN_ID_OUT: -1, c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish,
+                       **logprob_outputs(turn, [])}
             sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return True
 
     def _flush(self, turn: Turn, sender: Any, finish: str, flags: int) -> None:
         """One response with the turn's unsent token ids and their text."""
         ids, turn.unsent = turn.unsent, []
+        first = len(turn.generated) - len(ids)  # the unsent ids are the last of the reply
         outputs = {c.TEXT_OUTPUT: "".join(self.text.piece(t) for t in ids), c.TOKEN_ID_OUT: ids,
-                   c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish}
+                   c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish,
+                   **logprob_outputs(turn, turn.logprobs[first:] if turn.params.logprobs else [])}
         sender.send(glue.response(outputs), flags=flags)
+
+
+def logprob_outputs(turn: Turn, entries: list[TokenLogprobs]) -> dict[c.TensorSpec, np.ndarray]:
+    """The log-probability outputs of one response: always present (an ensemble output must be), empty when the
+    request did not ask for them or the response carries no token."""
+    k = turn.params.top_logprobs
+    return {c.TOKEN_LOGPROB_OUT: np.asarray([e.logprob for e in entries], np.float32),
+            c.TOP_TOKEN_ID_OUT: np.asarray([e.top_ids for e in entries], np.int32).reshape(len(entries), k),
+            c.TOP_LOGPROB_OUT: np.asarray([e.top_logprobs for e in entries], np.float32).reshape(len(entries), k)}
 
 
 def fail(item: TurnRequest | Turn, exc: BaseException) -> None:

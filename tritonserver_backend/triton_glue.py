@@ -122,6 +122,8 @@ def sampling_params(request: Any) -> "SamplingParams":
         frequency_penalty=float(read(request, c.FREQUENCY_PENALTY, 0.0)),
         presence_penalty=float(read(request, c.PRESENCE_PENALTY, 0.0)),
         repetition_penalty=float(read(request, c.REPETITION_PENALTY, 1.0)),
+        logprobs=bool(read(request, c.LOGPROBS, False)),
+        top_logprobs=int(read(request, c.TOP_LOGPROBS, 0)),
     )
 
 
@@ -199,4 +201,11 @@ def export_counters(counters: Counters, names: list[str], label: str = "adapter"
             metrics[key] = families[counter].Metric(labels={label: adapter})
         metrics[key].increment(amount)
 
-    counters.listener = listener
+    previous = counters.listener  # counters exported under another label stay exported
+
+    def chained(counter: str, adapter: str, amount: int) -> None:
+        if previous is not None:
+            previous(counter, adapter, amount)
+        listener(counter, adapter, amount)
+
+    counters.listener = chained

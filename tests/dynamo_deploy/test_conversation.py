@@ -13,7 +13,6 @@ from dynamo_deploy.conversation import SessionRecord, continuation, reply_ids, s
 from dynamo_deploy.tokenizer_files import write_model_folder
 from tests.conftest import EMBEDDED
 
-pytestmark = pytest.mark.skipif(not (EMBEDDED / "tokenizer.json").exists(), reason="the embedded default is not built")
 CONVERSATION = [Message("system", "Be brief."), Message("user", "Hi! How was your day?"), Message("assistant", "Fine, thanks.\n  ok"),
                 Message("user", "def mean(xs):\n    return sum(xs) / len(xs)")]
 

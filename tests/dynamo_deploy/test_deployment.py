@@ -19,8 +19,7 @@ from tritonserver_backend.registry import Registry
 from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.sampling import SamplingParams
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")]
+pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
 CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "Make the header sticky with a shadow.",
                 "git log --oneline shows nothing, why?", "Thanks, that helps."]

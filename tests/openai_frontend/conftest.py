@@ -9,14 +9,15 @@ from __future__ import annotations
 import re
 import urllib.request
 
+import openai
 import pytest
+import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken install must fail, not skip
 
 from tests.conftest import EMBEDDED
 
 
 @pytest.fixture(scope="session")
 def triton(tmp_path_factory):  # type: ignore[no-untyped-def]
-    pytest.importorskip("tritonclient.grpc", reason="install the serve extra: pip install -e '.[serve]'")
     from tritonserver_backend.launcher import TritonServer
     from tritonserver_backend.repository import build_repository
 
@@ -48,7 +49,6 @@ def frontend(triton, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def client(frontend):  # type: ignore[no-untyped-def]
-    openai = pytest.importorskip("openai")
     c = openai.OpenAI(base_url=frontend.base_url, api_key="unused", max_retries=0, timeout=120)
     yield c
     c.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
@@ -13,7 +14,6 @@ from plugins.pointer_score.reference import pointer_score_reference
 from plugins.sparse_global_attention.reference import sparse_global_attention_reference
 from plugins.swa_replay_attention.reference import swa_replay_attention_reference
 
-ort = pytest.importorskip("onnxruntime")
 OPSET = 18
 
 

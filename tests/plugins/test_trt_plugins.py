@@ -136,7 +136,7 @@ def _reference(op: str, feed: dict[str, torch.Tensor]) -> torch.Tensor:
 @pytest.mark.parametrize("op", list(CASES))
 def test_engine_matches_reference(trt, registered, op: str, aot: bool, seed: int) -> None:  # type: ignore[no-untyped-def]
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
+        pytest.skip("no CUDA device: TensorRT builds and runs engines on an NVIDIA GPU only")
     builder, network = _network(trt)
     _add_op(trt, network, op, aot)
     plan = builder.build_serialized_network(network, builder.create_builder_config())

@@ -7,10 +7,9 @@ import sys
 
 import pytest
 
-from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")]
+pytestmark = pytest.mark.slow
 
 
 def test_a_short_soak_run_passes(default_engines, tmp_path) -> None:  # type: ignore[no-untyped-def]

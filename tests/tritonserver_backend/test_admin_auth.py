@@ -217,9 +217,6 @@ def test_launcher_forwards_mol2_headers(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- AdminService
-needs_model = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")
-
-
 @pytest.fixture
 def service(tmp_path: Path):  # type: ignore[no-untyped-def]
     from tritonserver_backend.admin_service import AdminPolicy, AdminService
@@ -239,7 +236,6 @@ def _names(svc) -> list[str]:  # type: ignore[no-untyped-def]
     return [a["name"] for a in json.loads(svc.handle("list", "", "", ""))["adapters"]]
 
 
-@needs_model
 def test_service_requires_the_key_for_load_and_unload_and_audits(service, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     svc = service()
     root = svc.registry.root
@@ -262,7 +258,6 @@ def test_service_requires_the_key_for_load_and_unload_and_audits(service, tmp_pa
     assert any(level == "warn" and '"outcome": "denied"' in line for level, line in svc.logs)
 
 
-@needs_model
 def test_service_turned_off_serves_list_only(service) -> None:  # type: ignore[no-untyped-def]
     svc = service(enabled=False)
     headers = admin_headers(svc.registry.root) if (svc.registry.root / "admin.key").exists() else {ADMIN_KEY_HEADER: "x" * 40}
@@ -273,7 +268,6 @@ def test_service_turned_off_serves_list_only(service) -> None:  # type: ignore[n
     assert len(_names(svc)) == 4
 
 
-@needs_model
 def test_service_bounds_refuse_before_anything_changes(service, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from build_engines.lora.peft_io import ADAPTER_WEIGHTS
 

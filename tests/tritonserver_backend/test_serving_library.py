@@ -20,8 +20,6 @@ from tritonserver_backend.repository import render
 from tritonserver_backend.sampling import Sampler, SamplingParams
 from tritonserver_backend.session_store import SessionStore
 
-needs_default = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built (python -m build_engines.training.build_default)")
-
 
 def test_session_store_evicts_least_recently_used_over_budget() -> None:
     store: SessionStore[bytes] = SessionStore(budget_bytes=10, size_of=len)
@@ -132,7 +130,6 @@ def pipeline(tmp_path_factory):  # type: ignore[no-untyped-def]
     return InProcessPipeline(EMBEDDED, root)
 
 
-@needs_default
 def test_router_explicit_adapter_wins_in_a_mixed_batch(pipeline) -> None:  # type: ignore[no-untyped-def]
     router = pipeline.router
     rows = [np.random.randn(router.embed.shape[1]).astype(np.float32) for _ in range(4)]
@@ -146,7 +143,6 @@ def test_router_explicit_adapter_wins_in_a_mixed_batch(pipeline) -> None:  # typ
     assert isinstance(bad[0], UnknownAdapter)
 
 
-@needs_default
 def test_the_router_follows_changes_made_through_a_registry_it_shares(pipeline) -> None:  # type: ignore[no-untyped-def]
     """A Registry object shared by the router and a writer (the admin service in one process, as
     scripts/zero_shot_adapter.py runs them): a change the shared object has already re-read must still reach the
@@ -170,7 +166,6 @@ def test_the_router_follows_changes_made_through_a_registry_it_shares(pipeline) 
     assert set(router.route(rows, [None] * len(rows))) <= loaded
 
 
-@needs_default
 def test_pipeline_errors_lose_nothing(pipeline) -> None:  # type: ignore[no-untyped-def]
     counts = [pipeline.counters.get(name) for name in (k.WRITTEN, k.READ, k.APPLIED)]
     first = pipeline.chat("keep", "Hello, how are you?", new_session=True, params=SamplingParams(max_tokens=4))
@@ -187,20 +182,31 @@ def test_pipeline_errors_lose_nothing(pipeline) -> None:  # type: ignore[no-unty
     assert written == read == applied == 1, "only the successful turn reached the router and the decoder"
 
 
-@needs_default
 def test_history_rebuilds_a_lost_session(pipeline) -> None:  # type: ignore[no-untyped-def]
-    params = SamplingParams(max_tokens=5)
-    a = pipeline.chat("orig", "Tell me about ships.", new_session=True, params=params)
-    history = json.dumps([{"role": "user", "content": "Tell me about ships."}, {"role": "assistant", "content": a.text}])
-    b = pipeline.chat("orig", "And the sea?", params=params, adapter="base")
-    rebuilt = pipeline.chat("rebuilt", "And the sea?", history=history, params=params, adapter="base")
-    assert rebuilt.finish_reason and rebuilt.token_ids  # a fresh id with history works where a bare id fails
+    """A fresh session id given the conversation as `history` answers the next turn exactly (token ids, greedy) as
+    the same conversation held undisturbed in its own session does; a session without that history answers
+    differently, so the equality is the history's doing and a rebuild that dropped or garbled it would fail."""
+    params = SamplingParams(max_tokens=12)
+    first, then = "Tell me about ships.", "And the sea?"
+    a = pipeline.chat("orig", first, new_session=True, params=params)
+    # history carries text: the rebuild can hold the same ids only where the reply's text encodes back to them (at
+    # 8 tokens this reply ends in two "\n" tokens, which encode back as one "\n\n")
+    assert pipeline.text.tokenizer.encode(a.text) == a.token_ids, "pick a reply whose text encodes back to its ids"
+    history = json.dumps([{"role": "user", "content": first}, {"role": "assistant", "content": a.text}])
+    undisturbed = pipeline.chat("orig", then, params=params, adapter="base")
+    rebuilt = pipeline.chat("rebuilt", then, history=history, params=params, adapter="base")
+    assert undisturbed.token_ids, "the undisturbed reply is empty: the comparison below would prove nothing"
+    assert rebuilt.token_ids == undisturbed.token_ids, (rebuilt.token_ids, undisturbed.token_ids)
+    assert (rebuilt.adapter, rebuilt.finish_reason) == (undisturbed.adapter, undisturbed.finish_reason)
+    held = [(pipeline.encoder.sessions.get(sid).position, pipeline.decoder.sessions.get(sid).position)
+            for sid in ("orig", "rebuilt")]
+    assert held[0] == held[1], f"the rebuilt session holds other positions than the undisturbed one: {held}"
+    no_history = pipeline.chat("no-history", then, new_session=True, params=params, adapter="base")
+    assert no_history.token_ids != undisturbed.token_ids, "the history must change this reply for the test to tell"
     with pytest.raises(BadRequest, match="history is not valid JSON"):
         pipeline.chat("other", "x", history="[not json")
-    assert b.token_ids
 
 
-@needs_default
 def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # type: ignore[no-untyped-def]
     """An adapter unloaded between the router's decision and the decoder: clear error, nothing lost."""
     from tritonserver_backend.errors import TurnRejected
@@ -225,7 +231,6 @@ def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # typ
     assert description_of(EMBEDDED / "adapters" / "L3_design")
 
 
-@needs_default
 def test_session_state_does_not_grow_with_the_adapters_it_visits(pipeline) -> None:  # type: ignore[no-untyped-def]
     """One history for every adapter: a session that visits four adapters holds exactly the arrays (shapes and bytes)
     of a twin that stays on one, once both hold the same positions; only the one set of decoder rings is adapter-

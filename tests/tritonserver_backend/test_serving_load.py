@@ -8,23 +8,25 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
+import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken install must fail, not skip
 
 from tests.conftest import EMBEDDED
 from tests.tritonserver_backend.streams import start_server
+from tests.waiting import wait_until
 from tritonserver_backend.client import GrpcChat, TurnRequest, cancel_turn
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.sampling import SamplingParams
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")]
+pytestmark = pytest.mark.slow
 LONG = 1500  # tokens: a turn that runs for seconds
 
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    pytest.importorskip("tritonclient.grpc")
     server = start_server(tmp_path_factory.mktemp("load"), default_engines, max_active_turns="2", max_queued_turns="1")
     yield server
     server.stop()
@@ -37,23 +39,40 @@ def reference(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def
     return InProcessPipeline(EMBEDDED, root, max_context=4096, backend="onnx", engine_dir=default_engines)
 
 
-def _long_turns(server, count: int, prefix: str) -> tuple[list[threading.Thread], list, list[GrpcChat]]:  # type: ignore[no-untyped-def]
-    """`count` long turns started on their own streams; returns the threads, their replies and the chats."""
+LongTurns = tuple[list[threading.Thread], list, list[GrpcChat], list[list[str]]]
+
+
+def _long_turns(server, count: int, prefix: str) -> LongTurns:  # type: ignore[no-untyped-def]
+    """`count` long turns started on their own streams; returns the threads, their replies, the chats and the pieces
+    each has streamed so far (a turn with pieces holds a decoder row: it is active, not queued)."""
     replies: list = [None] * count
+    pieces: list[list[str]] = [[] for _ in range(count)]
     chats = [GrpcChat(server.grpc_url) for _ in range(count)]
 
     def run(i: int) -> None:
-        replies[i] = chats[i].turn(TurnRequest(f"{prefix}{i}", "Tell me a very long story about ships.", new_session=True, max_tokens=LONG), timeout=300)
+        request = TurnRequest(f"{prefix}{i}", "Tell me a very long story about ships.", new_session=True,
+                              max_tokens=LONG)
+        replies[i] = chats[i].turn(request, timeout=300, on_piece=pieces[i].append)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for t in threads:
         t.start()
-    return threads, replies, chats
+    return threads, replies, chats, pieces
+
+
+def _decisions_written(server) -> float:  # type: ignore[no-untyped-def]
+    """The router's `mol2_routing_decisions_written` over every adapter: one per turn encoded and routed (the turn
+    is then in flight: counted against the admission bounds until it ends)."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("mol2_routing_decisions_written"))
 
 
 def test_beyond_the_bounds_a_turn_gets_server_busy_at_once(small_server) -> None:  # type: ignore[no-untyped-def]
-    threads, replies, chats = _long_turns(small_server, 3, "busy")  # 2 active rows + 1 queued = the bounds
-    time.sleep(3.0)  # all three encoded and in flight
+    before = _decisions_written(small_server)
+    threads, replies, chats, pieces = _long_turns(small_server, 3, "busy")  # 2 active rows + 1 queued = the bounds
+    wait_until(lambda: _decisions_written(small_server) - before >= 3, 120, "all three turns encoded and routed")
+    wait_until(lambda: sum(1 for p in pieces if p) >= 2, 120, "two of them streaming (the two active rows)")
     extra = GrpcChat(small_server.grpc_url)
     started = time.perf_counter()
     reply = extra.turn(TurnRequest("busy-extra", "Hello?", new_session=True, max_tokens=4), timeout=60)
@@ -75,8 +94,8 @@ def test_beyond_the_bounds_a_turn_gets_server_busy_at_once(small_server) -> None
 
 
 def test_a_cancelled_turn_frees_its_row_and_keeps_its_partial_reply(small_server, reference) -> None:  # type: ignore[no-untyped-def]
-    threads, replies, chats = _long_turns(small_server, 2, "cut")
-    time.sleep(2.0)
+    threads, replies, chats, pieces = _long_turns(small_server, 2, "cut")
+    wait_until(lambda: pieces[0], 120, "cut0 to stream its first piece (active, with a partial reply to keep)")
     outcome = cancel_turn(small_server.http_url, "cut0")
     assert "partial reply stays" in outcome["outcome"], outcome
     threads[0].join(timeout=60)
@@ -122,6 +141,10 @@ def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_pa
     old_pid = server.pid
     old_group = group_members(old_pid)
     old_regions = mapped_shm_regions(old_group)
+    # what must be gone after the restart is there now (the server, a stub per model, their regions): else the
+    # "nothing left" checks below would pass on empty lists
+    assert old_pid in old_group and len(old_group) > 1, f"the server's process group before the kill: {old_group}"
+    assert old_regions and all(r.exists() for r in old_regions), f"its shared-memory regions: {old_regions}"
     os.kill(old_pid, signal.SIGKILL)
     server.process.wait(timeout=30)
     restarted = start_server(work, default_engines)

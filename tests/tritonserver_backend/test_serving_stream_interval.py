@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken install must fail, not skip
 
 from tests.conftest import EMBEDDED
 from tests.tritonserver_backend.streams import reference_reply, start_server
@@ -14,14 +15,13 @@ from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")]
+pytestmark = pytest.mark.slow
 INTERVAL = 3
 PROMPTS = ["How do I center a div?", "grep -rn pattern . | head", "def area(r):", "Tell me about your weekend.", "ls -la /tmp"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    pytest.importorskip("tritonclient.grpc")
     srv = start_server(tmp_path_factory.mktemp("interval"), default_engines, max_context="2048", stream_interval=str(INTERVAL),
                        decode_lanes="2")
     yield srv

@@ -11,6 +11,7 @@ the same onnxruntime path as fp8 (standard Q/DQ), and a third server costs CI ab
 from __future__ import annotations
 
 import pytest
+import tritonclient.grpc  # noqa: F401 - GrpcChat's transport (the serve extra): a broken install fails, not skips
 
 from tests.conftest import DEFAULT_ENGINES, EMBEDDED
 from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
@@ -51,7 +52,6 @@ def quantized_dir(request, default_engines):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, quantized_dir):  # type: ignore[no-untyped-def]
-    pytest.importorskip("tritonclient.grpc", reason="install the serve extra: pip install -e '.[serve]'")
     from tritonserver_backend.launcher import TritonNotFoundError, TritonServer
     from tritonserver_backend.repository import build_repository
 

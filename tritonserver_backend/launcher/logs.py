@@ -52,6 +52,29 @@ def error_lines(path: Path | str | None, limit: int = 20, offset: int = 0) -> li
     return found
 
 
+# lines after which a model never becomes ready: Triton 2.51 then keeps loading the rest and neither gets ready nor
+# exits (a stub that failed to start, e.g. a repository rendered without its model.py files), so waiting longer is
+# pointless; the line itself says why
+_MODEL_FAILED = re.compile(r"Failed to preinitialize Python stub|failed to load '|Python model file not found|"
+                           r"Stub process '.*' is not healthy|failed to initialize model")
+
+
+def model_failures(path: Path | str | None, offset: int = 0, limit: int = 10) -> list[str]:
+    """Lines saying a model cannot start, from byte ``offset`` of the log on (the first ``limit``)."""
+    if path is None:
+        return []
+    found: list[str] = []
+    try:
+        for line in _read_lines(path, offset):
+            if _MODEL_FAILED.search(line):
+                found.append(line.strip())
+                if len(found) >= limit:
+                    break
+    except FileNotFoundError:
+        pass
+    return found
+
+
 _STUB_START_REGION = re.compile(rf"Starting Python backend stub:.*?\s({SHM_REGION_NAME}[\w.-]*)")
 
 

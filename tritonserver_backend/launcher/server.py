@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 from .env import check_numpy, server_env
 from .errors import TritonServerError
 from .install import TritonInstall, find_tritonserver, prepare_backend_dir
-from .logs import LOG_TAIL_LINES, error_lines, tail
+from .logs import LOG_TAIL_LINES, error_lines, model_failures, tail
 from .net import HOST, free_port, http_ready
 from .process import pid_alive, stop_pid
 from .record import Cleanup, ServerRecord, clean_up_after, read_record, remove_record, write_record
@@ -263,6 +263,13 @@ class TritonServer:
                 self.ready_after = time.monotonic() - (self.started_at or time.monotonic())
                 self.snapshot()
                 return self.ready_after
+            failed = model_failures(self.log_file, self._log_offset)
+            if failed:  # it would never get ready: say why now instead of at the timeout
+                message = self._failure(f"tritonserver (PID {self.pid}): a model cannot start, so the server will "
+                                        "not become ready:\n  " + "\n  ".join(failed))
+                if stop_on_failure:
+                    self.stop()
+                raise TritonServerError(message)
             if time.monotonic() >= deadline:
                 message = self._failure(f"tritonserver (PID {self.pid}) not ready after {timeout:.0f} s "
                                         f"(polled http://{self.http_url}/v2/health/ready)")

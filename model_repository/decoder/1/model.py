@@ -21,6 +21,7 @@ class TritonPythonModel:
         params, model_dir, registry = glue.setup(args)
         counters = Counters()
         glue.export_counters(counters, [k.READ, k.APPLIED, k.REJECTED, k.REPLAYS, k.REPLAY_TOKENS])
+        glue.export_counters(counters, [k.DECODER_STEPS, k.DECODER_ROWS, k.REPLAY_PADDING], label="kind")
         text = TextService(model_dir)
         service = DecoderService(glue.engine(args, params, model_dir), registry, text.tokenizer, counters,
                                  int(params["session_budget_bytes"]), int(params["max_context"]))

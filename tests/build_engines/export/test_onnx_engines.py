@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime  # noqa: F401 - a core dependency: a broken install must fail here, not skip the engines
 import pytest
 import torch
 
@@ -28,7 +29,6 @@ from plugins import DOMAIN, PLUGIN_NAMESPACE, register_onnx_schemas
 from tests.tiny import tiny_network
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("onnxruntime")
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ the decoder's mirror would hold something the graph never produced."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 from build_engines.build.manifest import BuildSettings
 from build_engines.export.rows import FP8_MAX, fp8_decode, fp8_encode
-
-ort = pytest.importorskip("onnxruntime")
 
 
 def qdq_session():  # type: ignore[no-untyped-def]
@@ -54,7 +54,6 @@ def test_python_codes_are_the_graphs_codes(scale: float) -> None:
 
 def test_float8_numpy_arrays_cannot_be_fed_but_uint8_codes_can() -> None:
     """The measured reason the rows keep uint8: onnxruntime 1.32 refuses ml_dtypes' float8 arrays."""
-    ml_dtypes = pytest.importorskip("ml_dtypes")
     session = qdq_session()
     x = np.ones(3, np.float32)
     with pytest.raises(RuntimeError, match="can't be converted"):

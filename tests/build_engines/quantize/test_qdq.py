@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from build_engines.build.cli import main as build
 from build_engines.quantize.qdq import qdq_summary, rewrite_trt_qdq, weight_matmuls
-
-ort = pytest.importorskip("onnxruntime")
 
 
 def trt_fp8_graph(scale: float) -> onnx.ModelProto:

@@ -1,12 +1,14 @@
 """The embedded default's fp8 and int8 engines (ModelOpt PTQ, built or reused like `default_engines`), and the fp8
 engine with fp8 KV state (`--kv-quant fp8`): standard Q/DQ only, LoRA inputs never quantized, perplexity within the
-issue's bounds on held-out text, bounded replay's source independence bit for bit, and a routed conversation through
-the serving pipeline on them."""
+issue's bounds on held-out text (measured here on the engines, on 8x the text the build checks), bounded replay's
+source independence bit for bit, and a routed conversation through the serving pipeline on them."""
 
 from __future__ import annotations
 
 import collections
 import json
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -14,6 +16,7 @@ import pytest
 
 from build_engines.build.cli import main as build
 from build_engines.build.onnx_build import GRAPH_FILES
+from build_engines.build.quant_build import CHECK_TOKENS
 from build_engines.export.parity import HANDOVER
 from build_engines.export.rows import (
     DecoderRow,
@@ -24,14 +27,18 @@ from build_engines.export.rows import (
     encoder_inputs,
 )
 from build_engines.formats.checkpoint import load_config
+from build_engines.quantize.heldout import load_heldout, token_sequences
 from build_engines.quantize.kv_cache import kv_layout, kv_runner
-from build_engines.quantize.scoring import bundled_adapters
+from build_engines.quantize.scoring import bundled_adapters, sequence_nll
+from build_engines.verify.engine_perplexity import domain_nll, perplexities
 from tests.conftest import DEFAULT_ENGINES, EMBEDDED
+from tritonserver_backend.engines.interface import open_engine
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("onnxruntime")
 WEIGHT_TYPE = {"int8": "INT8", "fp8": "FLOAT8E4M3FN"}
-BOUND = {"fp8": 0.02, "int8": 0.03}
+BOUND = {"fp8": 0.02, "int8": 0.03}  # relative perplexity change vs the fp32 engine on every domain (issue #13)
+DOMAINS = {"base/base", "chat/L0_chat", "agent/L1_agent", "code/L2_code", "design/L3_design"}
+HELDOUT_LENGTH, HELDOUT_SEQUENCES = 256, 4  # per domain: 1,024 tokens, where the build's check scores 128
 PASS_THROUGH = {"Gather", "Reshape", "Transpose", "Flatten", "Unsqueeze", "Squeeze", "Slice", "Identity", "Cast"}
 
 
@@ -45,6 +52,34 @@ def quantized(request, default_engines):  # type: ignore[no-untyped-def]
     code = build(["--model", str(EMBEDDED), "--out", str(out), *BUILDS[request.param], "--reuse-fp32", str(default_engines)])
     assert code == 0, f"python -m build_engines build {BUILDS[request.param]} exited {code}"
     return request.param.split("-")[0], out, json.loads((out / "manifest.json").read_text())
+
+
+def served(engine_dir):  # type: ignore[no-untyped-def]
+    """The serving runtime's onnx engine on `engine_dir` (its manifest's session config and rows), bank bound."""
+    engine = open_engine("onnx", EMBEDDED, engine_dir)
+    adapters = bundled_adapters(EMBEDDED, engine.layout)
+    engine.set_lora_bank(adapters.bank)
+    return engine, adapters
+
+
+@pytest.fixture(scope="module")
+def heldout() -> dict[str, list[list[int]]]:
+    """4 x 256 tokens per domain of the committed held-out `test` text (`embedded/mol2-small/heldout/test.jsonl`:
+    the corpora's test split, which neither the base model nor the adapters were trained on, committed so that a
+    fresh clone and CI have it), taken after the first 256 tokens: the build's check scores the first 128, so this
+    is other text, and sequences longer than the 128-position window (rings wrap, global KV is read)."""
+    assert HELDOUT_LENGTH >= CHECK_TOKENS
+    text = load_heldout(EMBEDDED, "test")
+    sequences = token_sequences(text, EMBEDDED / "tokenizer.json", HELDOUT_LENGTH, HELDOUT_SEQUENCES + 1)
+    assert {k: len(v) for k, v in sequences.items()} == {k.split("/")[0]: HELDOUT_SEQUENCES + 1 for k in DOMAINS}
+    return {kind: seqs[1:] for kind, seqs in sequences.items()}
+
+
+@pytest.fixture(scope="module")
+def fp32_nll(default_engines, heldout):  # type: ignore[no-untyped-def]
+    """The fp32 engine's per-token NLL on `heldout`, measured once for the three quantized builds."""
+    engine, adapters = served(default_engines)
+    return domain_nll(engine.layout, engine.encoder, engine.decoder, adapters, heldout)
 
 
 def test_graphs_hold_standard_qdq_with_quantized_weights(quantized) -> None:  # type: ignore[no-untyped-def]
@@ -83,13 +118,29 @@ def test_lora_inputs_stay_in_high_precision(quantized) -> None:  # type: ignore[
     assert reached_matmul >= 44, "every LoRA factor reaches its product in fp32"
 
 
-def test_perplexity_stays_within_the_bound_of_the_fp32_engine(quantized) -> None:  # type: ignore[no-untyped-def]
-    mode, _, manifest = quantized
-    check = manifest["quant"]["check"]
-    print(f"{mode} vs fp32 on held-out test text:", json.dumps(check["perplexity"]))
-    assert set(check["perplexity"]) == {"base/base", "chat/L0_chat", "agent/L1_agent", "code/L2_code", "design/L3_design"}
-    assert all(abs(f["relative"]) <= BOUND[mode] for f in check["perplexity"].values())
-    assert any(f["relative"] != 0 for f in check["perplexity"].values()), "the engines are quantized (not the fp32 ones)"
+def test_perplexity_stays_within_the_bound_of_the_fp32_engine(quantized: tuple[str, Path, dict[str, Any]],
+                                                              heldout: dict[str, list[list[int]]],
+                                                              fp32_nll: dict[str, np.ndarray]) -> None:
+    """Measured on the built engines in this run, not read from the manifest (whose figures come from the build's
+    128 tokens per domain and are never re-measured when a directory is reused): the quantized engine as served
+    (manifest session config, fp8 rows for the fp8-KV engine) against the fp32 engine, on `heldout`."""
+    mode, out, manifest = quantized
+    engine, adapters = served(out)
+    nll = domain_nll(engine.layout, engine.encoder, engine.decoder, adapters, heldout)
+    code, slot = heldout["code"][0], adapters.slot_of_kind["code"]
+    solo = sequence_nll(engine.layout, engine.encoder, engine.decoder, adapters.bank, code, slot)
+    assert np.array_equal(nll["code/L2_code"][0], solo), "batched rows score as the build check does, bit for bit"
+    assert set(nll) == set(fp32_nll) == DOMAINS
+    assert all(v.shape == (HELDOUT_SEQUENCES, HELDOUT_LENGTH - 1) for v in nll.values()), "every token was scored"
+    fp32, quant = perplexities(fp32_nll), perplexities(nll)
+    relative = {k: quant[k] / fp32[k] - 1 for k in DOMAINS}
+    figures = {k: {"fp32": round(fp32[k], 3), mode: round(quant[k], 3), "relative": f"{relative[k]:+.3%}"}
+               for k in sorted(DOMAINS)}
+    print(f"{mode} vs fp32, {HELDOUT_SEQUENCES} x {HELDOUT_LENGTH} held-out test tokens per domain:",
+          json.dumps(figures))
+    print("the build's check (128 tokens per domain):", json.dumps(manifest["quant"]["check"]["perplexity"]))
+    assert all(abs(r) <= BOUND[mode] for r in relative.values()), f"{mode} beyond {BOUND[mode]:.0%} of fp32: {relative}"
+    assert any(r != 0 for r in relative.values()), "the engines are quantized (not the fp32 ones)"
 
 
 def test_replay_is_independent_of_the_source_adapter_on_the_quantized_engine(quantized) -> None:  # type: ignore[no-untyped-def]

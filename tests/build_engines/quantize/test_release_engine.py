@@ -35,7 +35,6 @@ from build_engines.quantize.release_weights import match_initializers, stored_we
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("onnxruntime")
 LOGIT_BOUND = 1e-4  # engine vs the fp32 reference network: the converter's step-module bound (docs/engines.md)
 LENGTH, FIRST_CHUNK = 160, 137  # more than a window (128): rings wrap, global entries are read; odd first chunk
 

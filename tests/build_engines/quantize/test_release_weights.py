@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
@@ -17,8 +18,6 @@ from build_engines.formats.quant_formats import (
     quantize_fp8_blocks,
 )
 from build_engines.quantize.release_weights import SESSION_CONFIG, ReleaseWeightError, StoredWeight, rewrite_graph
-
-ort = pytest.importorskip("onnxruntime")
 
 
 def _fp8(name: str, shape: tuple[int, int], block: tuple[int, int]) -> StoredWeight:

@@ -1,6 +1,6 @@
 """Request-style routing items and the natural-request benchmark: facts read from each domain's structure, the
 two phrasing banks kept apart, the benchmark drawn only from test documents with benchmark phrasings, balance,
-determinism, the manifest record; one check on the real `artifacts/data` when it is prepared."""
+determinism, the manifest record; checks on the real `artifacts/data` (prepared for them: tests/real_data.py)."""
 
 from __future__ import annotations
 
@@ -194,21 +194,17 @@ def _docs(data: Path, source: str, split: str) -> set[str]:
     return {f"{source}/{record['doc_id']}" for record in reader.iter_records(data, source, split)}
 
 
-REAL_DATA = PROJECT_ROOT / "artifacts" / "data"
-
-
-@pytest.mark.skipif(not (REAL_DATA / "manifest.json").is_file(), reason="artifacts/data is not prepared here")
-def test_real_natural_request_benchmark() -> None:
+def test_real_natural_request_benchmark(real_data: Path) -> None:
     """The shipped settings give >= 200 balanced benchmark requests, all from test documents, none equal to a
     training request, and training requests only from train documents."""
-    got = rq.build_request_items(REAL_DATA, rd.ADAPTER_DESCRIPTIONS, rd.ADAPTER_KINDS, 0, 200,
+    got = rq.build_request_items(real_data, rd.ADAPTER_DESCRIPTIONS, rd.ADAPTER_KINDS, 0, 200,
                                  rq.DEFAULT_REQUEST_BENCH_PER_DOMAIN)
     bench = [i for i in got if i["task"] == rq.REQUEST_BENCHMARK_TASK]
     assert len(bench) >= 200
     assert Counter(i["label"] for i in bench) == {a: rq.DEFAULT_REQUEST_BENCH_PER_DOMAIN for a in rd.ADAPTER_DESCRIPTIONS}
-    names = [source for kind in rd.ADAPTER_KINDS.values() for source in reader.sources(REAL_DATA, kind)]
-    test_docs = set().union(*(_docs(REAL_DATA, name, "test") for name in names))
-    train_docs = set().union(*(_docs(REAL_DATA, name, "train") for name in names))
+    names = [source for kind in rd.ADAPTER_KINDS.values() for source in reader.sources(real_data, kind)]
+    test_docs = set().union(*(_docs(real_data, name, "test") for name in names))
+    train_docs = set().union(*(_docs(real_data, name, "train") for name in names))
     assert all(i["doc"] in test_docs for i in bench)
     assert all(i["doc"] in train_docs for i in got if i["task"] == rq.REQUEST_TASK)
     train_keys = {" ".join(i["query"].lower().split()) for i in got if i["task"] == rq.REQUEST_TASK}
@@ -223,10 +219,9 @@ def test_play_facts_for_the_zero_shot_domain() -> None:
     assert facts[1]["line"].startswith("Sweet masters")  # stage direction dropped; "Let go." is too short
 
 
-@pytest.mark.skipif(not (REAL_DATA / "manifest.json").is_file(), reason="artifacts/data is not prepared here")
-def test_real_zero_shot_requests() -> None:
-    got = rq.zero_shot_requests(REAL_DATA, "shakespeare", "drama", "L4_drama", 50)
-    test_docs = _docs(REAL_DATA, "shakespeare", "test")
+def test_real_zero_shot_requests(real_data: Path) -> None:
+    got = rq.zero_shot_requests(real_data, "shakespeare", "drama", "L4_drama", 50)
+    test_docs = _docs(real_data, "shakespeare", "test")
     assert len(got) == 50 and all(i["doc"] in test_docs and i["label"] == "L4_drama" for i in got)
     assert len({i["query"] for i in got}) == 50
 

@@ -1,6 +1,6 @@
 """Routing items: schema, answers, determinism, TREC-fine candidate sizes, the adapter benchmark's isolation and
 balance, recipe stages, and errors. All on a tiny prepared data directory written here in the reader's format;
-one smoke test uses the real `artifacts/data` when it exists."""
+one smoke test uses the real `artifacts/data`, prepared for it (tests/real_data.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from build_engines.data.corpora import reader
 from build_engines.data.corpora.errors import DataNotPrepared
 from build_engines.data.corpora.output import write_json, write_jsonl
 from build_engines.routing import data as rd
-from tests.tiny import PROJECT_ROOT
 
 PER_DOMAIN = 8
 LONG_TEXT = "Markets rally\n\n" + " ".join(f"word{i}" for i in range(200))
@@ -256,14 +255,10 @@ def test_cli(data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "manifest.json is missing" in capsys.readouterr().err
 
 
-REAL_DATA = PROJECT_ROOT / "artifacts" / "data"
-
-
-@pytest.mark.skipif(not (REAL_DATA / "manifest.json").is_file(), reason="artifacts/data is not prepared here")
-def test_real_adapter_benchmark() -> None:
-    items = rd.build_adapter_items(REAL_DATA, 0, rd.DEFAULT_PER_DOMAIN)
+def test_real_adapter_benchmark(real_data: Path) -> None:
+    items = rd.build_adapter_items(real_data, 0, rd.DEFAULT_PER_DOMAIN)
     bench = Counter(item["label"] for item in items if item["task"] == rd.BENCHMARK_TASK)
     assert bench == {adapter: rd.DEFAULT_PER_DOMAIN for adapter in rd.ADAPTER_DESCRIPTIONS}
-    names = [source for kind in ("chat", "agent", "code", "design") for source in reader.sources(REAL_DATA, kind)]
-    test_docs = set().union(*(_docs(REAL_DATA, source, "test") for source in names))
+    names = [source for kind in ("chat", "agent", "code", "design") for source in reader.sources(real_data, kind)]
+    test_docs = set().union(*(_docs(real_data, source, "test") for source in names))
     assert all(item["doc"] in test_docs for item in items if item["split"] == "test")

@@ -6,14 +6,11 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pytest
-
 from build_engines.model.config import get_preset
 from build_engines.training.build_default import smoke_generation
 from tests.tiny import PROJECT_ROOT
 
 MODEL = PROJECT_ROOT / "embedded" / "mol2-small"
-pytestmark = pytest.mark.skipif(not (MODEL / "manifest.json").exists(), reason="embedded default not built")
 
 
 def test_manifest_hashes_and_budget() -> None:

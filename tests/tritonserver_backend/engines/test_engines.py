@@ -20,10 +20,7 @@ from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.sampling import SamplingParams
 
-needs_default = pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built")
 
-
-@needs_default
 def test_the_selector_says_what_is_missing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(EngineUnavailable, match="unknown engine backend 'tensorflow'"):
         open_engine("tensorflow", EMBEDDED, tmp_path)
@@ -33,7 +30,6 @@ def test_the_selector_says_what_is_missing(tmp_path) -> None:  # type: ignore[no
         open_engine("trt", EMBEDDED, tmp_path)
 
 
-@needs_default
 @pytest.mark.slow
 def test_onnx_engine_follows_the_torch_reference_on_the_default(default_engines) -> None:  # type: ignore[no-untyped-def]
     """Prefill, replay under each bundled adapter, decode: logits within 1e-3 (reported), the same greedy tokens."""
@@ -87,7 +83,6 @@ def test_onnx_engine_follows_the_torch_reference_on_the_default(default_engines)
     assert worst < 1e-3
 
 
-@needs_default
 @pytest.mark.slow
 def test_a_routed_five_turn_conversation_is_the_same_on_both_engines(default_engines, tmp_path) -> None:  # type: ignore[no-untyped-def]
     conversation = [("Hi! How was your day?", None, True), ("def mean(xs):\n    return sum(xs) / len(xs)", None, False),
@@ -107,7 +102,6 @@ def test_a_routed_five_turn_conversation_is_the_same_on_both_engines(default_eng
 
 def test_onnx_threads_beyond_one_sleep_instead_of_spinning(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Several engine stubs share the cores: spinning pool threads took them from each other (docs/load.md)."""
-    pytest.importorskip("onnxruntime")
     from tritonserver_backend.engines.onnx_engine import session_options
 
     spin = "session.intra_op.allow_spinning"

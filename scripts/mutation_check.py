@@ -1,0 +1,244 @@
+"""Plant a known bug under each of the project's claims, in a scratch copy, and show that the suite fails.
+
+Each mutation is an exact text replacement in one source file (the script refuses one whose text is not found
+exactly once, so the list cannot silently go stale as the code moves) plus the tests expected to catch it. For each:
+the working tree (tracked and untracked files, not ignored ones) is copied to a scratch folder with the embedded
+default's built engines, the bug is planted there, and those tests run there, on a venv that puts the copy before
+the project's packages (`make_overlay_env`: tritonserver's stubs then import the planted code too; the Dynamo
+workers get the copy on their `PYTHONPATH`). A mutation counts as caught when pytest
+exits 1 with at least one test failed; `--control` first runs the same tests on an unmodified copy, which must pass.
+
+    .venv/bin/python scripts/mutation_check.py                  # every mutation (about 20 min on 2 cores)
+    .venv/bin/python scripts/mutation_check.py --only M1 M2     # some of them
+    .venv/bin/python scripts/mutation_check.py --control --write-doc   # + the clean run; the table into docs/testing.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "testing.md"
+BEGIN, END = "<!-- mutation-results:begin -->", "<!-- mutation-results:end -->"
+SHARED = (".venv", ".venv-dynamo", ".venv-quant")  # environments the copy uses in place (linked, never written)
+ENGINES = Path("artifacts/engines/mol2-small")  # copied: the tests' default_engines fixture reuses it when current
+
+
+@dataclass(frozen=True)
+class Mutation:
+    key: str
+    claim: str
+    bug: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+    every_test: bool = False  # run all its tests (not stopping at the first failure): show each layer catches it
+
+
+SI = "tests/tritonserver_backend/test_source_independence.py"
+EX = "tests/tritonserver_backend/test_serving_exactness.py"
+MUTATIONS = (
+    Mutation("M1", "source independence: a turn is replayed under its own adapter",
+             "DecoderService replays a starting turn under the adapter that answered the session's previous turn",
+             "tritonserver_backend/decoder_service.py",
+             "        slots = [t.slot for t in turns]\n        feed = decoder_inputs(self.layout, [t.row for t in turns], None, slots)",
+             "        slots = [t.row.slot for t in turns]\n        feed = decoder_inputs(self.layout, [t.row for t in turns], None, slots)",
+             (SI, f"{EX}::test_the_served_turn_after_any_source_adapter_equals_a_rebuilt_session",
+              "tests/dynamo_deploy/test_source_independence.py"), True),
+    Mutation("M2", "batched replay: front padding is invisible",
+             "a batched replay's front-padding rows become visible (ring_start = the padded start)",
+             "build_engines/export/rows.py",
+             "        ring_starts = [r.position - r.replay_count for r in rows]",
+             "        ring_starts = starts",
+             ("tests/build_engines/export/test_batched_replay.py", SI,
+              f"{EX}::test_concurrent_conversations_match_the_reference_network"), True),
+    Mutation("M3", "bounded replay: the last W positions, no fewer",
+             "the bounded replay runs the last W - 1 positions instead of W",
+             "build_engines/export/rows.py",
+             "        return min(self.position, self.recent[\"streams\"].shape[0])",
+             "        return min(self.position, self.recent[\"streams\"].shape[0] - 1)",
+             (f"{EX}::test_concurrent_conversations_match_the_reference_network",)),
+    Mutation("M4", "batching: a row computes what it computes alone (LoRA grid)",
+             "the LoRA grid overwrites the first row of a slot that carries more than two rows",
+             "build_engines/export/lora_grid.py",
+             "        first = filled[u]\n",
+             "        first = filled[u] % (2 * steps)\n",
+             ("tests/build_engines/export/test_batched_replay.py", "tests/build_engines/export/test_lora_grid.py")),
+    Mutation("M5", "routing: an explicit adapter always wins",
+             "the router scores turns that name the base model instead of taking \"base\" as given",
+             "tritonserver_backend/router_service.py",
+             "            if name:\n                try:",
+             "            if name and name != BASE_NAME:\n                try:",
+             ("tests/tritonserver_backend/test_serving_library.py::test_router_explicit_adapter_wins_in_a_mixed_batch",
+              "tests/tritonserver_backend/test_serving_triton.py::test_multi_turn_session_matches_in_process_reference")),
+    Mutation("M6", "the adapter's identity is its 31-bit FNV-1a hash",
+             "the hash multiplies by the wrong FNV prime",
+             "build_engines/lora/identity.py",
+             "h = (h * 0x01000193) & 0xFFFFFFFF",
+             "h = (h * 0x01000197) & 0xFFFFFFFF",
+             ("tests/build_engines/lora/test_lora.py",)),
+    Mutation("M7", "bad input loses nothing: a rejected turn is rolled back",
+             "the encoder's rollback forgets to restore the session it replaced",
+             "tritonserver_backend/encoder_service.py",
+             "            self.sessions.put(session_id, flight.before)",
+             "            pass",
+             ("tests/tritonserver_backend/test_serving_library.py::test_a_turn_rejected_by_the_decoder_is_rolled_back",
+              "tests/tritonserver_backend/test_serving_library.py::test_pipeline_errors_lose_nothing")),
+    Mutation("M8", "sessions: a lost session is rebuilt from its history",
+             "a session rebuilt from history drops the history's last message",
+             "tritonserver_backend/text_service.py",
+             "                for m in _parse_history(history_json):",
+             "                for m in _parse_history(history_json)[:-1]:",
+             ("tests/tritonserver_backend/test_serving_library.py::test_history_rebuilds_a_lost_session", SI)),
+    Mutation("M9", "streaming: every token reaches the client, whatever the stream interval",
+             "a grouped stream (stream_interval > 1) drops the tokens left unsent when the turn ends",
+             "tritonserver_backend/triton_decoder.py",
+             "        if turn.unsent:\n            self._flush(turn, sender, \"\", 0)",
+             "        if turn.unsent and token >= 0:\n            self._flush(turn, sender, \"\", 0)",
+             ("tests/tritonserver_backend/test_serving_stream_interval.py",)),
+    Mutation("M10", "fp8 KV state: rows keep exactly the codes the graph wrote",
+             "fp8 encoding drops the sign bit (a negative entry comes back positive)",
+             "build_engines/export/rows.py",
+             "    return codes | (np.signbit(v).astype(np.uint8) << 7)",
+             "    return codes",
+             ("tests/build_engines/quantize/test_kv_codec.py",)),
+    Mutation("M11", "admin security: only the admin key loads adapters",
+             "the admin key check accepts any key of the right length",
+             "tritonserver_backend/admin_auth.py",
+             "hmac.compare_digest(",
+             "(lambda a, b: len(a) == len(b))(",
+             ("tests/tritonserver_backend/test_admin_auth.py",)),
+    Mutation("M13", "quantization: int8 / fp8 engines stay within their perplexity bound",
+             "int8 DequantizeLinear nodes get zero point 1 while their QuantizeLinear keep 0 (every int8 weight off by "
+             "one step)",
+             "build_engines/quantize/qdq.py",
+             "        model.graph.initializer.append(helper.make_tensor(zero_name, zero_type, [], [0]))",
+             "        model.graph.initializer.append(helper.make_tensor(zero_name, zero_type, [], "
+             "[int(not fp8 and 'Dequantize' in node.op_type)]))",
+             ("tests/build_engines/quantize/test_quant_engines.py::test_perplexity_stays_within_the_bound_of_the_fp32_engine[int8]",)),
+    Mutation("M12", "logprobs are the model's own distribution",
+             "returned log-probabilities are those of a temperature-scaled distribution, not the model's",
+             "tritonserver_backend/decoder_service.py",
+             "            turn.logprobs.append(token_logprobs(turn.logits, token, turn.params.top_logprobs))",
+             "            turn.logprobs.append(token_logprobs(turn.logits / 1.25, token, turn.params.top_logprobs))",
+             (f"{EX}::test_concurrent_conversations_match_the_reference_network",)),
+)
+
+
+def scratch_copy(dest: Path) -> None:
+    """The working tree as git sees it (tracked + untracked, not ignored), the default's engines, linked venvs."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    if (ROOT / ENGINES).is_dir():
+        shutil.copytree(ROOT / ENGINES, dest / ENGINES)
+    for env in SHARED:
+        if (ROOT / env).exists():
+            (dest / env).symlink_to(ROOT / env)
+    make_overlay_env(dest)
+
+
+OVERLAY = ".venv-mutation"
+
+
+def make_overlay_env(dest: Path) -> Path:
+    """A venv whose site-packages lists the copy first, then the project venv's packages (by a .pth file, so the
+    venv's editable install, which points at this checkout, is not loaded). Why not PYTHONPATH alone: tritonserver's
+    Python-backend stub embeds an interpreter that ignores it, and would import this checkout's code; the stub takes
+    the environment of the `python3` first on PATH, which the launcher makes the running interpreter's."""
+    env = dest / OVERLAY
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    site = next(env.glob("lib/python3*/site-packages"))
+    main_site = next((ROOT / ".venv").glob("lib/python3*/site-packages"))
+    (site / "mol2_mutation_copy.pth").write_text(f"{dest}\n{main_site}\n")
+    return env / "bin" / "python"
+
+
+def plant(dest: Path, m: Mutation) -> None:
+    path = dest / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"{m.key}: the text to replace occurs {text.count(m.old)} times in {m.path}; update the mutation")
+    path.write_text(text.replace(m.old, m.new))
+
+
+def run_tests(dest: Path, tests: tuple[str, ...], log: Path, stop_first: bool = True) -> tuple[int, list[str], float]:
+    """pytest on `tests` inside the copy -> (exit code, failed test ids, seconds)."""
+    env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1"}
+    t0 = time.perf_counter()
+    with open(log, "w") as out:
+        rc = subprocess.run([str(dest / OVERLAY / "bin" / "python"), "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider",
+                             *(["-x"] if stop_first else []), *tests],
+                            cwd=dest, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log.read_text(), re.M)
+    return rc, failed, time.perf_counter() - t0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", help="mutation keys (M1 M2 ...); default: all")
+    p.add_argument("--control", action="store_true", help="first run every selected test on an unmodified copy")
+    p.add_argument("--write-doc", action="store_true", help=f"write the result table into {DOC.relative_to(ROOT)}")
+    p.add_argument("--keep", action="store_true", help="keep the scratch copies and logs (printed)")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = p.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.key in args.only]
+    if args.list:
+        for m in chosen:
+            print(f"{m.key}  {m.claim}\n     bug: {m.bug} ({m.path})\n     tests: {' '.join(m.tests)}")
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="mol2-mutations-"))
+    rows, ok = [], True
+    if args.control:
+        dest = work / "control"
+        scratch_copy(dest)
+        tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+        rc, failed, seconds = run_tests(dest, tests, work / "control.log")
+        print(f"control: pytest exit {rc} in {seconds:.0f} s{'' if rc == 0 else ', failed: ' + ' '.join(failed)}")
+        if rc != 0:
+            print(f"the unmodified copy fails: see {work / 'control.log'}")
+            return 1
+        if not args.keep:
+            shutil.rmtree(dest)
+    for m in tqdm(chosen, desc="mutations", unit="bug"):
+        dest = work / m.key
+        scratch_copy(dest)
+        plant(dest, m)
+        rc, failed, seconds = run_tests(dest, m.tests, work / f"{m.key}.log", not m.every_test)
+        caught = rc == 1 and bool(failed)
+        ok &= caught
+        verdict = "caught" if caught else f"NOT caught (pytest exit {rc})"
+        tqdm.write(f"{m.key}: {verdict} in {seconds:.0f} s; failed: {', '.join(failed) or '-'}")
+        rows.append(f"| {m.key} | {m.claim} | {m.bug} (`{m.path}`) | {verdict} | {'<br>'.join(f'`{f}`' for f in failed) or '-'} |")
+        if not args.keep:
+            shutil.rmtree(dest)
+    table = "\n".join(["| | claim | planted bug | result | failing tests (all of them for M1/M2; else pytest -x: the first) |", "|---|---|---|---|---|", *rows])
+    print(table)
+    if args.write_doc:
+        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        control = " after a clean control run of the same tests" if args.control else ""
+        block = f"{BEGIN}\nRun {stamp} on this machine{control} (`scripts/mutation_check.py{' --control' if args.control else ''} --write-doc`):\n\n{table}\n{END}"
+        text = DOC.read_text()
+        DOC.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S))
+    print(f"logs: {work}" if args.keep else "")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
