@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from doc_sections import write_section  # noqa: E402
 
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from build_engines.data.corpora.reader import sources  # noqa: E402
 from build_engines.data.token_data import token_stream, tokenizer_digest  # noqa: E402
 from build_engines.data.tokenizer import TOKENIZER_FILE, ChatTokenizer  # noqa: E402
@@ -197,7 +198,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "model_card.md")
     p.add_argument("--only", choices=["before", "after"], help="generate and print one side only (fills the cache, writes no doc)")
     p.add_argument("--results", type=Path, default=Path("artifacts/answers/eval_results.json"))
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/model_card.md)")
     args = p.parse_args()
+    if not args.only:
+        refuse_to_overwrite([args.out], args.force, "--out FILE")
     torch.set_num_threads(1)
     started = time.perf_counter()
     data = write_answer_data(args.data, args.work / "answers" / "pairs", args.seed, args.train_pairs, args.per_domain)

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from build_engines.export.parity import HANDOVER  # noqa: E402
 from build_engines.export.rows import (  # noqa: E402
     DecoderRow,
@@ -188,7 +189,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--decode", type=int, default=48)
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "engines.md")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/engines.md)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out], args.force, "--out FILE")
     torch.set_num_threads(1)
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from doc_sections import write_section  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from openai_frontend.process import FrontendProcess  # noqa: E402
 from tritonserver_backend.client import GrpcChat, TurnRequest  # noqa: E402
 
@@ -131,7 +132,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench_openai")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "openai.md")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --doc file (docs/openai.md)")
     args = p.parse_args()
+    refuse_to_overwrite([args.doc], args.force, "--doc FILE")
     from tritonserver_backend.launcher import TritonServer
     from tritonserver_backend.repository import build_repository
 

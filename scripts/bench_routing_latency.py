@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from build_engines.data.tokenizer import ASSISTANT, USER, ChatTokenizer, Message  # noqa: E402
 from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.lora import AdapterBank  # noqa: E402
@@ -83,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=Path("artifacts/data"), help="prepared corpora (held-out history text)")
     p.add_argument("--routing", type=Path, default=Path("artifacts/routing"), help="routing items (queries)")
     p.add_argument("--out", type=Path, default=Path("docs/routing_latency.md"))
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and its figure (docs/routing_latency.md, docs/figures/)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -203,6 +205,7 @@ def fmt_pct(x: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    refuse_to_overwrite([args.out, args.out.parent / "figures" / "routing_latency.png"], args.force, "--out FILE")
     wall_start = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)

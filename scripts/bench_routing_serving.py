@@ -43,6 +43,7 @@ from concurrent_clients import run_together  # noqa: E402
 from doc_sections import write_section  # noqa: E402
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from tritonserver_backend.client import GrpcChat, Reply, TurnRequest  # noqa: E402
 from tritonserver_backend.launcher import TritonServer  # noqa: E402
 from tritonserver_backend.registry_init import description_of  # noqa: E402
@@ -140,7 +141,9 @@ def main() -> int:
     p.add_argument("--backend", default="onnx")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench_routing_serving")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and its figure (docs/benchmarks.md, docs/figures/)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out, args.out.parent / "figures" / "routing_serving.png"], args.force, "--out FILE")
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1
     descriptions = "\n".join(f"- {description_of(MODEL / 'adapters' / name)}" for name in ADAPTERS)

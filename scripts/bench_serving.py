@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from tritonserver_backend.client import AsyncGrpcChat, GrpcChat, TurnRequest  # noqa: E402
 from tritonserver_backend.launcher import TritonServer  # noqa: E402
 from tritonserver_backend.repository import build_repository  # noqa: E402
@@ -178,7 +179,9 @@ def main() -> int:
                    help="load generator: one asyncio loop with a gRPC stream per session (default), or a thread per session")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "load.md")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench_serving")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/load.md)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out], args.force, "--out FILE")
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1
     rows = []

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from doc_sections import write_section  # noqa: E402
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.lora import decoder_lora_modules, random_adapter_weights, save_adapter  # noqa: E402
 from build_engines.model.config import get_preset  # noqa: E402
@@ -74,7 +75,9 @@ def main() -> int:
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--backend", default="onnx")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and its figure (docs/benchmarks.md, docs/figures/)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out, args.out.parent / "figures" / "session_memory.png"], args.force, "--out FILE")
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1
     root = Path(tempfile.mkdtemp(prefix="mol2-memory-"))

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from doc_sections import write_section  # noqa: E402
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from build_engines.export.rows import (  # noqa: E402
     HANDOVER_FIELDS,
     HANDOVER_KEYS,
@@ -87,7 +88,9 @@ def main() -> int:
     p.add_argument("--handoff-rounds", type=int, default=2, help="timed full hand-offs per length")
     p.add_argument("--backend", default="onnx")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and its figure (docs/benchmarks.md, docs/figures/)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out, args.out.parent / "figures" / "switch_cost.png"], args.force, "--out FILE")
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1
     engine = open_engine(args.backend, MODEL, ENGINES)

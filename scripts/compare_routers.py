@@ -28,6 +28,7 @@ import torch
 from bench_routing_latency import fmt_time  # the sibling benchmark's time format (scripts/ is on sys.path when run)
 from tqdm import tqdm
 
+from build_engines.committed import refuse_to_overwrite
 from build_engines.data.tokenizer import ChatTokenizer, Message
 from build_engines.formats.checkpoint import load_checkpoint
 from build_engines.lora import AdapterBank
@@ -79,7 +80,9 @@ def main() -> int:
     p.add_argument("--mol-per-class", type=int, default=50, help="MoL decisions per class (about 0.7 s each)")
     p.add_argument("--contextual-train", type=int, default=4000, help="adapter-routing train items for the q/k head")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/routing_routers.md)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out], args.force, "--out FILE")
     t_start = time.perf_counter()
     torch.manual_seed(args.seed)
     net = load_checkpoint(args.model)

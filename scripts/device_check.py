@@ -609,6 +609,7 @@ def main() -> int:
     p.add_argument("--no-model", action="store_true", help="skip the whole-model timing")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-configuration sweep")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, kernels in Triton's interpreter; writes no docs")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/kernels.md); scripts/device_check.sh passes it")
     args = p.parse_args()
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
@@ -617,6 +618,10 @@ def main() -> int:
         print(f"device_check: cannot run here: {ready}", file=sys.stderr)
         return 2
     torch, device = ready
+    if not args.dry_run:
+        from build_engines.committed import refuse_to_overwrite
+
+        refuse_to_overwrite([args.out], args.force, "--out FILE, or --dry-run")
     import triton
 
     t_start = time.perf_counter()

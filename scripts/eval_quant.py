@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from build_engines.build.cli import main as build  # noqa: E402
 from build_engines.build.onnx_build import GRAPH_FILES  # noqa: E402
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from build_engines.export.layout import StepLayout  # noqa: E402
 from build_engines.export.rows import (  # noqa: E402
     HANDOVER_FIELDS,
@@ -134,7 +135,9 @@ def main() -> int:
     p.add_argument("--decode", type=int, default=48, help="decode steps timed per engine and round")
     p.add_argument("--rounds", type=int, default=3, help="speed rounds, engines interleaved (a shared machine's load shifts)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "quantization.md")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/quantization.md)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out], args.force, "--out FILE")
     torch.set_num_threads(1)
     t_start = time.time()
     fp32_dir = args.engines / args.model.name
@@ -226,7 +229,7 @@ def main() -> int:
         lines.append(f"| {key} | " + " | ".join(f"{x[v.name] / x['fp32'] - 1:+.2%}" for v in quantized) + " |")
     lines += [
         "",
-        "| engine | encoder + decoder bytes | decode ms/token | decode tokens/s | worst perplexity change | bound (issue #13) | holds |",
+        "| engine | encoder + decoder bytes | decode ms/token | decode tokens/s | worst perplexity change | bound | holds |",
         "|---|---|---|---|---|---|---|",
     ]
     for v in variants:

@@ -10,6 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
+from build_engines.committed import refuse_to_overwrite
+
 DOMAIN_OF = {"L0_chat": "chat", "L1_agent": "agent", "L2_code": "code", "L3_design": "design"}
 
 
@@ -18,7 +20,9 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=Path("embedded/mol2-small"))
     p.add_argument("--data", type=Path, default=Path("artifacts/data"))
     p.add_argument("--out", type=Path, default=Path("docs/model_card.md"))
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/model_card.md)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out], args.force, "--out FILE")
     m = json.loads((args.model / "manifest.json").read_text())
     data = json.loads((args.data / "manifest.json").read_text())
     cfg = m["config"]

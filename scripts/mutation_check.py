@@ -120,20 +120,20 @@ MUTATIONS = (
              "hmac.compare_digest(",
              "(lambda a, b: len(a) == len(b))(",
              ("tests/tritonserver_backend/test_admin_auth.py",)),
-    Mutation("M13", "quantization: int8 / fp8 engines stay within their perplexity bound",
-             "int8 DequantizeLinear nodes get zero point 1 while their QuantizeLinear keep 0 (every int8 weight off by "
-             "one step)",
-             "build_engines/quantize/qdq.py",
-             "        model.graph.initializer.append(helper.make_tensor(zero_name, zero_type, [], [0]))",
-             "        model.graph.initializer.append(helper.make_tensor(zero_name, zero_type, [], "
-             "[int(not fp8 and 'Dequantize' in node.op_type)]))",
-             ("tests/build_engines/quantize/test_quant_engines.py::test_perplexity_stays_within_the_bound_of_the_fp32_engine[int8]",)),
     Mutation("M12", "logprobs are the model's own distribution",
              "returned log-probabilities are those of a temperature-scaled distribution, not the model's",
              "tritonserver_backend/decoder_service.py",
              "            turn.logprobs.append(token_logprobs(turn.logits, token, turn.params.top_logprobs))",
              "            turn.logprobs.append(token_logprobs(turn.logits / 1.25, token, turn.params.top_logprobs))",
              (f"{EX}::test_concurrent_conversations_match_the_reference_network",)),
+    Mutation("M13", "quantization: only weight GEMMs are quantized; LoRA and attention products stay fp32",
+             "ModelOpt is asked to quantize every MatMul, the LoRA and activation x activation products included",
+             "build_engines/quantize/ptq_worker.py",
+             "nodes_to_quantize=exact(nodes), nodes_to_exclude=exact(others),",
+             "nodes_to_quantize=exact(nodes + others), nodes_to_exclude=[],",
+             ("tests/build_engines/quantize/test_quant_engines.py::test_lora_inputs_stay_in_high_precision[int8]",
+              "tests/build_engines/quantize/test_quant_engines.py::test_perplexity_stays_within_the_bound_of_the_fp32_engine[int8]"),
+             True),
 )
 
 
@@ -228,7 +228,7 @@ def main() -> int:
         rows.append(f"| {m.key} | {m.claim} | {m.bug} (`{m.path}`) | {verdict} | {'<br>'.join(f'`{f}`' for f in failed) or '-'} |")
         if not args.keep:
             shutil.rmtree(dest)
-    table = "\n".join(["| | claim | planted bug | result | failing tests (all of them for M1/M2; else pytest -x: the first) |", "|---|---|---|---|---|", *rows])
+    table = "\n".join(["| | claim | planted bug | result | failing tests (all of them for M1, M2, M13; else pytest -x: the first) |", "|---|---|---|---|---|", *rows])
     print(table)
     if args.write_doc:
         stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

@@ -24,6 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.lora import Adapter, AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter  # noqa: E402
 from build_engines.model.config import get_preset  # noqa: E402
@@ -99,7 +100,11 @@ def main() -> None:
     p.add_argument("--sweep", default="640,1024,2048,4096")
     p.add_argument("--sweep-suffix", type=int, default=512)
     p.add_argument("--sweep-inputs", type=int, default=2)
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and its figures (docs/replay_quality.md, docs/figures/)")
     args = p.parse_args()
+    figures = args.out.parent / "figures"
+    refuse_to_overwrite([args.out, *(figures / f for f in ("replay_per_position.png", "replay_length_sweep.png", "replay_quality.json"))],
+                        args.force, "--out FILE")
     t_start = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
     net, adapters, model_desc = load_model(args.model, args.work)

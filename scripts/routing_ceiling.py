@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from build_engines.committed import refuse_to_overwrite
 from build_engines.data.tokenizer import ChatTokenizer
 from build_engines.formats.checkpoint import load_checkpoint
 from build_engines.model.network import EncoderEngine
@@ -97,7 +98,10 @@ def main() -> int:
     p.add_argument("--cache", type=Path, default=Path("artifacts/router_cache"))
     p.add_argument("--out", type=Path, default=Path("docs/routing_ceiling.md"))
     p.add_argument("--natural", action="store_true", help="the natural-request ceiling instead (see the docstring)")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/routing_ceiling.md; with --natural docs/figures/routing_natural_ceiling.json)")
     args = p.parse_args()
+    written = args.out.parent / "figures" / "routing_natural_ceiling.json" if args.natural else args.out
+    refuse_to_overwrite([written], args.force, "--out FILE")
     if args.natural:
         return natural_ceiling(args)
     if not (args.routing / "adapter.jsonl").exists():

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from tritonserver_backend.client import GrpcChat, TurnRequest, cancel_turn, raw_stream_error  # noqa: E402
 from tritonserver_backend.launcher import TritonServer  # noqa: E402
 from tritonserver_backend.repository import build_repository  # noqa: E402
@@ -251,7 +252,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "load.md")
     p.add_argument("--plot", type=Path, default=ROOT / "docs" / "figures" / "soak_latency.png")
     p.add_argument("--no-doc", action="store_true", help="report on stdout only (CI)")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and --plot (docs/load.md, docs/figures/)")
     args = p.parse_args()
+    if not args.no_doc:
+        refuse_to_overwrite([args.out, args.plot], args.force, "--out FILE --plot FILE, or --no-doc")
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1
     if args.work.exists():

@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from build_engines.committed import refuse_to_overwrite  # noqa: E402
 from build_engines.data.corpora import reader  # noqa: E402
 from build_engines.data.tokenizer import ChatTokenizer  # noqa: E402
 from build_engines.formats.checkpoint import load_checkpoint  # noqa: E402
@@ -137,7 +138,17 @@ def main() -> int:
                    "reported beside the shipped one (comma separated; empty for none)")
     p.add_argument("--no-save", action="store_true", help="do not write the head into the model (experiments)")
     p.add_argument("--adapter-cap", type=int, default=100_000, help="at most this many adapter items per split (smoke runs)")
+    p.add_argument("--force", action="store_true", help="overwrite the committed outputs: the router head and manifest in --model "
+                   "(unless --no-save), --out (docs/routing.md) and its figures")
     args = p.parse_args()
+    figures = args.out.parent / "figures"
+    if args.final_only:
+        written = [] if args.no_save else [args.out, figures / "routing_final_head.json"]
+    else:
+        written = [args.out, *(figures / f for f in ("routing_results.json", "routing_recipes.png", "routing_scaling.png"))]
+    if not args.no_save and (args.final_only or SHIPPED_RECIPE in args.recipes.split(",")):
+        written += [args.model / "router", args.model / "manifest.json"]
+    refuse_to_overwrite(written, args.force, "--no-save" if args.final_only else "--out FILE and --no-save (or --model DIR)")
     t_start = time.perf_counter()
     if not all((args.routing / f"{name}.jsonl").exists() for name in FILES):
         write_routing_data(args.data, args.routing)

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from build_engines.committed import refuse_to_overwrite
 from build_engines.data.corpora.reader import sources
 from build_engines.data.token_data import Mixture, size_weights, token_stream, tokenizer_digest
 from build_engines.data.tokenizer import TOKENIZER_FILE, ChatTokenizer
@@ -80,7 +81,9 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path("artifacts/zero_shot"))
     p.add_argument("--out", type=Path, default=Path("docs/routing_zero_shot.md"))
     p.add_argument("--requests", type=int, default=ZERO_SHOT_REQUESTS, help="requests of the new domain")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and its figures' JSON (docs/routing_zero_shot.md, docs/figures/)")
     args = p.parse_args()
+    refuse_to_overwrite([args.out, args.out.parent / "figures" / "routing_zero_shot.json"], args.force, "--out FILE")
     t0 = time.perf_counter()
     if SOURCE not in sources(args.data):
         raise SystemExit(f"the {SOURCE} source is not prepared in {args.data}: run `python -m build_engines corpora prepare`")

@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,67 @@ def test_no_doc_sends_a_reader_outside_the_repository() -> None:
             if "../shared" in line or re.search(r"(?<![\w/])#\d{2,3}\b(?!\w)", line):
                 bad.append(f"{doc.relative_to(PROJECT_ROOT)}:{n}: {line.strip()[:120]}")
     assert not bad, "\n".join(bad)
+
+
+# `docs/load.md`, `scripts/soak.py` named in prose, with or without backticks or a link (not inside a longer path or URL)
+PROSE_PATH = re.compile(r"(?<![\w/.-])((?:docs|scripts)/[\w/-]+\.(?:md|py|sh|png|json))\b")
+FIGURE = re.compile(r"(?<![\w/.-])(figures/[\w-]+\.(?:png|json))\b")  # a page's own figures, relative to docs/
+
+
+def test_docs_and_scripts_named_in_prose_exist() -> None:
+    missing = []
+    for doc in DOCS:
+        for path in sorted(set(PROSE_PATH.findall(doc.read_text()))):
+            if not (PROJECT_ROOT / path).exists():
+                missing.append(f"{doc.relative_to(PROJECT_ROOT)}: {path}")
+        for path in sorted(set(FIGURE.findall(doc.read_text()))):
+            if not (PROJECT_ROOT / "docs" / path).exists():
+                missing.append(f"{doc.relative_to(PROJECT_ROOT)}: {path}")
+    assert not missing, "the docs name files the repository does not hold:\n" + "\n".join(missing)
+
+
+def test_every_shell_script_of_a_fenced_command_exists() -> None:
+    missing = []
+    for doc in DOCS:
+        for command in _commands(doc.read_text()):
+            for script in re.findall(r"(?:^|\s)bash ([\w./-]+\.sh)\b", command):
+                if not (PROJECT_ROOT / script).exists():
+                    missing.append(f"{doc.relative_to(PROJECT_ROOT)}: {command}")
+    assert not missing, "\n".join(missing)
+
+
+def test_every_doc_is_reachable_from_the_readme() -> None:
+    """A newcomer starts at README.md: every page of docs/ is linked from it or from a page it links to."""
+    seen, todo = set(), [PROJECT_ROOT / "README.md"]
+    while todo:
+        doc = todo.pop()
+        if doc in seen or not doc.exists():
+            continue
+        seen.add(doc)
+        todo += [(doc.parent / t).resolve() for t in LINK.findall(doc.read_text()) if t.endswith(".md") and ":" not in t]
+    unreached = sorted(d.name for d in DOCS if d.resolve() not in {s.resolve() for s in seen})
+    assert not unreached, f"docs no link from README.md leads to: {unreached}"
+
+
+def test_scripts_that_write_committed_docs_refuse_without_force() -> None:
+    """A script whose output defaults to docs/ (a committed file) takes --force and checks before it works."""
+    lacking = []
+    for script in sorted((PROJECT_ROOT / "scripts").glob("*.py")):
+        source = script.read_text()
+        if re.search(r'default=(?:ROOT / "docs"|Path\("docs/)', source):
+            if '"--force"' not in source or "refuse_to_overwrite(" not in source:
+                lacking.append(script.name)
+    assert not lacking, f"scripts writing committed docs without the --force guard: {lacking}"
+
+
+def test_refuse_to_overwrite_stops_only_on_committed_files(tmp_path: Path) -> None:
+    from build_engines.committed import committed, refuse_to_overwrite
+
+    assert committed([PROJECT_ROOT / "README.md"]) == ["README.md"]
+    assert "embedded/mol2-small/manifest.json" in committed([PROJECT_ROOT / "embedded" / "mol2-small"])
+    assert committed([PROJECT_ROOT / "artifacts" / "anything.md", tmp_path / "x.md", PROJECT_ROOT / "docs" / "no-such.md"]) == []
+    with pytest.raises(SystemExit) as stopped:
+        refuse_to_overwrite([tmp_path / "x.md", PROJECT_ROOT / "docs" / "load.md"], force=False)
+    assert stopped.value.code == 2
+    refuse_to_overwrite([PROJECT_ROOT / "docs" / "load.md"], force=True)  # --force: goes on
+    refuse_to_overwrite([tmp_path / "x.md"], force=False)  # elsewhere: goes on

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from build_engines.committed import refuse_to_overwrite
 from build_engines.data.corpora.reader import iter_documents, load_manifest, sources
 from build_engines.data.token_data import Mixture, size_weights, token_stream, tokenizer_digest
 from build_engines.data.tokenizer import TOKENIZER_FILE, ChatTokenizer, train_tokenizer
@@ -94,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the base training step")
     add_answer_arguments(parser, steps=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; 1 while others share the machine)")
+    parser.add_argument("--force", action="store_true", help="write into --out even where it holds committed files (the default "
+                        "--out, embedded/mol2-small, is committed: its manifest and adapters would be rewritten)")
     args = parser.parse_args(argv)
+    refuse_to_overwrite([args.out], args.force, "--out DIR (e.g. artifacts/mol2-small)")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -113,7 +113,7 @@ def test_serving_doc_carries_the_current_contract() -> None:
 def test_committed_configs_match_the_contract() -> None:
     root = PROJECT_ROOT / "model_repository"
     for path, text in render(root).items():
-        assert path.read_text() == text, f"{path} is stale: run python -m tritonserver_backend.repository"
+        assert path.read_text() == text, f"{path} is stale: run python -m tritonserver_backend.repository --out model_repository --force"
         assert (path.parent / "1").is_dir()
     for model in c.MODELS:
         assert (root / model.name / "1" / "model.py").exists()

@@ -19,10 +19,7 @@ from tritonserver_backend.client import GrpcChat, TurnRequest
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not (EMBEDDED / "model.safetensors").exists(), reason="the embedded default is not built"),
-]
+pytestmark = pytest.mark.slow
 TOKENS = 8
 CONVERSATION = [  # routed turns, explicit adapters, and a routed turn after an explicit one
     ("Hi! How was your day?", None, True),
