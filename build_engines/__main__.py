@@ -5,6 +5,7 @@
     python -m build_engines routing-data           # routing questions -> artifacts/routing
     python -m build_engines build --model DIR --out ENGINES_DIR [--format onnx|trt] [--quant none|...]
     python -m build_engines plan --preset deepseek-v4.1-flash
+    python -m build_engines release-shaped --out DIR   # the release's layout and storage at small width
 
 Each stage is also its own module (`python -m build_engines.verify.plan`, ...); this only dispatches.
 """
@@ -20,6 +21,7 @@ STAGES = {
     "routing-data": ("build_engines.routing.data", "routing questions for the MoL2 head"),
     "build": ("build_engines.build.cli", "engines: ONNX graphs (and TensorRT plans) with a manifest"),
     "plan": ("build_engines.verify.plan", "weight and KV bytes of a preset"),
+    "release-shaped": ("build_engines.formats.release_writer", "a release-shaped checkpoint (official config, names, storage)"),
 }
 
 

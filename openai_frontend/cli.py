@@ -34,7 +34,9 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from .triton_stream import TritonStream
 
     cache = PrefixCache(args.cache_budget_bytes, SessionCost.of_model(args.model_dir))
-    return create_app(ChatService(TritonStream(args.triton_url), ChatTokenizer.load(args.model_dir), cache))
+    tokenizer = ChatTokenizer.load(args.model_dir)
+    tokenizer.chat_format  # noqa: B018 - prompts are counted in the directory's chat format: none fails at start, not per request
+    return create_app(ChatService(TritonStream(args.triton_url), tokenizer, cache))
 
 
 def main(argv: list[str] | None = None) -> int:

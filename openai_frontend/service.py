@@ -15,11 +15,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from build_engines.data.chat_format import ChatFormatError
 from build_engines.data.tokenizer import ChatTokenizer, Message
 from tritonserver_backend.client import TurnRequest
 
 from . import model_ids
-from .errors import APIError, session_lost, unknown_model
+from .errors import APIError, bad_request, session_lost, unknown_model
 from .prefix_cache import Entry, PrefixCache, prefix_key
 from .schemas import ChatRequest
 from .stop_text import StopText
@@ -112,7 +113,10 @@ class ChatService:
     # ------------------------------------------------------------------ a completion
     async def start(self, request: ChatRequest) -> Answer:
         await self.check_model(request)
-        prompt_tokens = len(self.tokenizer.chat([Message(r, t) for r, t in request.messages]))
+        try:  # counted in the model directory's chat format, the one the server renders the turn in
+            prompt_tokens = len(self.tokenizer.chat([Message(r, t) for r, t in request.messages]))
+        except ChatFormatError as exc:
+            raise bad_request(str(exc), "messages") from None
         entry = self.cache.take(prefix_key(request.earlier)) if request.earlier else None
         if entry is not None:
             try:

@@ -22,6 +22,14 @@ from tritonserver_backend.launcher import TritonServer
 from tritonserver_backend.repository import build_repository
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "embedded" / "mol2-small"
+DEFAULT_BANNER = """\
+What this serves: the embedded default, embedded/mol2-small. It is a 10 M-parameter model with every layer role of
+DeepSeek-V4.1-Flash, trained for about 30 minutes on 2 CPU cores, with four LoRA adapters and a MoL2 router. Replies
+from a model this small look like noise ("-color-color-color"): they show routing, bounded replay and streaming,
+not language ability. To serve another checkpoint: bash scripts/main.sh --model DIR (our format or a release
+directory with its config.json and model.safetensors.index.json; docs/release.md).
+"""
 CONVERSATION = [
     (None, "hey, how are you doing tonight?"),
     (None, "import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n        yield from files"),
@@ -31,18 +39,46 @@ CONVERSATION = [
 ]
 
 
+def checkpoint_problem(model: Path) -> str | None:
+    """Why `model` cannot be served by this job (None when it can): its config, its weights, its router and adapters."""
+    from build_engines.formats.config_file import CheckpointError, load_config
+
+    if model.resolve() == DEFAULT_MODEL.resolve() and not (model / "model.safetensors").exists():
+        return f"{model} has no model: build it with `python -m build_engines default`"
+    try:
+        load_config(model)
+    except CheckpointError as exc:
+        return f"{model} is not a checkpoint this system can load: {exc}"
+    if not list(model.glob("*.safetensors")):
+        return f"{model} holds no *.safetensors weights"
+    missing = [part for part in ("router", "adapters") if not (model / part).is_dir()]
+    if missing:
+        return (f"{model} has no {' and no '.join(p + '/' for p in missing)}: the served conversation routes between LoRA "
+                f"adapters (docs/pipeline.md says how the default's were trained)")
+    return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, default=ROOT / "embedded" / "mol2-small")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                   help="checkpoint directory: ours or a release directory (config.json + shards), with router/ and adapters/")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "main")
-    p.add_argument("--engines", type=Path, default=ROOT / "artifacts" / "engines" / "mol2-small", help="ONNX engine directory (built or reused)")
+    p.add_argument("--engines", type=Path, default=None,
+                   help="ONNX engine directory, built or reused (default: artifacts/engines/<model directory name>)")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--openai", action="store_true", help="also start the OpenAI-compatible frontend and talk to it with the openai client")
     p.add_argument("--openai-port", type=int, default=0, help="the frontend's port (0: a free one)")
     args = p.parse_args()
-    if not (args.model / "model.safetensors").exists():
-        print(f"{args.model} has no model: build it with `python -m build_engines default`", file=sys.stderr)
+    if args.model.resolve() == DEFAULT_MODEL.resolve():
+        print(DEFAULT_BANNER)
+    else:
+        print(f"What this serves: the checkpoint in {args.model} (not the embedded default).\n")
+    problem = checkpoint_problem(args.model)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.engines is None:
+        args.engines = ROOT / "artifacts" / "engines" / args.model.resolve().name
     if args.work.exists():
         shutil.rmtree(args.work)
     engines = args.engines.resolve()

@@ -1,36 +1,55 @@
-"""Byte-level BPE tokenizer with chat special tokens, and the chat template shared by training and serving.
+"""Byte-level BPE tokenizer of the embedded default, and `ChatTokenizer`: plain text and conversations -> token ids.
 
 One `ChatTokenizer` is used everywhere a conversation becomes token ids (training the chat adapter, the router's
-routing prompts, Triton's `preprocess` model), so a turn is tokenized identically in training and serving.
+routing prompts, Triton's `preprocess` model), so a turn is tokenized identically in training and serving. How a
+conversation is rendered is not decided here: `ChatTokenizer.load` reads the model directory's chat format
+(`build_engines.data.chat_format`), which for the default is the Jinja template its tokenizer_config.json ships.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from .chat_format import TOKENIZER_CONFIG, ChatFormat, ChatFormatError, Message, NoChatFormat, PlainText
+
+__all__ = ["ASSISTANT", "BOS", "END_OF_TURN", "EOS", "PAD", "SPECIAL_TOKENS", "SYSTEM", "TOKENIZER_FILE", "USER",
+           "ChatTokenizer", "Message", "TokenizerError", "default_tokenizer_config", "train_tokenizer"]
+
+# The default's vocabulary of control tokens (what `train_tokenizer` reserves). Its chat format lives in its files.
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SYSTEM, USER, ASSISTANT, END_OF_TURN = "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, SYSTEM, USER, ASSISTANT, END_OF_TURN)
-ROLE_TOKENS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
 TOKENIZER_FILE = "tokenizer.json"
 
+# The default's chat format, written into tokenizer_config.json next to every tokenizer `train_tokenizer` makes (and
+# shipped in embedded/mol2-small): <|bos|>, then <|role|> content <|end|> per message, then <|assistant|> when a reply
+# is wanted. One line without whitespace between tags, so it renders the same with or without HF's trim_blocks.
+MOL2_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception(\"unknown chat role '\" ~ message['role'] ~ \"'; expected one of ['assistant', 'system', 'user']\") }}"
+    "{% elif message['content'] is not string %}{{ raise_exception('message content must be a string') }}{% endif %}"
+    "{{ '<|' ~ message['role'] ~ '|>' ~ message['content'] ~ '" + END_OF_TURN + "' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
+)
 
-class TokenizerError(ValueError):
-    """Bad input to the tokenizer or chat template (unknown role, special token inside user text, ...)."""
+TokenizerError = ChatFormatError  # one error type for bad input to the tokenizer or its chat format
 
 
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
+def default_tokenizer_config() -> dict:
+    """The default's tokenizer_config.json (HF fields; eos_token is the end of a turn, where generation stops)."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": END_OF_TURN, "pad_token": PAD,
+            "additional_special_tokens": [EOS, SYSTEM, USER, ASSISTANT], "add_bos_token": False, "add_eos_token": False,
+            "clean_up_tokenization_spaces": False, "chat_template": MOL2_CHAT_TEMPLATE}
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out: str | Path) -> "ChatTokenizer":
-    """Train byte-level BPE on `texts` (the training split only) and save it as tokenizer.json."""
+    """Train byte-level BPE on `texts` (the training split only); save it as tokenizer.json and, beside it, the
+    default's tokenizer_config.json (its chat format)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -44,30 +63,57 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out: str | Path) -> "
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(out))
-    return ChatTokenizer(tok)
+    (out.parent / TOKENIZER_CONFIG).write_text(json.dumps(default_tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
+    return ChatTokenizer.load(out)
 
 
 class ChatTokenizer:
-    """Encode/decode plain text and chat conversations; special tokens only come from the template."""
+    """Encode/decode plain text, and conversations through the model directory's chat format.
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    Special-token strings in text are always encoded as characters; control tokens only come from the format."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_format: ChatFormat | None = None, no_format: str = "") -> None:
+        """`chat_format` None: plain text only (`no_format` says why a conversation is refused)."""
         self.tok = tokenizer
-        ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
-        missing = [t for t, i in ids.items() if i is None]
-        if missing:
-            raise TokenizerError(f"tokenizer lacks special tokens {missing}")
-        self.special_ids: dict[str, int] = ids  # type: ignore[assignment]
-        self.pad_id, self.bos_id, self.eos_id = ids[PAD], ids[BOS], ids[EOS]
-        self.end_of_turn_id = ids[END_OF_TURN]
+        self.text = PlainText(tokenizer)
+        self._format = chat_format
+        self._no_format = no_format or "this tokenizer was made without a model directory's chat format"
+        self.special_ids: dict[str, int] = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+        if chat_format is not None:
+            self.end_of_turn_id = chat_format.end_of_turn_id
+            bos = chat_format.bos_id
+            pad = chat_format.pad_id
+        else:  # a bare tokenizer.json of the default's vocabulary (documents need bos/eos, not a chat format)
+            missing = [t for t in (BOS, END_OF_TURN) if t not in self.special_ids]
+            if missing:
+                raise TokenizerError(f"tokenizer lacks special tokens {missing}, and {self._no_format}")
+            self.end_of_turn_id, bos, pad = self.special_ids[END_OF_TURN], self.special_ids[BOS], self.special_ids.get(PAD)
+        if bos is None:
+            raise TokenizerError("the chat format names no bos_token (a conversation's first token)")
+        self.bos_id: int = bos
+        self.pad_id: int = pad if pad is not None else self.end_of_turn_id
+        self.eos_id: int = self.special_ids.get(EOS, self.end_of_turn_id)  # a training document's end
 
     @classmethod
     def load(cls, path: str | Path) -> "ChatTokenizer":
+        """`path`: a model directory or its tokenizer.json. The directory's chat format is loaded with it; a directory
+        without one still loads (plain text, documents) and refuses conversations with the reason."""
         path = Path(path)
-        if path.is_dir():
-            path = path / TOKENIZER_FILE
-        if not path.exists():
-            raise TokenizerError(f"{path} not found")
-        return cls(Tokenizer.from_file(str(path)))
+        folder, file = (path, path / TOKENIZER_FILE) if path.is_dir() else (path.parent, path)
+        if not file.exists():
+            raise TokenizerError(f"{file} not found")
+        tok = Tokenizer.from_file(str(file))
+        try:
+            return cls(tok, ChatFormat.load(folder, tok))
+        except NoChatFormat as exc:  # a broken format (bad template, unknown name) raises at once, never falls back
+            return cls(tok, None, str(exc))
+
+    @property
+    def chat_format(self) -> ChatFormat:
+        """The model directory's chat format (raises ChatFormatError when there is none)."""
+        if self._format is None:
+            raise ChatFormatError(self._no_format)
+        return self._format
 
     @property
     def vocab_size(self) -> int:
@@ -76,19 +122,7 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         """Plain text -> ids. Special-token strings in the text are encoded as ordinary characters, never as
         control tokens, so user input cannot forge a turn boundary."""
-        ids: list[int] = []
-        parts = [text]
-        for special in SPECIAL_TOKENS:  # split on special strings so they are byte-encoded piecewise
-            parts = [q for p in parts for q in _split_keep(p, special)]
-        for part in parts:
-            if not part:
-                continue
-            if part in SPECIAL_TOKENS:
-                ids.extend(self.tok.encode(part[0], add_special_tokens=False).ids)
-                ids.extend(self.tok.encode(part[1:], add_special_tokens=False).ids)
-            else:
-                ids.extend(self.tok.encode(part, add_special_tokens=False).ids)
-        return ids
+        return self.text.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special)
@@ -98,34 +132,10 @@ class ChatTokenizer:
         return [self.bos_id, *self.encode(text), self.eos_id]
 
     def chat(self, messages: Sequence[Message | dict], add_generation_prompt: bool = True) -> list[int]:
-        """<|bos|> then <|role|> content <|end|> per message, then <|assistant|> when a reply is wanted."""
-        ids = [self.bos_id]
-        for m in messages:
-            ids.extend(self.turn(m))
-        if add_generation_prompt:
-            ids.append(self.special_ids[ASSISTANT])
-        return ids
+        """The whole conversation's ids in the model directory's chat format (ending with the assistant's header when
+        a reply is wanted)."""
+        return self.chat_format.encode(messages, add_generation_prompt=add_generation_prompt)
 
     def turn(self, message: Message | dict, generation_prompt: bool = False) -> list[int]:
-        """One message's ids (what a new turn appends to a running conversation)."""
-        role, content = (message.role, message.content) if isinstance(message, Message) else (message.get("role"), message.get("content"))
-        if role not in ROLE_TOKENS:
-            raise TokenizerError(f"unknown chat role {role!r}; expected one of {sorted(ROLE_TOKENS)}")
-        if not isinstance(content, str):
-            raise TokenizerError(f"message content must be a string, got {type(content).__name__}")
-        ids = [self.special_ids[ROLE_TOKENS[role]], *self.encode(content), self.end_of_turn_id]
-        if generation_prompt:
-            ids.append(self.special_ids[ASSISTANT])
-        return ids
-
-
-def _split_keep(text: str, sep: str) -> list[str]:
-    if sep not in text:
-        return [text]
-    pieces = text.split(sep)
-    out: list[str] = []
-    for i, piece in enumerate(pieces):
-        if i:
-            out.append(sep)
-        out.append(piece)
-    return out
+        """One message's ids (what a new turn appends to a running conversation past its first exchange)."""
+        return self.chat_format.append(None, message, add_generation_prompt=generation_prompt)

@@ -1,4 +1,5 @@
-"""Pieces both step modules use: per-layer attention projections, RoPE tables by layer kind, the sub-layer wiring."""
+"""Pieces both step modules use: per-layer attention projections, RoPE tables by layer kind, the sub-layer wiring,
+and V4.1's runtime fake-quant at exactly the places `build_engines.model.attention` applies it."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from torch import nn
 from build_engines.model.attention import Attention
 from build_engines.model.config import CEDConfig
 from build_engines.model.network import Block
+from build_engines.model.primitives import ACT_QUANT_BLOCK, quantizes_input
 
 from .graph_ops import (
     HcMix,
     SinkhornPatterns,
     collapse,
     expand,
+    fp4_qdq_e4m3,
+    fp4_qdq_ue8m0,
+    fp8_qdq,
     hc_coefficients,
     pair_swap,
     rms_norm,
@@ -27,13 +32,17 @@ from .layout import StepLayout
 
 
 class StepModule(nn.Module):
-    """What both step modules hold: the engine component (its weights), the config, the layout, the Sinkhorn patterns."""
+    """What both step modules hold: the engine component (its weights), the config, the layout, the Sinkhorn patterns.
+
+    With `cfg.runtime_fake_quant` the steps run V4.1's runtime fake-quant as the reference does (see `FakeQuant`)."""
 
     def __init__(self, engine: nn.Module) -> None:
         super().__init__()
         cfg: CEDConfig = engine.cfg  # type: ignore[assignment]
-        if cfg.runtime_fake_quant:
-            raise NotImplementedError("engine steps with the runtime fp8/fp4 fake-quant of V4.1 come with the quantized builds")
+        if cfg.engram_layers:
+            raise NotImplementedError(
+                f"config {cfg.name!r} has Engram at layers {list(cfg.engram_layers)}: the engine steps do not run Engram yet "
+                "(the reference network does; docs/release.md), so an engine built from it would compute another model")
         self.cfg, self.engine, self.layout = cfg, engine, StepLayout(cfg)
         self.E = cfg.first_decoder_layer
         self.patterns = SinkhornPatterns(cfg.hc_mult, cfg.hc_eps)
@@ -42,8 +51,36 @@ class StepModule(nn.Module):
 Linear = Callable[[torch.Tensor, str, nn.Linear], torch.Tensor]  # (x, module name, base Linear) -> x W^T (+ LoRA)
 
 
+class FakeQuant:
+    """V4.1's runtime fake-quant in the steps' exportable ops (`graph_ops`, bit for bit `quant_formats`), each one the
+    identity when the config has it off, so the graphs without it are exactly what they were.
+
+    Where, as in the reference: the window KV latent after RoPE in fp8 (ue8m0 per 32), the new global-KV entries after
+    RoPE in fp4 with e4m3 scales per 16, indexer queries and keys after RoPE in fp4 (ue8m0 per 32), and the input of
+    each GEMM against a released fp8/fp4 weight in fp8 (`gemm_input`)."""
+
+    @staticmethod
+    def window_kv(kv: torch.Tensor, cfg: CEDConfig) -> torch.Tensor:
+        return fp8_qdq(kv, 32) if cfg.runtime_fake_quant else kv
+
+    @staticmethod
+    def global_kv(entries: torch.Tensor, cfg: CEDConfig) -> torch.Tensor:
+        return fp4_qdq_e4m3(entries, 16) if cfg.runtime_fake_quant else entries
+
+    @staticmethod
+    def index(qk: torch.Tensor, cfg: CEDConfig) -> torch.Tensor:
+        return fp4_qdq_ue8m0(qk, 32) if cfg.runtime_fake_quant else qk
+
+    @staticmethod
+    def gemm_input(x: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        """What `module`'s base GEMM reads: fp8-quantized x exactly when the reference module quantizes it
+        (`quantizes_input`: wq_a, wq_b, wkv, wo_b, indexer wq_b, experts, under the switch), else x. A LoRA product
+        added to that GEMM reads the unquantized x, as in the reference (see `ActQuantLinear`)."""
+        return fp8_qdq(x, ACT_QUANT_BLOCK) if quantizes_input(module) else x
+
+
 def plain_linear(x: torch.Tensor, name: str, module: nn.Linear) -> torch.Tensor:
-    return x @ module.weight.float().t()
+    return FakeQuant.gemm_input(x, module) @ module.weight.float().t()
 
 
 class RopeKinds:
@@ -106,7 +143,7 @@ def query_and_latent(attn: Attention, x: torch.Tensor, ropes: RopeKinds, positio
     tables = ropes.tables(positions, layer, cfg.head_dim)
     q = ropes.apply(linear(qr, f"{prefix}.wq_b", attn.wq_b).view(B, S, cfg.n_heads, cfg.head_dim), tables, heads=True)
     kv = ropes.apply(rms_norm(linear(x, f"{prefix}.wkv", attn.wkv), attn.kv_norm.weight, cfg.norm_eps), tables)
-    return q, qr, kv, tables
+    return q, qr, FakeQuant.window_kv(kv, cfg), tables
 
 
 def index_scores(attn: Attention, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ropes: RopeKinds, positions: torch.Tensor,
@@ -116,7 +153,7 @@ def index_scores(attn: Attention, x: torch.Tensor, qr: torch.Tensor, keys: torch
     B, S = x.shape[0], x.shape[1]
     ix = attn.indexer
     q = linear(qr, f"{prefix}.indexer.wq_b", ix.wq_b).view(B, S, ix.n_heads, ix.head_dim)
-    q = ropes.apply(q, ropes.tables(positions, layer, cfg.index_head_dim), heads=True)
+    q = FakeQuant.index(ropes.apply(q, ropes.tables(positions, layer, cfg.index_head_dim), heads=True), cfg)
     w = linear(x, f"{prefix}.indexer.weights_proj", ix.weights_proj) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
     logits = torch.relu(q @ keys.unsqueeze(1).transpose(-1, -2))  # (B, S, Hi, N)
     return (logits * w.unsqueeze(-1)).sum(2)
@@ -161,7 +198,7 @@ def pooled_top(attn: Attention, x: torch.Tensor, qr: torch.Tensor, keys: torch.T
     pool_keys = torch.gather(keys, 1, rows).view(B, S, P, keys.shape[-1])  # (B, S, P, Di)
     ix = attn.indexer
     q = linear(qr, f"{prefix}.indexer.wq_b", ix.wq_b).view(B, S, ix.n_heads, ix.head_dim)
-    q = ropes.apply(q, ropes.tables(positions, layer, cfg.index_head_dim), heads=True)
+    q = FakeQuant.index(ropes.apply(q, ropes.tables(positions, layer, cfg.index_head_dim), heads=True), cfg)
     w = linear(x, f"{prefix}.indexer.weights_proj", ix.weights_proj) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
     logits = torch.relu(q @ pool_keys.transpose(-1, -2))  # (B, S, Hi, P)
     scores = (logits * w.unsqueeze(-1)).sum(2)  # (B, S, P)

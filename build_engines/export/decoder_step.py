@@ -15,7 +15,7 @@ from build_engines.model.attention import window_rows
 from build_engines.model.network import DecoderEngine
 from plugins.sparse_global_attention import sparse_global_attention
 
-from .common import RopeKinds, StepModule, SublayerWiring, output_projection, pooled_top, query_and_latent
+from .common import FakeQuant, RopeKinds, StepModule, SublayerWiring, output_projection, pooled_top, query_and_latent
 from .graph_ops import (
     DenseExperts,
     chunk_positions,
@@ -64,8 +64,11 @@ class LoraInputs:
         return grid.flatten(0, 1).index_select(0, self.at.flatten()).view(*like.shape[:2], *grid.shape[2:])
 
     def linear(self, x: torch.Tensor, name: str, module: nn.Linear) -> torch.Tensor:
-        """x (B, S, in) -> x W^T + (x A) B for each position's adapter (B already carries alpha / r)."""
-        base = x @ module.weight.float().t()
+        """x (B, S, in) -> x W^T + (x A) B for each position's adapter (B already carries alpha / r).
+
+        Under the runtime fake-quant the base GEMM reads fp8-quantized x where the reference module does; the LoRA
+        product always reads x itself (adapters are ours, trained on unquantized activations; see `ActQuantLinear`)."""
+        base = FakeQuant.gemm_input(x, module) @ module.weight.float().t()
         if name not in self.by_module:
             return base
         a, b = self.by_module[name]  # (U, in, R), (U, R, out)
@@ -104,10 +107,10 @@ class DecoderStep(StepModule):
         return logits, torch.stack(ring_rows, 1)
 
     def _moe(self, layer: int, x: torch.Tensor, lora: LoraInputs) -> torch.Tensor:
-        """Dense experts with each row's adapter on every expert's w1/w3 and w2."""
+        """Dense experts with each row's adapter on every expert's w1/w3 and w2 (LoRA on unquantized inputs)."""
         experts = self.experts[layer]
         G, inter = experts.count, experts.inter
-        h13 = x @ experts.w13  # (B, S, G*2*I)
+        h13 = experts.gemm_input(x) @ experts.w13  # (B, S, G*2*I)
         a13, b13 = lora.experts[f"layers.{layer}.ffn.experts_w13"]  # (U, dim, 2G, R), (U, 2G, R, I)
         U, C = lora.rows.shape
         u = (lora.gather(x) @ a13.flatten(2)).view(U, C, 2 * G, -1).transpose(1, 2)  # (U, 2G, C, R)
@@ -115,7 +118,7 @@ class DecoderStep(StepModule):
         act = experts.activations(h13, experts.routing_weights(x))  # (B, S, G*I)
         a2, b2 = lora.experts[f"layers.{layer}.ffn.experts_w2"]  # (U, G, I, R), (U, G, R, dim)
         v = (lora.gather(act).view(U, C, G, inter).transpose(1, 2) @ a2).transpose(1, 2).reshape(U, C, -1)  # (U, C, G*R)
-        return act @ experts.w2 + lora.scatter(v @ b2.flatten(1, 2), x)
+        return experts.gemm_input(act) @ experts.w2 + lora.scatter(v @ b2.flatten(1, 2), x)
 
     def _attention(self, l: int, x: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, win: torch.Tensor, kv_store: torch.Tensor,
                    index_store: torch.Tensor, candidates: torch.Tensor, ropes: RopeKinds, lora: LoraInputs, ctx: dict[str, torch.Tensor],

@@ -20,6 +20,7 @@ from plugins.sparse_global_attention import sparse_global_attention
 from plugins.swa_replay_attention import swa_replay_attention
 
 from .common import (
+    FakeQuant,
     RopeKinds,
     StepModule,
     SublayerWiring,
@@ -95,7 +96,8 @@ class EncoderStep(StepModule):
     # ------------------------------------------------------------------ layers
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts[layer]
-        return experts.activations(x @ experts.w13, experts.routing_weights(x)) @ experts.w2
+        act = experts.activations(experts.gemm_input(x) @ experts.w13, experts.routing_weights(x))
+        return experts.gemm_input(act) @ experts.w2
 
     def _attention(self, l: int, x: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, win: torch.Tensor,
                    sources: dict[int, _Source], ropes: RopeKinds, ctx: dict[str, torch.Tensor], ring_rows: list[torch.Tensor]) -> torch.Tensor:
@@ -146,8 +148,8 @@ class EncoderStep(StepModule):
             src.new_pending, key = torch.cat((kv[:, -1:], score[:, -1:]), 1), l + 1
         ix = attn.indexer
         keys = rms_norm(latent @ ix.wk.weight.float().t(), ix.k_norm.weight, cfg.norm_eps)
-        src.new_index_k = ropes.apply(keys, ropes.tables(entry_pos, l, cfg.index_head_dim, key=key))
-        src.new_kv = ropes.apply(latent, ropes.tables(entry_pos, l, cfg.head_dim, key=key))
+        src.new_index_k = FakeQuant.index(ropes.apply(keys, ropes.tables(entry_pos, l, cfg.index_head_dim, key=key)), cfg)
+        src.new_kv = FakeQuant.global_kv(ropes.apply(latent, ropes.tables(entry_pos, l, cfg.head_dim, key=key)), cfg)
 
     def _select(self, l: int, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, src: _Source, ropes: RopeKinds,
                 ctx: dict[str, torch.Tensor]) -> None:

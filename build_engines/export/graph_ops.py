@@ -8,7 +8,9 @@ exports to few ONNX nodes and keeps every row's result independent of the other 
   division (the sum form costs three nodes per half step; 20 iterations x 16 sub-layers made it half the graph);
 - the MoE with every expert computed densely from concatenated weights (two matrix products), since a batch has
   rows choosing different experts and unchosen weights are exactly zero;
-- top-k with ONNX TopK's tie rule (lower index first), -1 where fewer than k entries are finite.
+- top-k with ONNX TopK's tie rule (lower index first), -1 where fewer than k entries are finite;
+- V4.1's runtime fake-quant (fp8 e4m3 / fp4 e2m1 quantize-dequantize) in plain float ops, bit for bit the
+  `build_engines.formats.quant_formats` functions, because a float8 Cast is not valid ONNX at our opset 18.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from build_engines.model.attention import select_top as reference_select_top
 from build_engines.model.config import CEDConfig
 from build_engines.model.moe import MoE
+from build_engines.model.primitives import ACT_QUANT_BLOCK, quantizes_input
 
 # ----------------------------------------------------------------------------------------------- positions, RoPE
 
@@ -91,6 +94,106 @@ def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(values > float("-inf"), idx, torch.full_like(idx, -1))
 
 
+# ----------------------------------------------------------------------------------------------- runtime fake-quant
+#
+# Why plain float ops: `x.to(torch.float8_e4m3fn)` exports as a float8 Cast, which ONNX allows only from opset 19 (our
+# graphs are opset 18; onnxruntime refuses the node there) and which TensorRT's parser would have to support too.
+# The formats are exact, so they can be written without it: every ue8m0 scale is a power of two (dividing and
+# multiplying by it is exact in fp32), and rounding onto the e4m3 or e2m1 grid is `Round(a / step) * step` with the
+# grid step of a's binade (ONNX Round is round-half-to-even, as the casts are). A power of two 2^floor(log2 a) or
+# 2^ceil(log2 y) is read from a table at a log2 estimate and then corrected by exact comparisons (halve or double
+# once), so a log off by an ulp, or a fast GPU log, cannot pick the wrong binade; no step relies on how two float ops
+# round together (a fused multiply-add would break error-free tricks such as Veltkamp splitting, not these). Each
+# function is tested bit for bit (sign of zero included) against quant_formats, in torch and in onnxruntime. NaN
+# inputs are not supported, as there.
+
+_POW2 = torch.exp2(torch.arange(-127, 128, dtype=torch.float64)).float()  # 2^k for k in [-127, 127], exact in fp32
+_E4M3_MAX, _E2M1_MAX = 448.0, 6.0
+_E4M3_MIN_NORMAL = 2.0**-6  # below it e4m3 is subnormal, with the step of the [2^-6, 2^-5) binade: 2^-9
+_FP8_AMAX_FLOOR, _FP4_UE8M0_AMAX_FLOOR, _FP4_E4M3_AMAX_FLOOR = 1e-4, 6.0 * 2.0**-126, 6.0 * 2.0**-9
+
+
+def _pow2_near(e: torch.Tensor) -> torch.Tensor:
+    """2^e for an integer-valued float estimate e, clamped to [-127, 127]: one table lookup, exact."""
+    return _POW2[(e.clamp(-127, 127) + 127).long()]
+
+
+def _pow2_ceil(y: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2 y), exactly, for fp32 y in [2^-126, 2^126]: the smallest power of two >= y.
+
+    The log2 estimate is within one binade; one comparison each way corrects it (halving 2^-126 gives the fp32
+    subnormal 2^-127, still exact)."""
+    p = _pow2_near(torch.ceil(torch.log2(y)))
+    p = torch.where(p < y, p * 2.0, p)
+    return torch.where(p * 0.5 >= y, p * 0.5, p)
+
+
+def _pow2_floor(a: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2 a), exactly, for fp32 a in [2^-126, 2^126]: the largest power of two <= a."""
+    p = _pow2_near(torch.floor(torch.log2(a)))
+    p = torch.where(p > a, p * 0.5, p)
+    return torch.where(p * 2.0 <= a, p * 2.0, p)
+
+
+def _signed(magnitude: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """magnitude >= 0 with v's sign bit, so a zero keeps v's sign (-tiny -> -0.0) as the casts and e2m1 codes do.
+
+    Why a product: onnxruntime's CPU Where drops the sign of a selected -0.0, and 1 / v < 0 is the sign bit of every
+    v, -0.0 included (1 / -0.0 = -inf)."""
+    return magnitude * torch.where(torch.reciprocal(v) < 0, -1.0, 1.0)
+
+
+def round_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """fp32 v with |v| <= 448 -> the nearest float8_e4m3fn value (ties to even), as fp32: `v.to(float8).float()`.
+
+    e4m3 keeps 3 mantissa bits: in the binade [2^e, 2^(e+1)) its step is 2^(e-3); below 2^-6 (subnormals) the step
+    stays 2^-9, the step of the lowest normal binade, so the binade is taken of max(|v|, 2^-6)."""
+    a = v.abs()
+    step = _pow2_floor(a.clamp(min=_E4M3_MIN_NORMAL)) * 0.125
+    return _signed(torch.round(a / step) * step, v)
+
+
+def round_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """fp32 v -> the nearest e2m1 value (ties to the even code), saturating at +-6: quant_formats' E2M1 rounding.
+
+    The e2m1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 has step 0.5 below 2, 1 in [2, 4) and 2 from 4; round-half-to-even
+    of a / step is ties-to-even-code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4)."""
+    a = v.abs().clamp(max=_E2M1_MAX)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return _signed(torch.round(a / step) * step, v)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.shape[-1] % block:
+        raise ValueError(f"fake-quant needs a last dimension divisible by {block}, got shape {tuple(x.shape)}")
+    return x.float().unflatten(-1, (x.shape[-1] // block, block))
+
+
+def fp8_qdq(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """`quant_formats.fp8_qdq` in exportable ops: e4m3 values, one 2^ceil(log2(max(amax, 1e-4) / 448)) per block."""
+    xb = _blocks(x, block)
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=_FP8_AMAX_FLOOR)
+    scale = _pow2_ceil(amax / _E4M3_MAX)
+    return (round_e4m3((xb / scale).clamp(-_E4M3_MAX, _E4M3_MAX)) * scale).flatten(-2)
+
+
+def fp4_qdq_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """`quant_formats.fp4_qdq_ue8m0` in exportable ops: e2m1 values, one 2^ceil(log2(max(amax, 6*2^-126) / 6)) per block."""
+    xb = _blocks(x, block)
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=_FP4_UE8M0_AMAX_FLOOR)
+    scale = _pow2_ceil(amax / _E2M1_MAX)
+    return (round_e2m1(xb / scale) * scale).flatten(-2)
+
+
+def fp4_qdq_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """`quant_formats.fp4_qdq_e4m3` in exportable ops: e2m1 values, one e4m3-rounded min(max(amax, 6*2^-9) / 6, 448)
+    per block (not a power of two: the division x / scale is the same fp32 division as there)."""
+    xb = _blocks(x, block)
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=_FP4_E4M3_AMAX_FLOOR)
+    scale = round_e4m3((amax / _E2M1_MAX).clamp(max=_E4M3_MAX))
+    return (round_e2m1(xb / scale) * scale).flatten(-2)
+
+
 # ----------------------------------------------------------------------------------------------- hyper-connections
 
 
@@ -148,6 +251,8 @@ class DenseExperts:
     """Every expert of one MoE (routed, then shared) as two concatenated weight matrices.
 
     w13: (dim, G * 2 * I) with columns [expert g][w1 | w3][inter]; w2: (G * I, dim). G = routed + 1 shared.
+    Under the runtime fake-quant both products read fp8-quantized inputs (`gemm_input`), as every expert's w1/w3/w2
+    does in the reference; per 32 along K that is the same as quantizing each expert's slice, since I % 32 == 0.
     """
 
     def __init__(self, moe: MoE) -> None:
@@ -157,11 +262,19 @@ class DenseExperts:
         if any(e.w1.out_features != self.inter for e in experts):
             raise ValueError("dense experts need one intermediate width for routed and shared experts")
         self.limit = experts[0].limit
+        quant = {quantizes_input(w) for e in experts for w in (e.w1, e.w2, e.w3)}
+        if len(quant) != 1:
+            raise ValueError("dense experts need every expert projection quantized alike")
+        self.quantize_input = quant.pop()
         self.w13 = torch.cat([torch.cat((e.w1.weight, e.w3.weight), 0) for e in experts], 0).t().contiguous().float()
         self.w2 = torch.cat([e.w2.weight.t() for e in experts], 0).contiguous().float()
         self.gate_weight = moe.gate.weight.float()
         self.gate_bias = moe.gate.bias.float()
         self.topk, self.route_scale = moe.gate.topk, moe.gate.route_scale
+
+    def gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What w13 and w2 read: x, or its fp8 quantize-dequantize under the runtime fake-quant (LoRA reads x)."""
+        return fp8_qdq(x, ACT_QUANT_BLOCK) if self.quantize_input else x
 
     def routing_weights(self, x: torch.Tensor) -> torch.Tensor:
         """x (…, dim) -> (…, G) weights: the gate's top-k (sqrt-softplus, bias for selection only), then 1 for shared."""

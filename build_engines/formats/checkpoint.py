@@ -1,19 +1,24 @@
 """Checkpoint I/O in the released naming: our own safetensors checkpoints and the real (fp8/fp4) format.
 
-Both kinds are directories holding `config.json` (our `CEDConfig`) and one or more `*.safetensors` files whose
-tensor names are the release's (`embed.weight`, `layers.N.attn.wq_a.weight`, ...). Ours store plain floats; the
-release stores fp8 e4m3 weights with `<name>.scale` ue8m0 block scales and routed experts as packed fp4. One loader
-reads both: every tensor is dequantized by what its dtype and scale say, then checked against the network.
+Both kinds are directories holding `config.json` (our `CEDConfig`, or the release's own keys, see `config_file`) and
+one or more `*.safetensors` files (with `model.safetensors.index.json` when sharded) whose tensor names are the
+release's (`embed.weight`, `layers.N.attn.wq_a.weight`, ...). Ours store plain floats; the release stores fp8 e4m3
+weights with `<name>.scale` ue8m0 block scales and routed experts as packed fp4. One loader reads both, lazily: the
+names are checked from the shard headers first, then only the tensors of the requested role are read, each
+dequantized by what its dtype and scale say straight into its parameter.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
 from build_engines.formats.config_file import CONFIG_FILE, CheckpointError, load_config
 from build_engines.formats.quant_formats import (
@@ -40,23 +45,137 @@ def save_checkpoint(net: CEDNetwork, directory: str | Path) -> Path:
     return directory
 
 
-def _weight_files(directory: Path) -> list[Path]:
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors file in {directory}")
-    return files
+INDEX_FILE = "model.safetensors.index.json"
+HEADER_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a shard's header describes it: where it is and how many bytes it holds (nothing read yet)."""
+
+    name: str
+    shard: Path
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _read_header(path: Path) -> dict[str, StoredTensor]:
+    """A safetensors header (8-byte length + JSON): names, dtypes, shapes, byte ranges, without touching the data."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size <= 0 or size > 100_000_000:
+            raise CheckpointError(f"{path.name} is not a safetensors file (header length {size})")
+        try:
+            header = json.loads(f.read(size))
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path.name} has an unreadable safetensors header: {exc}") from exc
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        out[name] = StoredTensor(name, path, info["dtype"], tuple(info["shape"]), end - begin)
+    return out
+
+
+class CheckpointFiles:
+    """The tensors of a checkpoint directory by name, read one at a time from memory-mapped shards.
+
+    Why lazy: the release is ~1.5 TB across 48 shards (Engram tables ~200 GB of it); a role reads only the tensors it
+    needs, and a tensor no role runs (DSpark `mtp.*` until its drafter runs, vision) is never read at all. The shard
+    of each tensor comes from `model.safetensors.index.json` when present (checked against the shards' headers),
+    else from the headers of every `*.safetensors` file.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        shards = sorted(self.directory.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"no *.safetensors file in {self.directory}")
+        self.tensors: dict[str, StoredTensor] = {}
+        for shard in shards:
+            for name, stored in _read_header(shard).items():
+                if name in self.tensors:
+                    raise CheckpointError(f"tensor {name!r} appears in more than one shard (second: {shard.name})")
+                self.tensors[name] = stored
+        self._check_index()
+        self._open: dict[Path, Any] = {}
+
+    def _check_index(self) -> None:
+        index = self.directory / INDEX_FILE
+        if not index.exists():
+            return
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} has no readable weight_map: {exc}") from exc
+        problems = []
+        for name, shard in weight_map.items():
+            stored = self.tensors.get(name)
+            if not (self.directory / shard).exists():
+                problems.append(f"{INDEX_FILE} maps {name!r} to {shard}, which is missing")
+            elif stored is None or stored.shard.name != shard:
+                problems.append(f"{INDEX_FILE} maps {name!r} to {shard}, but that shard does not hold it")
+        unlisted = sorted(set(self.tensors) - set(weight_map))
+        if unlisted:
+            problems.append(f"tensors {unlisted[:5]} are in the shards but not in {INDEX_FILE} ({len(unlisted)} in all)")
+        if problems:
+            raise CheckpointError("; ".join(problems[:10]) + (f" ... ({len(problems)} problems)" if len(problems) > 10 else ""))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The stored tensor (its own dtype), read from the memory-mapped shard."""
+        stored = self.tensors[name]
+        if stored.shard not in self._open:
+            self._open[stored.shard] = safe_open(str(stored.shard), framework="pt")
+        return self._open[stored.shard].get_tensor(name)
+
+    def scale_name(self, name: str) -> str:
+        return name[: -len(".weight")] + SCALE_SUFFIX if name.endswith(".weight") else name + SCALE_SUFFIX
+
+    def bytes_of(self, names: Iterable[str]) -> int:
+        """Stored bytes of these parameters, their scale tensors included."""
+        total = 0
+        for name in names:
+            total += self.tensors[name].nbytes
+            scale = self.tensors.get(self.scale_name(name))
+            total += scale.nbytes if scale is not None else 0
+        return total
 
 
 def read_raw_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of all shards, as stored (no dequantization); duplicate names across shards are an error."""
-    out: dict[str, torch.Tensor] = {}
-    for path in _weight_files(Path(directory)):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name in out:
-                    raise CheckpointError(f"tensor {name!r} appears in more than one shard (second: {path.name})")
-                out[name] = f.get_tensor(name)
-    return out
+    """All tensors of all shards, as stored (no dequantization). Reads everything: for tests and small checkpoints."""
+    files = CheckpointFiles(directory)
+    return {name: files.get(name) for name in files.names()}
+
+
+def dequantize_one(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """One stored tensor as plain floats: fp8 blocks and packed fp4 use their scale, floats are cast."""
+    scale_name = name[: -len(".weight")] + SCALE_SUFFIX if name.endswith(".weight") else name + SCALE_SUFFIX
+    try:
+        if tensor.dtype == torch.float8_e4m3fn:
+            if scale is None:
+                raise CheckpointError(f"fp8 tensor {name!r} has no scale tensor {scale_name!r}")
+            return dequantize_fp8_blocks(tensor, scale, out_dtype=dtype)
+        if tensor.dtype in (torch.int8, torch.uint8):
+            if scale is None:
+                raise CheckpointError(f"packed fp4 tensor {name!r} has no scale tensor {scale_name!r}")
+            return dequantize_fp4_packed(tensor, scale, out_dtype=dtype)
+        if tensor.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            if scale is not None:
+                raise CheckpointError(f"tensor {name!r} is {tensor.dtype} but has a scale {scale_name!r}")
+            return tensor.to(dtype)
+        raise CheckpointError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
+    except ValueError as exc:  # shape/scale problems from the quant formats, prefixed with the tensor name
+        if isinstance(exc, CheckpointError):
+            raise
+        raise CheckpointError(f"tensor {name!r}: {exc}") from exc
 
 
 def dequantize_tensors(raw: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -75,30 +194,21 @@ def dequantize_tensors(raw: dict[str, torch.Tensor], dtype: torch.dtype = torch.
             skipped.append(name)
             continue
         scale_name = name[: -len(".weight")] + SCALE_SUFFIX if name.endswith(".weight") else name + SCALE_SUFFIX
-        scale = raw.get(scale_name)
-        try:
-            if tensor.dtype == torch.float8_e4m3fn:
-                if scale is None:
-                    raise CheckpointError(f"fp8 tensor {name!r} has no scale tensor {scale_name!r}")
-                out[name] = dequantize_fp8_blocks(tensor, scale, out_dtype=dtype)
-            elif tensor.dtype in (torch.int8, torch.uint8):
-                if scale is None:
-                    raise CheckpointError(f"packed fp4 tensor {name!r} has no scale tensor {scale_name!r}")
-                out[name] = dequantize_fp4_packed(tensor, scale, out_dtype=dtype)
-            elif tensor.dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-                if scale is not None:
-                    raise CheckpointError(f"tensor {name!r} is {tensor.dtype} but has a scale {scale_name!r}")
-                out[name] = tensor.to(dtype)
-            else:
-                raise CheckpointError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
-        except CheckpointError:
-            raise
-        except ValueError as exc:  # shape/scale problems from the quant formats, prefixed with the tensor name
-            raise CheckpointError(f"tensor {name!r}: {exc}") from exc
+        out[name] = dequantize_one(name, tensor, raw.get(scale_name), dtype)
     return out, skipped
 
 
-def check_tensors(net: CEDNetwork, tensors: dict[str, torch.Tensor]) -> None:
+def _check_one(name: str, tensor: torch.Tensor, want: tuple[int, ...]) -> str | None:
+    if tuple(tensor.shape) != want:
+        return f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want}"
+    if not tensor.is_floating_point():
+        return f"tensor {name!r} has dtype {tensor.dtype}, expected a float"
+    if not bool(torch.isfinite(tensor).all()):
+        return f"tensor {name!r} holds NaN or Inf"
+    return None
+
+
+def check_tensors(net: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Every network parameter present with its shape, nothing unknown, nothing non-finite; one error lists all."""
     expected = net.state_dict()
     problems: list[str] = []
@@ -109,27 +219,105 @@ def check_tensors(net: CEDNetwork, tensors: dict[str, torch.Tensor]) -> None:
     if unexpected:
         problems.append(f"unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(unexpected)} in all)")
     for name in sorted(set(expected) & set(tensors)):
-        want, got = tuple(expected[name].shape), tuple(tensors[name].shape)
-        if want != got:
-            problems.append(f"tensor {name!r} has shape {got}, expected {want}")
-        elif not tensors[name].is_floating_point():
-            problems.append(f"tensor {name!r} has dtype {tensors[name].dtype}, expected a float")
-        elif not bool(torch.isfinite(tensors[name]).all()):
-            problems.append(f"tensor {name!r} holds NaN or Inf")
+        problem = _check_one(name, tensors[name], tuple(expected[name].shape))
+        if problem:
+            problems.append(problem)
     if problems:
         raise CheckpointError("; ".join(problems))
 
 
-def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CEDNetwork:
-    """Load ours or the released format (detected per tensor by dtype); the network is returned in eval mode."""
+ROLES = ("network", "encoder", "decoder")
+
+
+def read_role_stored(directory: str | Path, role: str) -> dict[str, torch.Tensor]:
+    """A role's tensors exactly as stored (fp8 / packed fp4 with their scales, bf16, f32): what an engine builder that
+    keeps the release's formats consumes, at the role's share of the checkpoint bytes and no more."""
     cfg = load_config(directory)
-    tensors, _ = dequantize_tensors(read_raw_tensors(directory), dtype)
+    files = CheckpointFiles(directory)
+    _audit_names(files, cfg)
+    out: dict[str, torch.Tensor] = {}
+    for name in role_tensor_names(cfg, role):
+        out[name] = files.get(name)
+        scale = files.scale_name(name)
+        if scale in files:
+            out[scale] = files.get(scale)
+    return out
+
+
+def _role_module(cfg: CEDConfig, role: str) -> nn.Module:
+    from build_engines.model.network import DecoderEngine, EncoderEngine
+
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; roles: {ROLES}")
     with torch.device("meta"):
-        net = CEDNetwork(cfg)
-    check_tensors(net, tensors)
-    net = net.to_empty(device=device)
-    net.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True)
-    return net.to(dtype).eval()
+        return {"network": CEDNetwork, "encoder": EncoderEngine, "decoder": DecoderEngine}[role](cfg)
+
+
+def role_tensor_names(cfg: CEDConfig, role: str) -> list[str]:
+    """The released tensor names a role runs (its parameters), from the component built on the meta device."""
+    return list(_role_module(cfg, role).state_dict())
+
+
+def _audit_names(files: CheckpointFiles, cfg: CEDConfig) -> None:
+    """Before reading anything: every parameter of the whole network present, nothing unknown, every scale paired."""
+    expected = set(role_tensor_names(cfg, "network"))
+    present = set(files.names())
+    problems = []
+    missing = sorted(expected - present)
+    if missing:
+        problems.append(f"missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all)")
+    scales = {n for n in present if n.endswith(SCALE_SUFFIX)}
+    orphans = sorted(s for s in scales if s[: -len(SCALE_SUFFIX)] not in present and s[: -len(SCALE_SUFFIX)] + ".weight" not in present)
+    if orphans:
+        problems.append(f"scale tensors {orphans[:5]} have no weight beside them")
+    unexpected = sorted(n for n in present - expected - scales if not is_optional_extra(n))
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''} ({len(unexpected)} in all)")
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                    role: str = "network") -> nn.Module:
+    """Load ours or the released format (detected per tensor by dtype); returned in eval mode.
+
+    `role` = "network" (the whole `CEDNetwork`), "encoder" or "decoder" (that engine component alone): only the
+    role's tensors are read, one at a time, each dequantized straight into its parameter, so the peak is the role's
+    parameters in `dtype` plus one tensor in flight; tensors of parts we do not run are never read.
+    """
+    cfg = load_config(directory)
+    files = CheckpointFiles(directory)
+    _audit_names(files, cfg)
+    net = _role_module(cfg, role)
+    net = net.to_empty(device=device).to(dtype)
+    problems = []
+    with torch.no_grad():
+        for name, target in net.state_dict().items():
+            scale_name = files.scale_name(name)
+            tensor = dequantize_one(name, files.get(name), files.get(scale_name) if scale_name in files else None, dtype)
+            problem = _check_one(name, tensor, tuple(target.shape))
+            if problem:
+                problems.append(problem)
+                continue
+            target.copy_(tensor)
+            del tensor
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    _install_engram_token_map(net, cfg, Path(directory))
+    return net.eval()
+
+
+def _install_engram_token_map(net: nn.Module, cfg: CEDConfig, directory: Path) -> None:
+    """Engram hashes compressed token ids: the map comes from the model directory's tokenizer (the release ships no
+    tensor for it). Without a tokenizer.json the network keeps its placeholder map (our own test checkpoints)."""
+    if not cfg.engram_layers or not hasattr(net, "set_engram_token_map") or not (directory / "tokenizer.json").exists():
+        return
+    from build_engines.model.engram import engram_token_map
+
+    try:
+        net.set_engram_token_map(engram_token_map(cfg, directory / "tokenizer.json"))
+    except ValueError as exc:
+        raise CheckpointError(f"{directory / 'tokenizer.json'}: {exc}") from exc
 
 
 def write_synthetic_release(cfg: CEDConfig, directory: str | Path, seed: int = 0, shards: int = 2, extras: bool = True) -> Path:
@@ -148,8 +336,9 @@ def write_synthetic_release(cfg: CEDConfig, directory: str | Path, seed: int = 0
     for name, tensor in net.state_dict().items():
         t = tensor.detach().float()
         storage = storage_of(name)
-        if storage is Storage.FP8_BLOCKS:
-            stored[name], stored[name[: -len(".weight")] + SCALE_SUFFIX] = quantize_fp8_blocks(t)
+        if storage in (Storage.FP8_BLOCKS, Storage.FP8_ROWS):
+            block = (1, 32) if storage is Storage.FP8_ROWS else (32, 32)
+            stored[name], stored[name[: -len(".weight")] + SCALE_SUFFIX] = quantize_fp8_blocks(t, block=block)
         elif storage is Storage.FP4_PACKED:
             stored[name], stored[name[: -len(".weight")] + SCALE_SUFFIX] = quantize_fp4_packed(t)
         elif storage is Storage.F32:

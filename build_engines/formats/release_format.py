@@ -15,16 +15,20 @@ from enum import Enum
 class Storage(Enum):
     FP8_BLOCKS = "fp8 e4m3, ue8m0 scale per 32x32 block"
     FP4_PACKED = "fp4 e2m1 packed 2 per byte, ue8m0 scale per 32 along K"
+    FP8_ROWS = "fp8 e4m3, ue8m0 scale per 32 along each row (Engram tables)"
     BF16 = "bf16"
     F32 = "f32"
 
 
 # (regex on the parameter name, storage). First match wins.
+# `mtp.N.` (the DSpark blocks) store like backbone layers.
 STORAGE_RULES: list[tuple[re.Pattern[str], Storage]] = [
-    (re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"), Storage.FP4_PACKED),
-    (re.compile(r"^layers\.\d+\.ffn\.shared_experts\.w[123]\.weight$"), Storage.FP8_BLOCKS),
-    (re.compile(r"^layers\.\d+\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$"), Storage.FP8_BLOCKS),
-    (re.compile(r"^layers\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias(_vl)?)$"), Storage.F32),
+    (re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"), Storage.FP4_PACKED),
+    (re.compile(r"^(layers|mtp)\.\d+\.ffn\.shared_experts\.w[123]\.weight$"), Storage.FP8_BLOCKS),
+    (re.compile(r"^(layers|mtp)\.\d+\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$"), Storage.FP8_BLOCKS),
+    (re.compile(r"^layers\.\d+\.engram\.embed\.weight$"), Storage.FP8_ROWS),
+    (re.compile(r"^(layers\.\d+\.engram\.wkv|mtp\.0\.main_proj)\.weight$"), Storage.FP8_BLOCKS),
+    (re.compile(r"^(layers|mtp)\.\d+\.(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias(_vl)?)$"), Storage.F32),
     (re.compile(r".*"), Storage.BF16),
 ]
 

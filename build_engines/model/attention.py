@@ -15,7 +15,7 @@ from torch import nn
 
 from build_engines.formats.quant_formats import fp4_qdq_e4m3, fp4_qdq_ue8m0, fp8_qdq
 from build_engines.model.config import CEDConfig
-from build_engines.model.primitives import RMSNorm, apply_rope_tail, rope_angles, rope_inv_freq
+from build_engines.model.primitives import ActQuantLinear, RMSNorm, apply_rope_tail, rope_angles, rope_inv_freq
 from build_engines.model.state import SourceCache, WindowRing
 from plugins.sparse_global_attention import sparse_global_attention
 from plugins.swa_replay_attention import swa_replay_attention
@@ -109,7 +109,11 @@ def candidate_entry_mask(candidates: torch.Tensor, n: int, block: int) -> torch.
 
 
 class Compressor(nn.Module):
-    """Writes a KV source's global entries: plain projection (ratio 1) or gated pooling of token pairs (ratio 2)."""
+    """Writes a KV source's global entries: plain projection (ratio 1) or gated pooling of token pairs (ratio 2).
+
+    Its projections are plain Linears: the release keeps them in bf16 (ratio 1) or fp32 (ratio 2), so their input
+    is never activation-quantized.
+    """
 
     def __init__(self, cfg: CEDConfig, ratio: int) -> None:
         super().__init__()
@@ -127,7 +131,7 @@ class Compressor(nn.Module):
         """
         kv = self.wkv(x).float()
         if self.ratio == 1:
-            return self.norm(kv), cache.pending_kv, cache.pending_score
+            return self.norm(kv.to(x.dtype)), cache.pending_kv, cache.pending_score
         score = self.wgate(x).float()
         kv = torch.cat((cache.pending_kv.float(), kv), 1)
         score = torch.cat((cache.pending_score.float(), score), 1)
@@ -137,16 +141,21 @@ class Compressor(nn.Module):
         groups_kv = kv[:, :used].view(B, n, self.ratio, D)
         groups_w = torch.softmax(score[:, :used].view(B, n, self.ratio, D), dim=2)
         pooled = (groups_kv * groups_w).sum(2)
-        return self.norm(pooled), kv[:, used:], score[:, used:]
+        # back to the stream's dtype before the norm, as the release does (a no-op in fp32; bf16 keys need bf16)
+        return self.norm(pooled.to(x.dtype)), kv[:, used:], score[:, used:]
 
 
 class Indexer(nn.Module):
-    """Lightning indexer: ReLU-weighted multi-head scores of a query against compressed index keys, then top-k."""
+    """Lightning indexer: ReLU-weighted multi-head scores of a query against compressed index keys, then top-k.
+
+    wq_b is an fp8 weight in the release (its input is activation-quantized under the runtime fake-quant);
+    weights_proj and wk are bf16 there, so they read their inputs unquantized.
+    """
 
     def __init__(self, cfg: CEDConfig, owns_keys: bool) -> None:
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
-        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.wq_b = ActQuantLinear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, cfg.runtime_fake_quant)
         self.weights_proj = nn.Linear(cfg.dim, cfg.index_n_heads, bias=False)
         if owns_keys:
             self.wk = nn.Linear(cfg.head_dim, cfg.index_head_dim, bias=False)
@@ -169,20 +178,25 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    """One layer's attention; its role (SWA / source / index / re-index / reuse) is fixed by the config."""
+    """One layer's attention; its role (SWA / source / index / re-index / reuse) is fixed by the config.
+
+    wq_a, wq_b, wkv (the window latent) and wo_b are fp8 weights in the release, so under the runtime fake-quant
+    their GEMMs read fp8-quantized inputs (`ActQuantLinear`); wo_a is dequantized to bf16 by the release's converter
+    and runs as a grouped einsum on the unquantized attention output, so it stays a plain Linear.
+    """
 
     def __init__(self, cfg: CEDConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.ratio = cfg.compress_ratios[layer]
-        H, D = cfg.n_heads, cfg.head_dim
-        self.wq_a = nn.Linear(cfg.dim, cfg.q_lora_rank, bias=False)
+        H, D, quant = cfg.n_heads, cfg.head_dim, cfg.runtime_fake_quant
+        self.wq_a = ActQuantLinear(cfg.dim, cfg.q_lora_rank, quant)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * D, bias=False)
-        self.wkv = nn.Linear(cfg.dim, D, bias=False)
+        self.wq_b = ActQuantLinear(cfg.q_lora_rank, H * D, quant)
+        self.wkv = ActQuantLinear(cfg.dim, D, quant)
         self.kv_norm = RMSNorm(D, cfg.norm_eps)
         self.wo_a = nn.Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, bias=False)
+        self.wo_b = ActQuantLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, quant)
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.is_source = layer in cfg.kv_source_layers
         self.is_index = layer in cfg.index_source_layers

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,15 @@ class CEDConfig:
     hc_eps: float = 1e-6
     runtime_fake_quant: bool = False  # fp8 window KV / fp4 global KV / fp4 indexer q,k as in V4.1's QAT
     max_seq_len: int = 1 << 20
-    engram_layers: tuple[int, ...] = field(default=())  # optional extra, not implemented: must stay empty
+    # Engram (V4.1's gated n-gram hash lookup, build_engines/model/engram.py); empty engram_layers turns it off
+    engram_layers: tuple[int, ...] = field(default=())  # encoder layers whose streams get an Engram before the block
+    engram_vocab_size: int = 0  # every (layer, n-gram size) group searches its head primes upwards from this - 1
+    engram_num_embeddings: tuple[int, ...] = ()  # table rows per engram layer: the sum of that layer's primes
+    engram_max_ngram: int = 4  # n-grams of sizes 2..engram_max_ngram end at each position
+    engram_n_heads: int = 0  # hash heads per n-gram size (each its own prime-sized bucket range)
+    engram_head_dim: int = 0  # width of one table row
+    engram_pad_id: int = 2  # token id whose compressed id fills a blocked look-back
+    engram_compressed_vocab_size: int = 0  # ids of the normalised token map; every hash multiplier derives from it
 
     # ------------------------------------------------------------------ derived roles
     @property
@@ -173,10 +182,61 @@ class CEDConfig:
             problems.append("window_size, index_topk, candidate_topk_blocks and candidate_block_size must be positive")
         if self.hc_mult < 1:
             problems.append(f"hc_mult={self.hc_mult} must be positive")
-        if self.engram_layers:
-            problems.append("Engram is an optional extra this implementation does not provide: engram_layers must be empty")
+        problems += self._engram_problems()
         if problems:
             raise ConfigError(f"config {self.name!r}: " + "; ".join(problems))
+
+    def _engram_problems(self) -> list[str]:
+        """Engram's own checks; each names its key and starts with "Engram" so a refusal says which mechanism."""
+        if not self.engram_layers:
+            if self.engram_num_embeddings:
+                return [f"Engram: engram_num_embeddings={list(self.engram_num_embeddings)} given but engram_layers is empty"]
+            return []
+        problems: list[str] = []
+        layers, E = self.engram_layers, self.n_encoder_layers
+        if list(layers) != sorted(set(layers)):
+            problems.append(f"Engram: engram_layers={list(layers)} must be strictly increasing")
+        outside = [l for l in layers if not 0 <= l < E]
+        if outside:
+            problems.append(
+                f"Engram: engram_layers holds {outside}, not encoder layers 0..{E - 1} (Engram sits in the shared "
+                "encoder, which adapters never touch, so every adapter reads one n-gram lookup)"
+            )
+        shape_ok = True
+        if self.engram_max_ngram < 2:
+            problems.append(f"Engram: engram_max_ngram={self.engram_max_ngram} must be >= 2 (the smallest n-gram is a 2-gram)")
+            shape_ok = False
+        if self.engram_n_heads < 1:
+            problems.append(f"Engram: engram_n_heads={self.engram_n_heads} must be positive")
+            shape_ok = False
+        if self.engram_vocab_size < 2:
+            problems.append(f"Engram: engram_vocab_size={self.engram_vocab_size} must be >= 2 (primes are searched above it - 1)")
+            shape_ok = False
+        if self.engram_head_dim < 1 or self.engram_head_dim % 32:
+            problems.append(
+                f"Engram: engram_head_dim={self.engram_head_dim} must be a positive multiple of 32 "
+                "(the release stores each table row in fp8 with one ue8m0 scale per 32 values)"
+            )
+        if not 0 < self.engram_compressed_vocab_size <= self.vocab_size:
+            problems.append(
+                f"Engram: engram_compressed_vocab_size={self.engram_compressed_vocab_size} must lie in "
+                f"1..vocab_size={self.vocab_size}"
+            )
+        if not 0 <= self.engram_pad_id < self.vocab_size:
+            problems.append(f"Engram: engram_pad_id={self.engram_pad_id} is not a token id (0..{self.vocab_size - 1})")
+        if len(self.engram_num_embeddings) != len(layers):
+            problems.append(
+                f"Engram: engram_num_embeddings has {len(self.engram_num_embeddings)} entries, engram_layers has {len(layers)}"
+            )
+        elif shape_ok:
+            rows = engram_table_rows_of(layers, self.engram_vocab_size, self.engram_max_ngram, self.engram_n_heads)
+            for layer, got, want in zip(layers, self.engram_num_embeddings, rows):
+                if got != want:
+                    problems.append(
+                        f"Engram: engram_num_embeddings gives layer {layer} {got} table rows, its bucket layout needs "
+                        f"{want} (the sum of its {(self.engram_max_ngram - 1) * self.engram_n_heads} primes)"
+                    )
+        return problems
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -203,6 +263,67 @@ class CEDConfig:
 
     def replace(self, **changes: Any) -> "CEDConfig":
         return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------- Engram bucket layout (pure integers)
+# It lives here, not in engram.py, because validation needs it and configs are read by processes without torch.
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin: exact for every n < 3.3e24 with these bases (far above any table size)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+@lru_cache(maxsize=64)
+def engram_bucket_primes(
+    layers: tuple[int, ...], vocab_size: int, max_ngram: int, n_heads: int
+) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """[layer][n-gram size 2..max_ngram][head] bucket moduli, as the release draws them.
+
+    Every (layer, n-gram size) group starts its search at `vocab_size - 1` and takes, head by head, the next prime
+    above the previous one that no earlier group of any layer took: primes are globally distinct, so no two buckets
+    of any table share a modulus. Only the number of layers matters, not their ids. Cached: every config
+    construction validates against it.
+    """
+    seen: set[int] = set()
+    out = []
+    for _ in layers:
+        per_ngram = []
+        for _ in range(max_ngram - 1):
+            current, heads = vocab_size - 1, []
+            for _ in range(n_heads):
+                current += 1
+                while current in seen or not is_prime(current):
+                    current += 1
+                seen.add(current)
+                heads.append(current)
+            per_ngram.append(tuple(heads))
+        out.append(tuple(per_ngram))
+    return tuple(out)
+
+
+def engram_table_rows_of(layers: tuple[int, ...], vocab_size: int, max_ngram: int, n_heads: int) -> tuple[int, ...]:
+    """Rows of each engram layer's table: its buckets laid end to end."""
+    return tuple(sum(sum(g) for g in layer) for layer in engram_bucket_primes(tuple(layers), vocab_size, max_ngram, n_heads))
 
 
 def _flash() -> CEDConfig:

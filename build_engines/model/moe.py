@@ -7,17 +7,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from build_engines.model.config import CEDConfig
+from build_engines.model.primitives import ActQuantLinear
 
 
 class Expert(nn.Module):
-    """SwiGLU expert with V4.1's clamps: w1 branch clamped above, w3 branch clamped both sides, fp32 math."""
+    """SwiGLU expert with V4.1's clamps: w1 branch clamped above, w3 branch clamped both sides, fp32 math.
 
-    def __init__(self, dim: int, inter: int, limit: float) -> None:
+    All three weights are fp4 (routed) or fp8 (shared) in the release, so with `quantize_input` every GEMM reads an
+    fp8-quantized input; w2's is the SwiGLU product after the routing weight, quantized as the release does.
+    """
+
+    def __init__(self, dim: int, inter: int, limit: float, quantize_input: bool = False) -> None:
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, inter, bias=False)
-        self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.w1 = ActQuantLinear(dim, inter, quantize_input)
+        self.w2 = ActQuantLinear(inter, dim, quantize_input)
+        self.w3 = ActQuantLinear(dim, inter, quantize_input)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         gate = self.w1(x).float().clamp(max=self.limit)
@@ -29,7 +34,10 @@ class Expert(nn.Module):
 
 
 class Gate(nn.Module):
-    """Scores sqrt(softplus(x W^T)); `bias` shifts only which experts are chosen, never their weights."""
+    """Scores sqrt(softplus(x W^T)); `bias` shifts only which experts are chosen, never their weights.
+
+    The release keeps the gate weight in bf16 and scores in fp32: its input is never activation-quantized.
+    """
 
     def __init__(self, cfg: CEDConfig) -> None:
         super().__init__()
@@ -54,8 +62,10 @@ class MoE(nn.Module):
     def __init__(self, cfg: CEDConfig) -> None:
         super().__init__()
         self.gate = Gate(cfg)
-        self.experts = nn.ModuleList(Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts, cfg.swiglu_limit)
+        quant = cfg.runtime_fake_quant
+        routed = (Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit, quant) for _ in range(cfg.n_routed_experts))
+        self.experts = nn.ModuleList(routed)
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts, cfg.swiglu_limit, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

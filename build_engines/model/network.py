@@ -5,18 +5,24 @@
 names and meet only through a `HandOver`; run one after the other they reproduce `CEDNetwork` bit for bit.
 Every step takes and returns explicit state (`SessionState`), so a chunked prefill, token-by-token decode and a
 one-pass forward are the same code.
+
+Engram (config `engram_layers`, encoder layers only) adds a gated n-gram lookup to the streams *before* the block of
+each engram layer, as the release does. Its hash ids are computed once per chunk from the token ids and the state's
+n-gram history; the tokenizer's compressed token map is a constant outside the state dict (`set_engram_token_map`),
+so state dicts keep the release's names. The decoder has no Engram: every adapter shares the encoder's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from build_engines.model.attention import Attention, StepContext
 from build_engines.model.config import CEDConfig
+from build_engines.model.engram import Engram, EngramHasher, EngramTable, new_engram_history
 from build_engines.model.hyper_connections import collapse, expand, hc_coefficients, init_hc_parameters
 from build_engines.model.moe import MoE
 from build_engines.model.primitives import RMSNorm
@@ -29,12 +35,16 @@ class Block(nn.Module):
     """One V4.1 layer: attention and MoE sub-layers on hyper-connection streams with one-sub-layer-lagged pre-mix.
 
     `parts` lets an engine hold only half of a block (the encoder owns layer 20's attention, the decoder its FFN)
-    while keeping the released parameter names.
+    while keeping the released parameter names. An engram layer's block also holds its `engram` (applied by the
+    network to the streams before `attn_sublayer`, so the block's own arithmetic is unchanged).
     """
 
     def __init__(self, cfg: CEDConfig, layer: int, parts: Iterable[str] = (ATTN_PART, FFN_PART)) -> None:
         super().__init__()
         self.cfg, self.layer, self.parts = cfg, layer, tuple(parts)
+        self.engram: Engram | None = None
+        if ATTN_PART in self.parts and layer in cfg.engram_layers:
+            self.engram = Engram(cfg, layer)
         if ATTN_PART in self.parts:
             self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.attn = Attention(cfg, layer)
@@ -68,9 +78,10 @@ class StepOutput:
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    """Normal(0, std) for projections and the embedding; norms stay at one (their constructor's value)."""
+    """Normal(0, std) for projections, the embedding and Engram tables; norms and Engram's q/k weights stay at one
+    (their constructor's value)."""
     for m in module.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+        if isinstance(m, (nn.Linear, nn.Embedding, EngramTable)):
             nn.init.normal_(m.weight, std=std)
 
 
@@ -104,17 +115,64 @@ def initial_streams(embed: nn.Embedding, tokens: torch.Tensor, hc: int) -> tuple
     return X, pre
 
 
+class _EngramOwner:
+    """What CEDNetwork and EncoderEngine share for Engram: the hasher (None without engram layers) and its token map."""
+
+    cfg: CEDConfig
+    engram_hasher: EngramHasher | None
+
+    def set_engram_token_map(self, token_map: torch.Tensor) -> None:
+        """Install the tokenizer's compressed token map (`engram.engram_token_map(cfg, tokenizer_json)`); until then
+        the network hashes with `engram.placeholder_token_map`. Not part of the state dict (the release ships none:
+        it is derived from the tokenizer)."""
+        if self.engram_hasher is None:
+            raise ValueError("this network has no Engram layers (engram_layers is empty): there is no token map to set")
+        self.engram_hasher.set_token_map(token_map)
+
+    @property
+    def engram_token_map(self) -> torch.Tensor | None:
+        return None if self.engram_hasher is None else self.engram_hasher.token_map
+
+    def engram_hashes(self, tokens: torch.Tensor, state: SessionState) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The chunk's hash ids (B, S, n_engram_layers, n_cols) and the history after it; (None, the state's history)
+        without Engram."""
+        if self.engram_hasher is None:
+            return None, state.engram_history
+        history = state.engram_history
+        if history is None or history.shape != (tokens.shape[0], self.cfg.engram_max_ngram - 1):
+            got = None if history is None else tuple(history.shape)
+            raise ValueError(f"the state's engram_history is {got}, this network needs "
+                             f"({tokens.shape[0]}, {self.cfg.engram_max_ngram - 1}) (a state made for another network?)")
+        return self.engram_hasher(tokens, history)
+
+    def _new_history(self, batch: int, device: torch.device) -> torch.Tensor | None:
+        return None if self.engram_hasher is None else new_engram_history(self.cfg, batch, device)
+
+
+def _apply_engram(block: Block, X: torch.Tensor, hash_ids: torch.Tensor | None,
+                  rows: Mapping[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Layer l's Engram on the streams entering block l (identity for other layers); `rows` (layer -> gathered rows
+    (B, S, n_cols, head_dim)) replaces the block's own table, for rows read from a host-side table."""
+    if block.engram is None:
+        return X
+    if rows is not None and block.layer in rows:
+        return block.engram.mix(X, rows[block.layer])
+    assert hash_ids is not None
+    return block.engram(X, hash_ids[:, :, block.engram.table_index])
+
+
 def _final_logits(norm: RMSNorm, head: nn.Linear, X: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """Collapse the streams with the last FFN's pre-mix, normalise, project in fp32 (the head is untied)."""
     return nn.functional.linear(norm(collapse(X, pre)).float(), head.weight.float())
 
 
-class CEDNetwork(nn.Module):
+class CEDNetwork(_EngramOwner, nn.Module):
     """The whole network in one loop over layers; the oracle that the engine split is tested against."""
 
     def __init__(self, cfg: CEDConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.engram_hasher = EngramHasher(cfg) if cfg.engram_layers else None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(l): Block(cfg, l) for l in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -126,28 +184,34 @@ class CEDNetwork(nn.Module):
 
     def new_state(self, batch: int = 1) -> SessionState:
         dtype = self.embed.weight.dtype
-        return SessionState(0, new_windows(self.cfg, range(self.cfg.n_layers), batch, self.device, dtype), new_sources(self.cfg, self.cfg.kv_source_layers, batch, self.device, dtype))
+        windows = new_windows(self.cfg, range(self.cfg.n_layers), batch, self.device, dtype)
+        sources = new_sources(self.cfg, self.cfg.kv_source_layers, batch, self.device, dtype)
+        return SessionState(0, windows, sources, self._new_history(batch, self.device))
 
     def forward(self, tokens: torch.Tensor, state: SessionState | None = None, trace: bool = False) -> StepOutput:
         """Process a chunk (B, S) after `state` (a fresh state when None): prefill, decode and training alike."""
         state = self.new_state(tokens.shape[0]) if state is None else state
         _check_tokens(tokens, self.cfg, state)
         ctx = StepContext(_positions(state, tokens.shape[1], self.device), dict(state.sources))
+        hash_ids, history = self.engram_hashes(tokens, state)
         X, pre = initial_streams(self.embed, tokens, self.cfg.hc_mult)
         windows = dict(state.windows)
         hidden = [] if trace else None
         for l in range(self.cfg.n_layers):
             block = self.layers[str(l)]
+            X = _apply_engram(block, X, hash_ids)
             X, attn_pre, windows[l] = block.attn_sublayer(X, pre, ctx, windows[l])
             X, pre = block.ffn_sublayer(X, attn_pre)
             if hidden is not None:
                 hidden.append(X)
         logits = _final_logits(self.norm, self.head, X, pre)
-        return StepOutput(logits, SessionState(state.position + tokens.shape[1], windows, ctx.sources), hidden)
+        return StepOutput(logits, SessionState(state.position + tokens.shape[1], windows, ctx.sources, history), hidden)
 
     def split(self) -> tuple["EncoderEngine", "DecoderEngine"]:
-        """Two engine components holding copies of this network's weights, split at layer 20's attention."""
-        return EncoderEngine.from_state_dict(self.cfg, self.state_dict()), DecoderEngine.from_state_dict(self.cfg, self.state_dict())
+        """Two engine components holding copies of this network's weights (and Engram token map), split at layer 20's
+        attention."""
+        encoder = EncoderEngine.from_state_dict(self.cfg, self.state_dict(), engram_token_map=self.engram_token_map)
+        return encoder, DecoderEngine.from_state_dict(self.cfg, self.state_dict())
 
 
 class _Component(nn.Module):
@@ -167,16 +231,28 @@ class _Component(nn.Module):
         return engine.to(next(iter(state_dict.values())).device)
 
 
-class EncoderEngine(_Component):
-    """Embedding, encoder layers and layer 20's attention: adapter-free, run once per token for all adapters."""
+class EncoderEngine(_EngramOwner, _Component):
+    """Embedding, encoder layers (with their Engram) and layer 20's attention: adapter-free, run once per token for all
+    adapters."""
 
     def __init__(self, cfg: CEDConfig) -> None:
         super().__init__()
         self.cfg = cfg
         E = cfg.first_decoder_layer
+        self.engram_hasher = EngramHasher(cfg) if cfg.engram_layers else None
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(l): Block(cfg, l) for l in range(E)})
         self.layers[str(E)] = Block(cfg, E, parts=(ATTN_PART,))
+
+    @classmethod
+    def from_state_dict(cls, cfg: CEDConfig, state_dict: dict[str, torch.Tensor],
+                        engram_token_map: torch.Tensor | None = None) -> "EncoderEngine":
+        """As `_Component.from_state_dict` (the Engram parameters are among the tensors it owns), plus the Engram
+        token map, which no state dict carries."""
+        engine = super().from_state_dict(cfg, state_dict)
+        if engram_token_map is not None:
+            engine.set_engram_token_map(engram_token_map)
+        return engine
 
     @property
     def device(self) -> torch.device:
@@ -184,20 +260,27 @@ class EncoderEngine(_Component):
 
     def new_state(self, batch: int = 1) -> SessionState:
         dtype = self.embed.weight.dtype
-        return SessionState(0, new_windows(self.cfg, range(self.cfg.first_decoder_layer + 1), batch, self.device, dtype), new_sources(self.cfg, self.cfg.kv_source_layers, batch, self.device, dtype))
+        windows = new_windows(self.cfg, range(self.cfg.first_decoder_layer + 1), batch, self.device, dtype)
+        sources = new_sources(self.cfg, self.cfg.kv_source_layers, batch, self.device, dtype)
+        return SessionState(0, windows, sources, self._new_history(batch, self.device))
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embedding only: how the MoL2 router sees adapter descriptions (no prefill, no state)."""
         return self.embed(tokens)
 
-    def forward(self, tokens: torch.Tensor, state: SessionState) -> tuple[HandOver, SessionState]:
+    def forward(self, tokens: torch.Tensor, state: SessionState,
+                engram_rows: Mapping[int, torch.Tensor] | None = None) -> tuple[HandOver, SessionState]:
+        """`engram_rows` (engram layer -> (B, S, n_cols, head_dim) rows gathered elsewhere, e.g. from a host table
+        with `engram.gather_rows` at `self.engram_hashes(...)`) replaces the tables of those layers."""
         _check_tokens(tokens, self.cfg, state)
         E = self.cfg.first_decoder_layer
         ctx = StepContext(_positions(state, tokens.shape[1], self.device), dict(state.sources))
+        hash_ids, history = self.engram_hashes(tokens, state)
         X, pre = initial_streams(self.embed, tokens, self.cfg.hc_mult)
         windows = dict(state.windows)
         for l in range(E):
             block = self.layers[str(l)]
+            X = _apply_engram(block, X, hash_ids, engram_rows)
             X, attn_pre, windows[l] = block.attn_sublayer(X, pre, ctx, windows[l])
             X, pre = block.ffn_sublayer(X, attn_pre)
         encoder_out = X
@@ -213,7 +296,7 @@ class EncoderEngine(_Component):
             index_k=ctx.records["index_k"],
             encoder_out=encoder_out,
         )
-        return handover, SessionState(state.position + tokens.shape[1], windows, ctx.sources)
+        return handover, SessionState(state.position + tokens.shape[1], windows, ctx.sources, history)
 
 
 class DecoderEngine(_Component):

@@ -1,4 +1,4 @@
-"""Small numerical building blocks of the CED network: RMSNorm, interleaved (YaRN) RoPE.
+"""Small numerical building blocks of the CED network: RMSNorm, interleaved (YaRN) RoPE, GEMM-input fake-quant.
 
 They are pure functions of tensors so that the reference network and the engine steps share one definition of each
 operation; attention itself is one of the `plugins/` ops.
@@ -7,9 +7,63 @@ operation; attention itself is one of the `plugins/` ops.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from build_engines.formats.quant_formats import fp8_qdq
+
+#: Values per ue8m0 scale when a GEMM input is quantized to fp8 (the release's `fp8_block_size`: 32 along K).
+ACT_QUANT_BLOCK = 32
+
+
+class _QuantSwitch(Protocol):
+    runtime_fake_quant: bool
+
+
+def gemm_input(x: torch.Tensor, cfg: _QuantSwitch) -> torch.Tensor:
+    """What a GEMM against a released fp8/fp4 weight reads: x fake-quantized to fp8 e4m3 when the config runs V4.1's
+    runtime fake-quant, x itself (the same tensor object, so arithmetic stays bit-identical) otherwise.
+
+    Why: the release stores those weights in fp8 (fp4 for routed experts) and its `linear()` quantizes the activation
+    before each such GEMM, per 32 values along K with a power-of-two (ue8m0) scale; `fp8_qdq(x, 32)` is that
+    quantize-dequantize bit for bit. The weights the release keeps in bf16/fp32 (MoE gate, head, compressor,
+    indexer weights_proj and wk, the grouped wo_a) read x unquantized, so their callers never come here.
+    """
+    return fp8_qdq(x, ACT_QUANT_BLOCK) if cfg.runtime_fake_quant else x
+
+
+class ActQuantLinear(nn.Linear):
+    """A bias-free Linear whose GEMM reads `gemm_input(x)`: one of the release's fp8/fp4-weight projections.
+
+    The quantization happens inside `forward`, so the module's *input* (what forward hooks see) stays the
+    unquantized x. That is deliberate: LoRA adapters (build_engines/lora, the decoder step's `LoraInputs.linear`)
+    are ours, trained in fp32 against unquantized activations, so the LoRA product reads x while only the base
+    GEMM reads the fp8 activation: y = fp8_qdq(x) W^T + (x A) B. The exported steps decide the same way from
+    `quantizes_input(module)`. Parameter names and shapes are nn.Linear's, so checkpoints and adapters are unchanged.
+    """
+
+    def __init__(self, in_features: int, out_features: int, quantize_input: bool) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        if quantize_input and in_features % ACT_QUANT_BLOCK:
+            raise ValueError(f"an fp8-quantized GEMM input needs in_features divisible by {ACT_QUANT_BLOCK}, got {in_features}")
+        self.quantize_input = quantize_input
+
+    def gemm_input(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_qdq(x, ACT_QUANT_BLOCK) if self.quantize_input else x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.gemm_input(x), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, quantize_input={self.quantize_input}"
+
+
+def quantizes_input(module: nn.Module) -> bool:
+    """Whether `module`'s GEMM reads an fp8 fake-quantized input (an `ActQuantLinear` built with the switch on)."""
+    return isinstance(module, ActQuantLinear) and module.quantize_input
 
 
 class RMSNorm(nn.Module):

@@ -92,26 +92,38 @@ class SourceCache:
 
 @dataclass(frozen=True)
 class SessionState:
-    """Everything a stack of layers needs to continue a sequence: position, window rings, global-KV sources.
+    """Everything a stack of layers needs to continue a sequence: position, window rings, global-KV sources, and the
+    Engram n-gram history.
 
     The whole network keeps rings for every layer and every source. The encoder side keeps rings for layers
     0..20 (layer 20's attention runs there) and all sources; the decoder side keeps rings for 21..39 and a
     mirror of layer 20's source, fed by the hand-over.
+
+    engram_history: (B, max_ngram - 1) int64 compressed ids of the last positions, oldest first, -1 where no token
+    precedes (a fresh session); None when the config has no Engram and on the decoder side (Engram is encoder-only,
+    so the history is shared by every adapter). Bounded: the hash of a position looks back max_ngram - 1 tokens only.
     """
 
     position: int
     windows: dict[int, WindowRing] = field(default_factory=dict)
     sources: dict[int, SourceCache] = field(default_factory=dict)
+    engram_history: torch.Tensor | None = None
 
     def nbytes(self) -> int:
-        return sum(w.nbytes() for w in self.windows.values()) + sum(s.nbytes() for s in self.sources.values())
+        rings = sum(w.nbytes() for w in self.windows.values())
+        return rings + sum(s.nbytes() for s in self.sources.values()) + _tensor_bytes(self.engram_history)
 
     def clone(self) -> "SessionState":
-        return SessionState(self.position, {k: v.clone() for k, v in self.windows.items()}, {k: v.clone() for k, v in self.sources.items()})
+        history = None if self.engram_history is None else self.engram_history.clone()
+        windows = {k: v.clone() for k, v in self.windows.items()}
+        return SessionState(self.position, windows, {k: v.clone() for k, v in self.sources.items()}, history)
 
     def equal(self, other: "SessionState") -> bool:
         """Bitwise equality of every tensor (what "state left untouched" means in tests)."""
         if self.position != other.position or self.windows.keys() != other.windows.keys() or self.sources.keys() != other.sources.keys():
+            return False
+        a, b = self.engram_history, other.engram_history
+        if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
             return False
         for k, w in self.windows.items():
             if not (torch.equal(w.kv, other.windows[k].kv) and torch.equal(w.pos, other.windows[k].pos)):

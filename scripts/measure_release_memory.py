@@ -1,0 +1,180 @@
+"""Peak memory of reading and building a release-shaped checkpoint, per role, against that role's checkpoint bytes.
+
+    .venv/bin/python scripts/measure_release_memory.py --out docs/release_memory.md [--dim 256 --experts 32]
+
+Writes (or reuses) a release-shaped checkpoint (`python -m build_engines release-shaped`), then runs every measurement
+in a fresh child process and reads that child's own peak RSS (`ru_maxrss`), so one measurement never inherits
+another's pages:
+
+- `fixed`: the fixed overhead (Python, torch, our modules, the shard headers read and the network skeleton built on
+  the meta device, which costs ~140 MB once: torch's first module construction), no tensor data read;
+- `stored:<role>`: the role's tensors as stored (fp8/fp4 + scales), what a builder keeping the release's formats reads;
+- `fp32:<role>`: the role loaded into the PyTorch component, dequantized to fp32 tensor by tensor;
+- `build`: `python -m build_engines build` of the checkpoint (ONNX engines), when it can build it.
+
+The table gives each figure beside `fixed + 1.25 x role bytes`, the bound issue 29 sets for builds, and the full-size
+figures of the release by arithmetic (its role bytes from the published tensor list and storage formats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CHILD = r"""
+import json, sys, time
+t0 = time.time()
+import torch, safetensors  # noqa: F401
+from build_engines.formats import checkpoint
+kind, path = sys.argv[1], sys.argv[2]
+if kind.startswith("stored:"):
+    tensors = checkpoint.read_role_stored(path, kind.split(":")[1])
+    held = sum(t.numel() * t.element_size() for t in tensors.values())
+elif kind.startswith("fp32:"):
+    module = checkpoint.load_checkpoint(path, role=kind.split(":")[1])
+    held = sum(p.numel() * p.element_size() for p in module.state_dict().values())
+else:  # the fixed part: headers read, names checked, the network skeleton built on the meta device; no data
+    from build_engines.formats.config_file import load_config
+    checkpoint._audit_names(checkpoint.CheckpointFiles(path), load_config(path))
+    held = 0
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"peak_rss": hwm * 1024, "held": held, "seconds": time.time() - t0}))
+"""
+# VmHWM, not ru_maxrss: Linux carries a parent's high-water mark into an exec'd child's ru_maxrss, VmHWM is the
+# child's own address space only.
+
+
+def child(kind: str, path: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, kind, str(path)], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def build_peak(path: Path, engines: Path) -> dict:
+    """Peak RSS of the engine build (the build CLI in a child; its own VmHWM printed by a wrapper). Its export worker counts
+    through RUSAGE_CHILDREN (an upper bound: a spawned child's ru_maxrss starts at its parent's high-water mark)."""
+    wrapper = ("import sys, json; from build_engines.build.cli import main; "
+               "rc = main(['--model', sys.argv[1], '--out', sys.argv[2], '--force']); "
+               "hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')); "
+               "import resource; kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
+               "print(json.dumps({'rc': rc, 'peak_rss': max(hwm, kids) * 1024}))")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-c", wrapper, str(path), str(engines)], capture_output=True, text=True, cwd=ROOT)
+    lines = out.stdout.strip().splitlines()
+    result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"rc": out.returncode}
+    result["seconds"] = time.time() - t0
+    if result.get("rc"):
+        err = [line for line in out.stderr.splitlines() if line.startswith("error")]
+        result["error"] = err[-1] if err else out.stderr.strip()[-300:]
+    return result
+
+
+def role_bytes(path: Path) -> dict[str, int]:
+    from build_engines.formats.checkpoint import CheckpointFiles, role_tensor_names
+    from build_engines.formats.config_file import load_config
+
+    files, cfg = CheckpointFiles(path), load_config(path)
+    out = {role: files.bytes_of(role_tensor_names(cfg, role)) for role in ("encoder", "decoder")}
+    out["checkpoint"] = sum(t.nbytes for t in files.tensors.values())
+    return out
+
+
+def full_size_arithmetic() -> list[tuple[str, float]]:
+    """The release's bytes per role, from the published tensor list and each tensor's storage format."""
+    import math
+
+    from build_engines.formats.release_format import Storage, published_flash_tensors, storage_of
+
+    def stored(name: str, shape: tuple[int, ...]) -> float:
+        n = math.prod(shape)
+        s = storage_of(name)
+        if s is Storage.FP8_BLOCKS:
+            return n + math.ceil(shape[0] / 32) * math.ceil(shape[1] / 32)
+        if s is Storage.FP4_PACKED:
+            return n / 2 + shape[0] * shape[1] / 32
+        return n * (4 if s is Storage.F32 else 2)
+
+    enc = dec = 0.0
+    for name, shape in published_flash_tensors().items():
+        b = stored(name, shape)
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        encoder_side = name == "embed.weight" or (layer is not None and (layer < 20 or (layer == 20 and ".ffn" not in name
+                                                                                            and "ffn_norm" not in name
+                                                                                            and "hc_ffn" not in name)))
+        if encoder_side:
+            enc += b
+        else:
+            dec += b
+    engram_rows = 384006168 + 384016682
+    engram = engram_rows * 256 + engram_rows * 8  # fp8 rows + one ue8m0 scale per 32
+    return [("encoder role (backbone)", enc), ("decoder role", dec), ("Engram tables (host, memory-mapped)", engram)]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", type=Path, default=ROOT / "artifacts" / "release-shaped-memory")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--inter", type=int, default=128)
+    p.add_argument("--build", action="store_true", help="also measure the ONNX engine build")
+    p.add_argument("--out", type=Path, default=None, help="markdown file to write (e.g. docs/release_memory.md)")
+    args = p.parse_args()
+    from build_engines.formats.release_writer import ReleaseShape, write_release_shaped
+
+    shape = ReleaseShape(dim=args.dim, experts=args.experts, inter=args.inter)
+    path = write_release_shaped(args.checkpoint, shape)
+    sizes = role_bytes(path)
+    fixed = child("fixed", path)
+    rows = []
+    for kind in ("stored:encoder", "stored:decoder", "fp32:encoder", "fp32:decoder"):
+        r = child(kind, path)
+        r["kind"] = kind
+        rows.append(r)
+    if args.build:
+        r = build_peak(path, ROOT / "artifacts" / "engines" / "release-shaped-memory")
+        r["kind"] = "build"
+        rows.append(r)
+    mb = 1e6
+    lines = [
+        "# Memory of reading and building a release-shaped checkpoint",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} on this machine (2 CPU cores) by `scripts/measure_release_memory.py"
+        f" --dim {args.dim} --experts {args.experts} --inter {args.inter}{' --build' if args.build else ''}`. Checkpoint: 40 layers"
+        f" (+3 DSpark blocks, Engram at 1 and 14), {sizes['checkpoint'] / mb:.1f} MB stored; encoder role {sizes['encoder'] / mb:.1f} MB,"
+        f" decoder role {sizes['decoder'] / mb:.1f} MB (stored bytes of the role's tensors with their scales).",
+        "",
+        f"Fixed overhead (Python + torch + our modules + headers + the network skeleton on the meta device, no tensor data):"
+        f" {fixed.get('peak_rss', 0) / mb:.0f} MB peak RSS.",
+        "",
+        "| measurement | peak RSS MB | above fixed MB | role bytes MB | bound: fixed + 1.25 x role MB | within | held MB | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        role = r["kind"].split(":")[1] if ":" in r["kind"] else None
+        share = sizes[role] if role else sizes["encoder"] + sizes["decoder"]
+        if "error" in r:
+            lines.append(f"| {r['kind']} | failed: {r['error'][:150]} | | {share / mb:.1f} | | | | |")
+            continue
+        bound = fixed["peak_rss"] + 1.25 * share
+        lines.append(f"| {r['kind']} | {r['peak_rss'] / mb:.0f} | {(r['peak_rss'] - fixed['peak_rss']) / mb:.0f} | {share / mb:.1f} |"
+                     f" {bound / mb:.0f} | {'yes' if r['peak_rss'] <= bound else 'no'} | {r.get('held', 0) / mb:.1f} | {r['seconds']:.1f} |")
+    lines += ["", "## Full size, by arithmetic", "", "| part | stored GB |", "|---|---|"]
+    for name, b in full_size_arithmetic():
+        lines.append(f"| {name} | {b / 1e9:.1f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The release directory as published: its own config.json keys, sharded index, lazy role-bounded reads, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from build_engines.formats import checkpoint as checkpoint_module
+from build_engines.formats.checkpoint import (
+    INDEX_FILE,
+    CheckpointError,
+    CheckpointFiles,
+    load_checkpoint,
+    role_tensor_names,
+    save_checkpoint,
+    write_synthetic_release,
+)
+from build_engines.formats.config_file import load_config, load_config_and_extras
+from build_engines.formats.release_config import to_release_dict
+from build_engines.model.config import ConfigError, get_preset
+from build_engines.model.network import CEDNetwork
+from tests.tiny import tiny_config, tiny_network
+
+OFFICIAL_CONFIG = Path(__file__).parent / "data" / "deepseek_v41_flash_inference_config.json"
+
+
+def _official() -> dict:
+    return json.loads(OFFICIAL_CONFIG.read_text())
+
+
+def _release_dir(tmp_path: Path, data: dict) -> Path:
+    d = tmp_path / "release"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(data))
+    return d
+
+
+def test_official_config_translates_to_the_flash_roles(tmp_path: Path) -> None:
+    cfg, extras = load_config_and_extras(_release_dir(tmp_path, _official()))
+    flash = get_preset("deepseek-v4.1-flash")
+    for field in ("vocab_size", "dim", "n_layers", "n_encoder_layers", "n_heads", "head_dim", "rope_head_dim", "q_lora_rank",
+                  "o_groups", "o_lora_rank", "window_size", "compress_ratios", "kv_source_layers", "index_source_layers",
+                  "candidate_source_layer", "candidate_topk_blocks", "candidate_block_size", "index_n_heads",
+                  "index_head_dim", "index_topk", "n_routed_experts", "n_shared_experts", "n_activated_experts",
+                  "moe_inter_dim", "route_scale", "swiglu_limit", "rope_theta", "compress_rope_theta",
+                  "yarn_original_seq_len", "yarn_factor", "yarn_beta_fast", "yarn_beta_slow", "norm_eps", "hc_mult",
+                  "hc_sinkhorn_iters", "hc_eps", "runtime_fake_quant"):
+        assert getattr(cfg, field) == getattr(flash, field), field
+    assert cfg.n_encoder_layers == 20 and len(cfg.compress_ratios) == 40  # the three DSpark entries are not backbone layers
+    assert cfg.engram_layers == (1, 14) and cfg.engram_num_embeddings == (384006168, 384016682)
+    assert extras is not None and extras.n_mtp_layers == 3 and extras.vision and extras.dtype == "fp8"
+
+
+def test_translation_round_trips_through_the_official_keys(tmp_path: Path) -> None:
+    cfg, extras = load_config_and_extras(_release_dir(tmp_path, _official()))
+    assert extras is not None
+    written = to_release_dict(cfg, extras)
+    assert set(written) <= set(_official()) | {"gate_temp", "norm_topk_prob"}
+    assert {k: v for k, v in written.items() if k in _official()} == _official()
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"mystery_scale": 3}, "mystery_scale"),
+    ({"score_func": "softmax"}, "score_func"),
+    ({"dtype": "fp16"}, "dtype"),
+    ({"expert_dtype": "fp8"}, "expert_dtype"),
+    ({"compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 1]}, "draft-layer compress ratios"),
+    ({"n_mtp_layers": 2}, "compress_ratios has 43 entries"),
+    ({"kv_source_layers": [2, 8, 15, 20]}, "KV source layer 15 is not an index layer"),
+    ({"engram_num_embeddings": [384006168, 384016683]}, "engram_num_embeddings"),
+])
+def test_a_bad_official_key_is_refused_by_name(tmp_path: Path, change: dict, named: str) -> None:
+    with pytest.raises(CheckpointError, match=named) as info:
+        load_config(_release_dir(tmp_path, {**_official(), **change}))
+    assert isinstance(info.value, ConfigError)  # callers catching either kind see it
+
+
+def test_a_hugging_face_root_config_reads_the_inference_config_beside_it(tmp_path: Path) -> None:
+    d = _release_dir(tmp_path, {"model_type": "deepseek_v41", "architectures": ["DeepseekV41ForCausalLM"]})
+    with pytest.raises(CheckpointError, match="inference/config.json"):
+        load_config(d)
+    (d / "inference").mkdir()
+    shutil.copy(OFFICIAL_CONFIG, d / "inference" / "config.json")
+    assert load_config(d).n_layers == 40
+
+
+def test_our_own_config_still_loads(net: CEDNetwork, tmp_path: Path) -> None:
+    save_checkpoint(net, tmp_path / "ours")
+    assert load_config(tmp_path / "ours") == net.cfg
+
+
+class _Reads:
+    """Records which tensors the loader reads from the shards."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        original = CheckpointFiles.get
+
+        def get(files: CheckpointFiles, name: str) -> torch.Tensor:
+            self.names.append(name)
+            return original(files, name)
+
+        monkeypatch.setattr(checkpoint_module.CheckpointFiles, "get", get)
+
+
+@torch.no_grad()
+def test_each_role_reads_only_its_own_tensors_and_never_the_extras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny_config()
+    path = write_synthetic_release(cfg, tmp_path / "release", seed=3)
+    full = load_checkpoint(path)
+    reads = _Reads(monkeypatch)
+    for role in ("encoder", "decoder"):
+        reads.names.clear()
+        component = load_checkpoint(path, role=role)
+        own = set(role_tensor_names(cfg, role))
+        weights = {n for n in reads.names if not n.endswith(".scale")}
+        assert weights == own, role
+        assert not any(n.startswith(("mtp.", "layers.1.engram")) for n in reads.names)
+        for name, value in component.state_dict().items():
+            assert torch.equal(value, full.state_dict()[name]), name
+    enc, dec = set(role_tensor_names(cfg, "encoder")), set(role_tensor_names(cfg, "decoder"))
+    assert not enc & dec and enc | dec == set(role_tensor_names(cfg, "network"))
+
+
+def test_the_index_must_agree_with_the_shards(tmp_path: Path) -> None:
+    path = write_synthetic_release(tiny_config(), tmp_path / "release", seed=1)
+    index = json.loads((path / INDEX_FILE).read_text())
+    moved = dict(index["weight_map"])
+    name = "layers.3.attn.wq_a.weight"
+    other = next(f for f in set(moved.values()) if f != moved[name])
+    moved[name] = other
+    (path / INDEX_FILE).write_text(json.dumps({"weight_map": moved}))
+    with pytest.raises(CheckpointError, match=f"maps '{name}' to {other}, but that shard does not hold it"):
+        CheckpointFiles(path)
+    dropped = {k: v for k, v in index["weight_map"].items() if k != name}
+    (path / INDEX_FILE).write_text(json.dumps({"weight_map": dropped}))
+    with pytest.raises(CheckpointError, match="not in model.safetensors.index.json"):
+        CheckpointFiles(path)
+
+
+def test_missing_and_unknown_tensors_are_refused_before_anything_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    net = tiny_network()
+    path = save_checkpoint(net, tmp_path / "ours")
+    save_file({"layers.2.attn.mystery.weight": torch.zeros(2, 2)}, str(path / "extra.safetensors"))
+    reads = _Reads(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \['layers.2.attn.mystery.weight'\]"):
+        load_checkpoint(path)
+    assert reads.names == []
+
+
+@torch.no_grad()
+def test_a_bf16_load_runs(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    path = write_synthetic_release(cfg, tmp_path / "release", seed=2)
+    net = load_checkpoint(path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in net.parameters())
+    tokens = torch.randint(0, cfg.vocab_size, (1, 40))
+    logits = net(tokens).logits.float()
+    reference = load_checkpoint(path)(tokens).logits
+    assert torch.isfinite(logits).all() and logits.shape == reference.shape
+    cosine = torch.nn.functional.cosine_similarity(logits.flatten(), reference.flatten(), dim=0)
+    assert cosine > 0.99, f"bf16 logits drift from fp32: cosine {float(cosine):.4f}"
+
+
+@pytest.fixture(scope="module")
+def release_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from build_engines.formats.release_writer import ReleaseShape, write_release_shaped
+
+    return write_release_shaped(tmp_path_factory.mktemp("release-shaped"), ReleaseShape(dim=64, experts=8, inter=32,
+                                                                                        engram_vocab=200, shards=3), force=True)
+
+
+def test_the_release_shaped_checkpoint_has_the_release_layout(release_shaped: Path) -> None:
+    from build_engines.formats.release_config import is_release_config
+
+    written = json.loads((release_shaped / "config.json").read_text())
+    assert is_release_config(written) and set(written) <= set(_official()) | {"gate_temp", "norm_topk_prob"}
+    cfg, extras = load_config_and_extras(release_shaped)
+    assert cfg.n_layers == 40 and cfg.engram_layers == (1, 14) and cfg.runtime_fake_quant and extras is not None
+    files = CheckpointFiles(release_shaped)
+    table = files.tensors["layers.14.engram.embed.weight"]
+    assert table.dtype == "F8_E4M3" and table.shape == (cfg.engram_num_embeddings[1], cfg.engram_head_dim)
+    assert files.tensors["layers.14.engram.embed.scale"].shape == (cfg.engram_num_embeddings[1], cfg.engram_head_dim // 32)
+    assert files.tensors["layers.1.engram.wkv.weight"].dtype == "F8_E4M3"
+    assert files.tensors["layers.30.ffn.experts.7.w1.weight"].dtype == "I8"
+    mtp = {n for n in files.names() if n.startswith("mtp.")}
+    assert {"mtp.0.main_proj.weight", "mtp.2.markov_head.embed.weight", "mtp.2.confidence_head.proj.weight",
+            "mtp.1.attn.wq_a.weight", "mtp.1.ffn.experts.7.w2.weight"} <= mtp
+    assert not any(n.startswith("mtp.") and ".compressor." in n for n in mtp)  # DSpark blocks are sliding-window only
+    network = set(role_tensor_names(cfg, "network"))
+    assert set(files.names()) - network - mtp == {n for n in files.names() if n.endswith(".scale") and n not in mtp}
+    weight_map = json.loads((release_shaped / INDEX_FILE).read_text())["weight_map"]
+    assert set(weight_map) == set(files.names()) and len(set(weight_map.values())) == 3
+
+
+@torch.no_grad()
+def test_the_release_shaped_checkpoint_loads_by_role_and_runs(release_shaped: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = _Reads(monkeypatch)
+    net = load_checkpoint(release_shaped)
+    assert not any(n.startswith("mtp.") for n in reads.names)
+    cfg = net.cfg
+    from build_engines.model.engram import engram_token_map
+
+    assert torch.equal(net.engram_token_map, engram_token_map(cfg, release_shaped / "tokenizer.json"))
+    tokens = torch.randint(0, cfg.vocab_size, (1, 30))
+    logits = net(tokens).logits
+    assert torch.isfinite(logits).all()
+    encoder, decoder = load_checkpoint(release_shaped, role="encoder"), load_checkpoint(release_shaped, role="decoder")
+    handover, _ = encoder(tokens, encoder.new_state())
+    assert torch.equal(decoder(handover, decoder.new_state()).logits, logits)
+
+
+def test_the_engine_steps_refuse_engram_rather_than_drop_it(release_shaped: Path) -> None:
+    from build_engines.export.encoder_step import EncoderStep
+
+    encoder = load_checkpoint(release_shaped, role="encoder")
+    with pytest.raises(NotImplementedError, match=r"Engram at layers \[1, 14\]"):
+        EncoderStep(encoder)
