@@ -105,7 +105,8 @@ def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
 # once), so a log off by an ulp, or a fast GPU log, cannot pick the wrong binade; no step relies on how two float ops
 # round together (a fused multiply-add would break error-free tricks such as Veltkamp splitting, not these). Each
 # function is tested bit for bit (sign of zero included) against quant_formats, in torch and in onnxruntime. NaN
-# inputs are not supported, as there.
+# inputs are not supported, as there. (A sign chosen with Where would be wrong: onnxruntime's CPU Where drops the sign
+# of a selected -0.0; rounding the signed value keeps it.)
 
 _POW2 = torch.exp2(torch.arange(-127, 128, dtype=torch.float64)).float()  # 2^k for k in [-127, 127], exact in fp32
 _E4M3_MAX, _E2M1_MAX = 448.0, 6.0
@@ -135,32 +136,25 @@ def _pow2_floor(a: torch.Tensor) -> torch.Tensor:
     return torch.where(p * 2.0 <= a, p * 2.0, p)
 
 
-def _signed(magnitude: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """magnitude >= 0 with v's sign bit, so a zero keeps v's sign (-tiny -> -0.0) as the casts and e2m1 codes do.
-
-    Why a product: onnxruntime's CPU Where drops the sign of a selected -0.0, and 1 / v < 0 is the sign bit of every
-    v, -0.0 included (1 / -0.0 = -inf)."""
-    return magnitude * torch.where(torch.reciprocal(v) < 0, -1.0, 1.0)
-
-
 def round_e4m3(v: torch.Tensor) -> torch.Tensor:
     """fp32 v with |v| <= 448 -> the nearest float8_e4m3fn value (ties to even), as fp32: `v.to(float8).float()`.
 
     e4m3 keeps 3 mantissa bits: in the binade [2^e, 2^(e+1)) its step is 2^(e-3); below 2^-6 (subnormals) the step
-    stays 2^-9, the step of the lowest normal binade, so the binade is taken of max(|v|, 2^-6)."""
-    a = v.abs()
-    step = _pow2_floor(a.clamp(min=_E4M3_MIN_NORMAL)) * 0.125
-    return _signed(torch.round(a / step) * step, v)
+    stays 2^-9, the step of the lowest normal binade, so the binade is taken of max(|v|, 2^-6). Rounding v itself
+    (not |v|) keeps the sign of a zero result (-tiny -> -0.0), as the cast does: Round is symmetric and sign-keeping."""
+    step = _pow2_floor(v.abs().clamp(min=_E4M3_MIN_NORMAL)) * 0.125
+    return torch.round(v / step) * step
 
 
 def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     """fp32 v -> the nearest e2m1 value (ties to the even code), saturating at +-6: quant_formats' E2M1 rounding.
 
     The e2m1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 has step 0.5 below 2, 1 in [2, 4) and 2 from 4; round-half-to-even
-    of a / step is ties-to-even-code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4)."""
-    a = v.abs().clamp(max=_E2M1_MAX)
+    of v / step is ties-to-even-code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4), and a zero keeps v's sign."""
+    v = v.clamp(-_E2M1_MAX, _E2M1_MAX)
+    a = v.abs()
     step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
-    return _signed(torch.round(a / step) * step, v)
+    return torch.round(v / step) * step
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:

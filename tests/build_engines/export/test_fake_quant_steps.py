@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import importlib
 import math
+import multiprocessing
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +45,9 @@ from build_engines.export.rows import (
 from build_engines.formats import quant_formats
 from build_engines.lora import AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter
 from build_engines.lora.stacked import stack_adapters
+from build_engines.model.config import CEDConfig
 from build_engines.model.conversation import Conversation
-from build_engines.model.network import CEDNetwork
+from build_engines.model.network import CEDNetwork, DecoderEngine, EncoderEngine
 from tests.tiny import tiny_config, tiny_network
 
 FORMATS = {"fp8_qdq": 32, "fp4_qdq_ue8m0": 32, "fp4_qdq_e4m3": 16}  # name -> the block the release uses
@@ -374,6 +377,27 @@ FOUR_LAYERS = dict(SMALL, hc_sinkhorn_iters=2, n_layers=4, n_encoder_layers=2, c
                    kv_source_layers=(1, 2), index_source_layers=(1, 2, 3), candidate_source_layer=2)
 
 
+def _tapped(cfg: CEDConfig, state: dict[str, torch.Tensor], name: str) -> tuple[TappedStep, list, list]:  # type: ignore[type-arg]
+    """The tapped encoder or decoder step of the network with `state`, with its graph inputs and outputs."""
+    layout = StepLayout(cfg)
+    if name == "encoder":
+        return TappedStep(EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval())).eval(), layout.encoder_inputs(), \
+            layout.encoder_outputs()
+    return TappedStep(DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval())).eval(), layout.decoder_inputs(), \
+        layout.decoder_outputs()
+
+
+def _export_tapped(cfg: dict, state_path: Path, name: str, n_taps: int, path: Path) -> None:  # type: ignore[type-arg]
+    """Export one tapped step with onnx_export (also in a spawned worker, which rebuilds it from the saved state)."""
+    from build_engines.export.layout import GraphTensor
+    from build_engines.export.onnx_export import export_module, export_sizes
+
+    config = CEDConfig.from_dict(cfg)
+    tapped, ins, outs = _tapped(config, torch.load(state_path), name)
+    taps = [GraphTensor(f"qdq_{i}", "float32", ("n",)) for i in range(n_taps)]
+    export_module(tapped, ins, outs + taps, export_sizes(StepLayout(config)), path)
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_exported_fake_quant_steps_match_their_modules(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, seed: int) -> None:
@@ -382,38 +406,39 @@ def test_exported_fake_quant_steps_match_their_modules(monkeypatch: pytest.Monke
     two sessions replayed under two adapters), against their modules: within PARITY_BOUND, the same selections, and
     every QDQ the graph makes equal to quant_formats on the graph's own input, bit for bit. Where an fp32 difference
     between onnxruntime and torch lands a value on the other side of a rounding boundary, the module follows the
-    graph's decision (`FollowReferenceRounding`); the graph and the module make exactly the same QDQ calls."""
+    graph's decision (`FollowReferenceRounding`); the graph and the module make exactly the same QDQ calls. The
+    encoder exports in a spawned worker while the decoder exports here, as build_onnx does (two cores, half the time)."""
     from build_engines.build.onnx_build import PARITY_BOUND, ort_runner, random_bank
-    from build_engines.export.layout import GraphTensor
-    from build_engines.export.onnx_export import export_module, export_sizes
     from build_engines.export.parity import decoder_case, encoder_case, max_difference
 
     net = tiny_network(tiny_config(**FOUR_LAYERS))
-    enc, dec = net.split()
-    layout = StepLayout(net.cfg)
-    steps = {"encoder": (EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs()),
-             "decoder": (DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())}
-    enc_t = torch_runner(steps["encoder"][0], *steps["encoder"][1:])
+    cfg, state = net.cfg, net.state_dict()
+    torch.save(state, tmp_path / "state.pt")
+    layout = StepLayout(cfg)
+    steps = {name: _tapped(cfg, state, name) for name in ("encoder", "decoder")}
+    enc_t = torch_runner(steps["encoder"][0].step, *steps["encoder"][1:])
     cases = {"encoder": encoder_case(layout, enc_t, (37, 6), seed=seed % 1000),
              "decoder": {**decoder_case(layout, enc_t, 30, seed=seed % 1000 + 1, slots=[1, 2]),
                          **random_bank(layout, slots=3, rank=4)}}
-    sizes = export_sizes(layout)
-    for name, (module, ins, outs) in steps.items():
-        tapped = TappedStep(module).eval()
-        n_out = len(tapped(*[torch.from_numpy(cases[name][t.name]) for t in ins]))
-        taps = [GraphTensor(f"qdq_{i}", "float32", ("n",)) for i in range(n_out - len(outs))]
-        export_module(tapped, ins, outs + taps, sizes, tmp_path / f"{name}.onnx")
+    n_taps = {name: len(tapped(*[torch.from_numpy(cases[name][t.name]) for t in ins])) - len(outs)
+              for name, (tapped, ins, outs) in steps.items()}
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        worker = pool.submit(_export_tapped, cfg.to_dict(), tmp_path / "state.pt", "encoder", n_taps["encoder"],
+                             tmp_path / "encoder.onnx")
+        _export_tapped(cfg.to_dict(), tmp_path / "state.pt", "decoder", n_taps["decoder"], tmp_path / "decoder.onnx")
+        worker.result()
+    for name, (tapped, ins, outs) in steps.items():
         got = ort_runner(tmp_path / f"{name}.onnx")(cases[name])
         with monkeypatch.context() as patch:
             sync = FollowReferenceRounding(patch, reference=False)
-            for i, (fmt, block) in enumerate(tapped.taps):
+            for i, (fmt, block) in enumerate(tapped.taps):  # the eager call above listed the QDQ calls in graph order
                 x, y = (torch.from_numpy(got[f"qdq_{2 * i + k}"]) for k in (0, 1))
                 _assert_bits_equal(y, getattr(quant_formats, fmt)(x, block), f"{name} graph's QDQ #{i} ({fmt})")
                 sync.record(fmt, block, x, y)
-            want = torch_runner(module, ins, outs)(cases[name])
+            want = torch_runner(tapped.step, ins, outs)(cases[name])
         diff = max_difference(want, {t.name: got[t.name] for t in outs})
         print(f"{name} onnx vs torch: worst {max(diff.values()):.2e} over {len(tapped.taps)} QDQ calls, "
               f"{len(sync.flips)} rounding flips followed {sync.flips[:4]}")
-        assert not sync.unmatched, "the graph and the module make the same QDQ calls"
+        assert 2 * len(tapped.taps) == n_taps[name] and not sync.unmatched, "the graph and the module make the same QDQ calls"
         assert all(v == 0.0 for k, v in diff.items() if want[k].dtype.kind in "iub"), "the same selections"
         assert max(diff.values()) < PARITY_BOUND, diff
