@@ -90,8 +90,8 @@ class EncoderService:
         return h19.astype(np.float32), handover
 
     def _prefill(self, row: EncoderRow, ids: np.ndarray) -> Handover:
-        out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None]))
-        absorb_encoder(self.layout, [row], out, ids.size)
+        out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None], engram=self.engine.engram))
+        absorb_encoder(self.layout, [row], out, ids.size, ids[None])
         return {k: out[k][0] for k in HANDOVER_KEYS + ("h19",)}
 
     # ------------------------------------------------------------------ the decoder's batched steps
@@ -112,8 +112,9 @@ class EncoderService:
         if over:
             raise BadRequest(f"sessions {over} would pass the {self.max_context}-token context limit")
         starts = [r.position for r in rows]
-        out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens.astype(np.int64), self.arena))
-        absorb_encoder(self.layout, rows, out, tokens.shape[1])
+        tokens = tokens.astype(np.int64)
+        out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens, self.arena, self.engine.engram))
+        absorb_encoder(self.layout, rows, out, tokens.shape[1], tokens)
         # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
         self._uncounted_steps += int(tokens.size)
         if turn_done:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from build_engines.export.decoder_step import DecoderStep
 from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import export_module, export_sizes
 from build_engines.export.parity import decoder_case, encoder_case, max_difference, torch_runner
@@ -116,7 +117,8 @@ def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], d
             bar.update()
     graphs = {name: graphs[name] for name in GRAPH_FILES}
     tqdm.write("checking each graph against its module (onnxruntime CPU)")
-    parity = check_parity(out, layout, modules["encoder"][0], modules["decoder"][0], modules["pointer"][0], head)
+    parity = check_parity(out, layout, modules["encoder"][0], modules["decoder"][0], modules["pointer"][0], head,
+                          EngramFeed.open(model_dir, layout))
     worst = {name: max(d.values()) for name, d in parity.items()}
     if any(v > PARITY_BOUND for v in worst.values()):
         raise ParityError(f"exported graphs differ from their modules beyond {PARITY_BOUND}: {parity}")
@@ -124,14 +126,15 @@ def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], d
 
 
 def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: DecoderStep, pointer: PointerStep,
-                 head: torch.nn.Module) -> dict[str, dict[str, float]]:
+                 head: torch.nn.Module, engram: EngramFeed | None = None) -> dict[str, dict[str, float]]:
+    """`engram`: the checkpoint's Engram feed (rows from its memory-mapped tables), needed when the config has Engram."""
     cfg = layout.cfg
     enc_t = torch_runner(encoder, layout.encoder_inputs(), layout.encoder_outputs())
     enc_o = ort_runner(out / GRAPH_FILES["encoder"])
-    case = encoder_case(layout, enc_t, (37, 6), seed=0)
+    case = encoder_case(layout, enc_t, (37, 6), seed=0, engram=engram)
     result = {"encoder": max_difference(enc_t(case), enc_o(case))}
     # two sessions replayed in one batch under two different adapter slots (random adapters: no checkpoint needed)
-    feed = decoder_case(layout, enc_t, 30, seed=1, slots=[1, 2])
+    feed = decoder_case(layout, enc_t, 30, seed=1, slots=[1, 2], engram=engram)
     feed.update(random_bank(layout, slots=3, rank=4))
     dec_t = torch_runner(decoder, layout.decoder_inputs(), layout.decoder_outputs())
     result["decoder"] = max_difference(dec_t(feed), ort_runner(out / GRAPH_FILES["decoder"])(feed))

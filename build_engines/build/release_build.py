@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.layout import StepLayout
 from build_engines.export.parity import decoder_case, encoder_case, max_difference
 from build_engines.formats.checkpoint import dequantize_tensors, load_config, read_raw_tensors
@@ -69,7 +70,7 @@ def build_release(model_dir: Path, out: Path) -> tuple[dict[str, Any], dict[str,
             raise ReleaseWeightError(f"stored weights found in no graph initializer: {missing[:8]} ({len(missing)} in all)")
         shutil.copyfile(fp32_dir / GRAPH_FILES["pointer"], out / GRAPH_FILES["pointer"])
         graphs["pointer"] = {**fp32_graphs["pointer"], "quantized": False}
-        check = check_against_fp32(layout, fp32_dir, out)
+        check = check_against_fp32(layout, fp32_dir, out, EngramFeed.open(model_dir, layout))
     finally:
         shutil.rmtree(fp32_dir, ignore_errors=True)
     quant = {
@@ -77,7 +78,8 @@ def build_release(model_dir: Path, out: Path) -> tuple[dict[str, Any], dict[str,
         "method": "the checkpoint's stored fp8 e4m3 block-scaled (ue8m0) and packed fp4 e2m1 (ue8m0 per 32) weights as "
                   "engine initializers (release bytes), rebuilt in the graph: blocked DequantizeLinear (opset 21) for fp8, "
                   "e2m1 byte table + per-block scale Mul for fp4 (no onnxruntime CPU kernel for FLOAT4E2M1); bf16/f32 "
-                  "tensors stay float; activations unquantized",
+                  "tensors stay float; activations as the config's runtime fake-quant says (fp8 per 32 at every "
+                  "fp8/fp4 GEMM input when on); Engram tables stay in the checkpoint, gathered on the host",
         "graph_opset": BLOCKED_DQ_OPSET,
         "session_config": SESSION_CONFIG,  # how the onnx engine opens these graphs (tritonserver_backend/engines/onnx_engine.py)
         "graphs": reports,
@@ -99,13 +101,14 @@ def _runner(path: Path, config: dict[str, str]):  # type: ignore[no-untyped-def]
     return lambda feed: dict(zip(names, session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})))
 
 
-def check_against_fp32(layout: StepLayout, fp32_dir: Path, out: Path) -> dict[str, Any]:
+def check_against_fp32(layout: StepLayout, fp32_dir: Path, out: Path, engram: EngramFeed | None = None) -> dict[str, Any]:
     """The rewritten graphs against the fp32 graphs of the same checkpoint on the converter's check inputs (a second
     prefill chunk; a replay of two sessions under two random adapter slots in one batch), opened as the manifest says
     and with a plain onnxruntime session."""
     fp32 = {n: ort_runner(fp32_dir / GRAPH_FILES[n]) for n in REWRITTEN}
-    feeds = {"encoder": encoder_case(layout, fp32["encoder"], (37, 6), seed=0),
-             "decoder": {**decoder_case(layout, fp32["encoder"], 30, seed=1, slots=[1, 2]), **random_bank(layout, slots=3, rank=4)}}
+    feeds = {"encoder": encoder_case(layout, fp32["encoder"], (37, 6), seed=0, engram=engram),
+             "decoder": {**decoder_case(layout, fp32["encoder"], 30, seed=1, slots=[1, 2], engram=engram),
+                         **random_bank(layout, slots=3, rank=4)}}
     result: dict[str, Any] = {}
     for name in REWRITTEN:
         want = fp32[name](feeds[name])

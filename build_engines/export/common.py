@@ -39,10 +39,6 @@ class StepModule(nn.Module):
     def __init__(self, engine: nn.Module) -> None:
         super().__init__()
         cfg: CEDConfig = engine.cfg  # type: ignore[assignment]
-        if cfg.engram_layers:
-            raise NotImplementedError(
-                f"config {cfg.name!r} has Engram at layers {list(cfg.engram_layers)}: the engine steps do not run Engram yet "
-                "(the reference network does; docs/release.md), so an engine built from it would compute another model")
         self.cfg, self.engine, self.layout = cfg, engine, StepLayout(cfg)
         self.E = cfg.first_decoder_layer
         self.patterns = SinkhornPatterns(cfg.hc_mult, cfg.hc_eps)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from build_engines.model.attention import window_rows
+from build_engines.model.engram import GATE_FLOOR
 from build_engines.model.network import EncoderEngine
 from plugins.sparse_global_attention import sparse_global_attention
 from plugins.swa_replay_attention import swa_replay_attention
@@ -54,9 +55,12 @@ class EncoderStep(StepModule):
         self.experts = {l: DenseExperts(engine.layers[str(l)].ffn) for l in range(self.E)}
         self.attentions = {l: engine.layers[str(l)].attn for l in range(self.E + 1)}
 
-    def forward(self, tokens: torch.Tensor, start: torch.Tensor, rings: torch.Tensor, *stores: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, tokens: torch.Tensor, start: torch.Tensor, rings: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`state`: the global-KV stores (`StepLayout.encoder_inputs` order), then one `engram_rows_<l>` per Engram layer."""
         cfg, E, W = self.cfg, self.E, self.cfg.window_size
         B, S = tokens.shape
+        n_engram = len(self.layout.engram_layers)
+        stores, engram_rows = state[: len(state) - n_engram], dict(zip(self.layout.engram_layers, state[len(state) - n_engram:]))
         positions = chunk_positions(start, S, tokens)
         ring_pos = window_ring_positions(start, torch.zeros_like(start), W)
         win = window_rows(ring_pos, positions, W)  # (B, S, W) rows of [ring ; chunk ; ...]
@@ -71,6 +75,8 @@ class EncoderStep(StepModule):
         for l in range(E + 1):
             if l == E:
                 h19 = X
+            if l in engram_rows:  # before the block, on the streams entering it, as the reference network
+                X = self._engram(l, X, engram_rows[l])
             run = lambda x, l=l: self._attention(l, x, rings[:, l], positions, win, sources, ropes, ctx, ring_rows)  # noqa: E731
             X, attn_pre = self.wiring[l].attention(X, pre, run)
             if l < E:
@@ -94,6 +100,21 @@ class EncoderStep(StepModule):
         return out
 
     # ------------------------------------------------------------------ layers
+    def _engram(self, layer: int, X: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`Engram.mix` in exportable ops on rows the host gathered: the value projection (its input fp8-quantized
+        under the runtime fake-quant, as every fp8-weight GEMM's), the per-copy normalised key/stream gate."""
+        engram = self.engine.layers[str(layer)].engram
+        hc, dim, eps = self.cfg.hc_mult, self.cfg.dim, self.cfg.norm_eps
+        kv = plain_linear(rows.flatten(-2), f"layers.{layer}.engram.wkv", engram.wkv)  # (B, S, (hc + 1) * dim)
+        key = kv[..., : hc * dim].unflatten(-1, (hc, dim))
+        value = kv[..., hc * dim:].unsqueeze(-2)
+        rstd = torch.rsqrt(X.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+        dot = (X * (engram.q_weight.float() * engram.k_weight.float()) * key).sum(-1) * rstd * dim ** -0.5
+        root = dot.abs().clamp_min(GATE_FLOOR).sqrt()
+        # copysign(root, dot) without Sign/CopySign ops: 1 / dot < 0 is dot's sign bit, -0.0 included
+        gate = torch.sigmoid(torch.where(torch.reciprocal(dot) < 0, -root, root))
+        return X + gate.unsqueeze(-1) * value
+
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts[layer]
         act = experts.activations(experts.gemm_input(x) @ experts.w13, experts.routing_weights(x))

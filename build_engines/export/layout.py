@@ -65,6 +65,9 @@ class StepLayout:
             raise ValueError(f"the engine layout computes the shared expert beside the routed ones and needs exactly one, "
                              f"got n_shared_experts={cfg.n_shared_experts}")
         self.min_global_entries = max(cfg.index_topk, cfg.candidate_topk_blocks * cfg.candidate_block_size, 1)
+        self.engram_layers = tuple(cfg.engram_layers)  # encoder layers whose Engram rows the runtime feeds
+        self.engram_cols = (cfg.engram_max_ngram - 1) * cfg.engram_n_heads if cfg.engram_layers else 0
+        self.engram_history = cfg.engram_max_ngram - 1 if cfg.engram_layers else 0  # token ids a row remembers
 
     # ------------------------------------------------------------------ padding rules for global stores
     def padded_entries(self, needed: int) -> int:
@@ -93,6 +96,9 @@ class StepLayout:
             if self.ratio[s] == 2:
                 out.append(GraphTensor(f"pending_{s}", "float32", ("B", 2, cfg.head_dim),
                                        "raw kv and gate score of an unpaired token (used when start is odd)"))
+        for l in self.engram_layers:
+            out.append(GraphTensor(f"engram_rows_{l}", "float32", ("B", "S", self.engram_cols, cfg.engram_head_dim),
+                                   f"layer {l}'s Engram table rows at each token's n-gram hashes (gathered on the host)"))
         return out
 
     def encoder_outputs(self) -> list[GraphTensor]:

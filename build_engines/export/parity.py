@@ -7,13 +7,16 @@ slots in one batch, and the pointer on random H19 against a small option set.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from .layout import GraphTensor, StepLayout
 from .rows import HANDOVER_KEYS, DecoderRow, EncoderRow, absorb_encoder, decoder_inputs, encoder_inputs
+
+if TYPE_CHECKING:
+    from .engram_feed import EngramFeed
 
 HANDOVER = HANDOVER_KEYS
 Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -47,23 +50,25 @@ def sample_sequence(layout: StepLayout, length: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, layout.cfg.vocab_size, (1, length), dtype=np.int64)
 
 
-def encoder_case(layout: StepLayout, encoder: Runner, lengths: tuple[int, int], seed: int) -> dict[str, np.ndarray]:
-    """Encoder inputs of a second chunk, after a first chunk encoded by `encoder` (so the rings, the stores and,
-    with an odd first length, the compressor's unpaired token are all in use)."""
+def encoder_case(layout: StepLayout, encoder: Runner, lengths: tuple[int, int], seed: int,
+                 engram: "EngramFeed | None" = None) -> dict[str, np.ndarray]:
+    """Encoder inputs of a second chunk, after a first chunk encoded by `encoder` (so the rings, the stores, the
+    Engram history and, with an odd first length, the compressor's unpaired token are all in use)."""
     row = EncoderRow.empty(layout)
     first = sample_sequence(layout, lengths[0], seed)
-    absorb_encoder(layout, [row], encoder(encoder_inputs(layout, [row], first)), lengths[0])
-    return encoder_inputs(layout, [row], sample_sequence(layout, lengths[1], seed + 1))
+    absorb_encoder(layout, [row], encoder(encoder_inputs(layout, [row], first, engram=engram)), lengths[0], first)
+    return encoder_inputs(layout, [row], sample_sequence(layout, lengths[1], seed + 1), engram=engram)
 
 
-def decoder_case(layout: StepLayout, encoder: Runner, length: int, seed: int, slots: list[int]) -> dict[str, np.ndarray]:
+def decoder_case(layout: StepLayout, encoder: Runner, length: int, seed: int, slots: list[int],
+                 engram: "EngramFeed | None" = None) -> dict[str, np.ndarray]:
     """A bounded replay of `len(slots)` sessions (each `length` tokens, encoded by `encoder`) under the given slots."""
     rows = []
     for i, _ in enumerate(slots):
         erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
         tokens = sample_sequence(layout, length, seed + i)
-        out = encoder(encoder_inputs(layout, [erow], tokens))
-        absorb_encoder(layout, [erow], out, length)
+        out = encoder(encoder_inputs(layout, [erow], tokens, engram=engram))
+        absorb_encoder(layout, [erow], out, length, tokens)
         drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
         rows.append(drow)
     return decoder_inputs(layout, rows, None, slots)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from build_engines.model.config import CEDConfig
 from .arena import ArenaField, StepArena
 from .layout import StepLayout
 from .lora_grid import lora_grid
+
+if TYPE_CHECKING:
+    from .engram_feed import EngramFeed
 
 F32 = np.float32
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
@@ -136,6 +139,9 @@ class EncoderRow:
     kv: dict[int, np.ndarray]  # source -> (capacity, D); entries [0, used) are valid
     index_k: dict[int, np.ndarray]  # source -> (capacity, Di)
     pending: dict[int, np.ndarray] = field(default_factory=dict)  # ratio-2 source -> (2, D)
+    # Engram's n-gram history: the last max_ngram - 1 token ids, oldest first, -1 where the session has none yet
+    # (empty without Engram). Raw ids, not compressed ones: the feed compresses them, so a row needs no token map.
+    engram_recent: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @classmethod
     def empty(cls, layout: StepLayout) -> "EncoderRow":
@@ -145,26 +151,34 @@ class EncoderRow:
         kv = {s: np.zeros((0, D), state) for s in layout.sources}
         index_k = {s: np.zeros((0, Di), F32) for s in layout.sources}
         pending = {s: np.zeros((2, D), F32) for s in layout.sources if layout.ratio[s] == 2}
-        return cls(0, rings, kv, index_k, pending)
+        return cls(0, rings, kv, index_k, pending, np.full(layout.engram_history, -1, np.int64))
 
     def used(self, layout: StepLayout, source: int) -> int:
         return self.position // layout.ratio[source]
 
     def nbytes(self) -> int:
-        return self.rings.nbytes + sum(a.nbytes for d in (self.kv, self.index_k, self.pending) for a in d.values())
+        return self.rings.nbytes + self.engram_recent.nbytes + sum(
+            a.nbytes for d in (self.kv, self.index_k, self.pending) for a in d.values())
 
     def clone(self) -> "EncoderRow":
         return copy.deepcopy(self)
 
 
-def encoder_inputs(layout: StepLayout, rows: list[EncoderRow], tokens: np.ndarray, arena: StepArena | None = None) -> dict[str, np.ndarray]:
+def encoder_inputs(layout: StepLayout, rows: list[EncoderRow], tokens: np.ndarray, arena: StepArena | None = None,
+                   engram: "EngramFeed | None" = None) -> dict[str, np.ndarray]:
     """Inputs of one encoder step: `tokens` (B, S) for `rows` (every row advances by S). With an `arena`, a batch
-    keeps its stacked state between steps (see `arena.py`); the inputs are the same either way."""
+    keeps its stacked state between steps (see `arena.py`); the inputs are the same either way. A config with Engram
+    needs the checkpoint's `engram` feed: it hashes the tokens after each row's history and gathers the rows."""
     S = tokens.shape[1]
     feed = {
         "tokens": np.ascontiguousarray(tokens, np.int64),
         "start": np.asarray([r.position for r in rows], np.int64),
     }
+    if layout.engram_layers:
+        if engram is None:
+            raise ValueError(f"config {layout.cfg.name!r} has Engram at layers {list(layout.engram_layers)}: its encoder "
+                             "steps need the checkpoint's Engram feed (EngramFeed.open / StepEngine.engram)")
+        feed.update(engram.inputs(feed["tokens"], np.stack([r.engram_recent for r in rows])))
     lengths = {s: layout.padded_entries(max(r.used(layout, s) for r in rows) + layout.new_entries(s, S)) for s in layout.sources}
     if arena is not None and len(rows) > 1:
         feed.update(arena.stack(rows, encoder_fields(layout, lengths)))
@@ -195,8 +209,18 @@ def encoder_fields(layout: StepLayout, lengths: dict[int, int]) -> list[ArenaFie
     return fields
 
 
-def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np.ndarray], steps: int) -> None:
-    """Write one step's outputs into the rows' state (new ring rows, new entries, pending token) and advance them."""
+def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np.ndarray], steps: int,
+                   tokens: np.ndarray | None = None) -> None:
+    """Write one step's outputs into the rows' state (new ring rows, new entries, pending token) and advance them.
+    With Engram the step's `tokens` (B, S) are needed too: they extend each row's n-gram history."""
+    if layout.engram_layers:
+        if tokens is None or np.shape(tokens) != (len(rows), steps):
+            raise ValueError(f"config {layout.cfg.name!r} has Engram: absorb_encoder needs the step's tokens "
+                             f"({len(rows)}, {steps}) to extend each row's n-gram history, got "
+                             f"{None if tokens is None else np.shape(tokens)}")
+        k = layout.engram_history
+        for b, r in enumerate(rows):
+            r.engram_recent = np.concatenate((r.engram_recent, np.asarray(tokens[b], np.int64)))[-k:]
     for b, r in enumerate(rows):
         _write_ring(r.rings, out["ring_rows"][b], r.position)
         for s in layout.sources:
@@ -368,14 +392,14 @@ Runner = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
 def prefill_and_replay(layout: StepLayout, encoder: Runner, decoder: Runner, bank: dict[str, np.ndarray], tokens: np.ndarray,
-                       chunk: int, slot: int = 0) -> tuple[EncoderRow, DecoderRow]:
+                       chunk: int, slot: int = 0, engram: "EngramFeed | None" = None) -> tuple[EncoderRow, DecoderRow]:
     """A session's rows after the encoder prefill of `tokens` (1-D) in `chunk`-token steps and a bounded replay under
     `slot`: the state a turn leaves, for tools and tests that run the graphs (or their modules) directly."""
     erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
     for i in range(0, tokens.size, chunk):
         ids = tokens[i:i + chunk][None]
-        out = encoder(encoder_inputs(layout, [erow], ids))
-        absorb_encoder(layout, [erow], out, ids.shape[1])
+        out = encoder(encoder_inputs(layout, [erow], ids, engram=engram))
+        absorb_encoder(layout, [erow], out, ids.shape[1], ids)
         drow.absorb(layout, {k: out[k][0] for k in HANDOVER_KEYS})
     feed = {**decoder_inputs(layout, [drow], None, [slot]), **bank}
     absorb_decoder([drow], decoder(feed), feed, True, [slot])

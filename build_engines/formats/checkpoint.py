@@ -58,6 +58,7 @@ class StoredTensor:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # of its first byte in the shard file (after the header)
 
 
 def _read_header(path: Path) -> dict[str, StoredTensor]:
@@ -75,7 +76,7 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
         if name == "__metadata__":
             continue
         begin, end = info["data_offsets"]
-        out[name] = StoredTensor(name, path, info["dtype"], tuple(info["shape"]), end - begin)
+        out[name] = StoredTensor(name, path, info["dtype"], tuple(info["shape"]), end - begin, 8 + size + begin)
     return out
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.layout import StepLayout
 from build_engines.formats.config_file import load_config
 
@@ -28,6 +29,15 @@ class StepEngine(ABC):
         self.cfg = load_config(model_dir)
         self.layout = StepLayout(self.cfg)
         self.lora_bank: Arrays = {}
+        self._engram: EngramFeed | None = None
+
+    @property
+    def engram(self) -> "EngramFeed | None":
+        """The checkpoint's Engram feed (hashes + rows gathered from its memory-mapped tables), opened on first use;
+        None when the config has no Engram. The encoder step's `engram_rows_<layer>` inputs come from it."""
+        if self._engram is None and self.layout.engram_layers:
+            self._engram = EngramFeed.open(self.model_dir, self.layout)
+        return self._engram
 
     @abstractmethod
     def encoder(self, feed: Arrays) -> Arrays:

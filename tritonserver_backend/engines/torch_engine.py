@@ -49,7 +49,7 @@ class TorchEngine(StepEngine):
         return self._runners[graph]
 
     def encoder(self, feed: Arrays) -> Arrays:
-        stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_"))}
+        stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_", "engram_rows_"))}
         return _by_row(self._runner("encoder"), feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
 
     def decoder(self, feed: Arrays) -> Arrays:

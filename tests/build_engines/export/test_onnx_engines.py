@@ -13,6 +13,7 @@ from build_engines.build.onnx_build import GRAPH_FILES, build_onnx, ort_runner, 
 from build_engines.export import graph_ops
 from build_engines.export.decoder_step import DecoderStep
 from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.layout import StepLayout
 from build_engines.export.parity import HANDOVER, max_difference, torch_runner
 from build_engines.export.rows import (
@@ -26,28 +27,35 @@ from build_engines.export.rows import (
 from build_engines.formats.checkpoint import save_checkpoint
 from build_engines.model.attention import select_top as reference_select_top
 from plugins import DOMAIN, PLUGIN_NAMESPACE, register_onnx_schemas
+from tests.build_engines.model.test_engram import engram_network
 from tests.tiny import tiny_network
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module", params=["plain", "engram"])
+def exported(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The tiny network's engines, without and with Engram (layers 1 and 2: the encoder graph takes rows the host
+    gathers from the checkpoint's memory-mapped tables, `EngramFeed`)."""
     seed = int(torch.randint(0, 2**31, (1,)))
     print(f"export seed: {seed}")
     torch.manual_seed(seed)
-    net = tiny_network()
+    net = tiny_network() if request.param == "plain" else engram_network()
     model_dir = save_checkpoint(net, tmp_path_factory.mktemp("tiny_model"))
     out = tmp_path_factory.mktemp("tiny_engines")
     graphs, parity = build_onnx(model_dir, out)
     layout = StepLayout(net.cfg)
+    engram = EngramFeed.open(model_dir, layout)
+    if engram is not None:  # the checkpoint has no tokenizer: the feed hashes with the placeholder map, so must the net
+        net.set_engram_token_map(engram.hasher.token_map)
     enc, dec = net.split()
     modules = {
         "encoder": torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs()),
         "decoder": torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs()),
     }
     sessions = {name: ort_runner(out / GRAPH_FILES[name]) for name in GRAPH_FILES}
-    return {"dir": out, "graphs": graphs, "parity": parity, "layout": layout, "torch": modules, "onnx": sessions}
+    return {"dir": out, "graphs": graphs, "parity": parity, "layout": layout, "torch": modules, "onnx": sessions,
+            "engram": engram, "model_dir": model_dir}
 
 
 def test_graphs_pass_the_checker_and_carry_the_mol2_nodes(exported) -> None:  # type: ignore[no-untyped-def]
@@ -66,9 +74,26 @@ def test_graphs_pass_the_checker_and_carry_the_mol2_nodes(exported) -> None:  # 
     print("build parity (max abs):", exported["parity"])
 
 
-def _prefill(layout, runner, rows, tokens):  # type: ignore[no-untyped-def]
-    out = runner(encoder_inputs(layout, rows, tokens))
-    absorb_encoder(layout, rows, out, tokens.shape[1])
+def test_engram_tables_stay_out_of_the_encoder_graph(exported) -> None:  # type: ignore[no-untyped-def]
+    """With Engram the encoder graph takes the gathered rows as inputs and holds the gate's weights, but no table: the
+    tables stay in the checkpoint (memory-mapped on the host), whatever their size."""
+    layout = exported["layout"]
+    model = onnx.load(str(exported["dir"] / GRAPH_FILES["encoder"]))
+    inputs = {i.name for i in model.graph.input}
+    sizes = {tuple(i.dims) for i in model.graph.initializer}
+    cfg = layout.cfg
+    tables = {(rows, cfg.engram_head_dim) for rows in cfg.engram_num_embeddings}
+    assert {f"engram_rows_{l}" for l in layout.engram_layers} <= inputs
+    assert not any(n.startswith("engram_rows_") for n in inputs - {f"engram_rows_{l}" for l in layout.engram_layers})
+    assert not tables & sizes, "an Engram table is an initializer of the encoder graph"
+    if layout.engram_layers:
+        value_projection = (cfg.dim * (cfg.hc_mult + 1), layout.engram_cols * cfg.engram_head_dim)
+        assert value_projection in sizes or value_projection[::-1] in sizes, "the gate's value projection is in the graph"
+
+
+def _prefill(layout, runner, rows, tokens, engram=None):  # type: ignore[no-untyped-def]
+    out = runner(encoder_inputs(layout, rows, tokens, engram=engram))
+    absorb_encoder(layout, rows, out, tokens.shape[1], tokens)
     return out
 
 
@@ -122,7 +147,8 @@ def test_encoder_prefill_and_decode_match_the_module(exported, monkeypatch) -> N
     for length in (151, 1, 1, 2, 37, 1):
         tokens = np.random.randint(0, layout.cfg.vocab_size, (1, length))
         recorder.calls.clear()
-        got_t, got_o = _prefill(layout, run_t, rows_t, tokens), _prefill(layout, run_o, rows_o, tokens)
+        engram = exported["engram"]
+        got_t, got_o = _prefill(layout, run_t, rows_t, tokens, engram), _prefill(layout, run_o, rows_o, tokens, engram)
         diff = max_difference(got_t, got_o)
         if diff["topk"] or diff["candidates"]:
             for name in ("topk", "candidates"):
@@ -146,7 +172,7 @@ def test_decoder_replay_and_decode_with_two_adapters_in_one_batch(exported) -> N
     rows = []
     for length in (140, 201):  # both longer than the window: equal replay lengths in one batch
         erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-        out = _prefill(layout, enc_t, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)))
+        out = _prefill(layout, enc_t, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)), exported["engram"])
         drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
         rows.append((erow, drow))
     decoders = [[r[1] for r in rows], [r[1].clone() for r in rows]]  # torch side, onnx side
@@ -156,8 +182,8 @@ def test_decoder_replay_and_decode_with_two_adapters_in_one_batch(exported) -> N
         feeds = []
         if step:
             tokens = np.random.randint(0, layout.cfg.vocab_size, (2, 1))
-            out = enc_t(encoder_inputs(layout, [r[0] for r in rows], tokens))
-            absorb_encoder(layout, [r[0] for r in rows], out, 1)
+            out = enc_t(encoder_inputs(layout, [r[0] for r in rows], tokens, engram=exported["engram"]))
+            absorb_encoder(layout, [r[0] for r in rows], out, 1, tokens)
             new = [{k: out[k][b] for k in HANDOVER} for b in range(2)]
         for side in decoders:
             if step:
@@ -181,7 +207,7 @@ def test_a_batched_step_gives_each_row_exactly_its_solo_result(exported) -> None
     sessions = []
     for length in (5, 130, 300, 61):
         erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-        out = _prefill(layout, enc_o, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)))
+        out = _prefill(layout, enc_o, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)), exported["engram"])
         drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
         feed = {**decoder_inputs(layout, [drow], None, [length % 4]), **bank}
         absorb_decoder([drow], dec_o(feed), feed, True, [length % 4])
@@ -189,13 +215,13 @@ def test_a_batched_step_gives_each_row_exactly_its_solo_result(exported) -> None
     tokens = np.random.randint(0, layout.cfg.vocab_size, (4, 1))
     solo = []
     for (erow, drow, slot), tok in zip(sessions, tokens):
-        e_out = enc_o(encoder_inputs(layout, [erow.clone()], tok[None]))
+        e_out = enc_o(encoder_inputs(layout, [erow.clone()], tok[None], engram=exported["engram"]))
         d = drow.clone()
         d.absorb(layout, {k: e_out[k][0] for k in HANDOVER})
         feed = {**decoder_inputs(layout, [d], [{k: e_out[k][0] for k in HANDOVER[:4]}], [slot]), **bank}
         solo.append((e_out, dec_o(feed)))
     e_rows = [s[0] for s in sessions]
-    e_out = enc_o(encoder_inputs(layout, e_rows, tokens))
+    e_out = enc_o(encoder_inputs(layout, e_rows, tokens, engram=exported["engram"]))
     for b, (s_enc, _) in enumerate(solo):
         for key in HANDOVER:
             assert np.array_equal(e_out[key][b], s_enc[key][0]), f"encoder {key} of row {b} depends on the batch"
@@ -215,11 +241,11 @@ def test_prefill_chunking_does_not_change_a_bit(exported) -> None:  # type: igno
     layout, enc_o = exported["layout"], exported["onnx"]["encoder"]
     tokens = np.random.randint(0, layout.cfg.vocab_size, (1, 333))
     one, pieces = EncoderRow.empty(layout), EncoderRow.empty(layout)
-    whole = _prefill(layout, enc_o, [one], tokens)
-    parts = [_prefill(layout, enc_o, [pieces], tokens[:, a:b]) for a, b in ((0, 100), (100, 101), (101, 229), (229, 333))]
+    whole = _prefill(layout, enc_o, [one], tokens, exported["engram"])
+    parts = [_prefill(layout, enc_o, [pieces], tokens[:, a:b], exported["engram"]) for a, b in ((0, 100), (100, 101), (101, 229), (229, 333))]
     for key in HANDOVER:
         assert np.array_equal(whole[key][0], np.concatenate([p[key][0] for p in parts])), key
-    assert np.array_equal(one.rings, pieces.rings)
+    assert np.array_equal(one.rings, pieces.rings) and np.array_equal(one.engram_recent, pieces.engram_recent)
     for s in layout.sources:
         used = one.used(layout, s)
         assert np.array_equal(one.kv[s][:used], pieces.kv[s][:used]) and np.array_equal(one.index_k[s][:used], pieces.index_k[s][:used])
@@ -233,8 +259,8 @@ def test_replay_through_the_engine_is_independent_of_the_source_adapter(exported
     history = np.random.randint(0, layout.cfg.vocab_size, (1, 150))
     later = np.random.randint(0, layout.cfg.vocab_size, (12, 1))
     erow = EncoderRow.empty(layout)
-    first = _prefill(layout, enc_o, [erow], history)
-    steps = [_prefill(layout, enc_o, [erow], t[None]) for t in later]
+    first = _prefill(layout, enc_o, [erow], history, exported["engram"])
+    steps = [_prefill(layout, enc_o, [erow], t[None], exported["engram"]) for t in later]
     for target in (1, 3):
         results = []
         for source in (0, 1, 2):
@@ -252,3 +278,27 @@ def test_replay_through_the_engine_is_independent_of_the_source_adapter(exported
             assert np.array_equal(other["logits"], results[0]["logits"]) and np.array_equal(other["ring_rows"], results[0]["ring_rows"])
     assert not np.array_equal(results[0]["logits"], dec_o({**decoder_inputs(layout, [drow], None, [0]), **bank})["logits"]), \
         "the target adapter does change the logits (the check is not vacuous)"
+
+
+def test_the_encoder_service_carries_each_session_s_history_across_turns_and_rebuilds(exported) -> None:  # type: ignore[no-untyped-def]
+    """Through the serving path (EncoderService on the engine interface, which opens the checkpoint's Engram feed):
+    a second turn encodes as the same turn of a session rebuilt from its history, and differently from a
+    session that starts with it (with Engram, its first n-grams reach back into the previous turn)."""
+    from tritonserver_backend.encoder_service import EncoderService
+    from tritonserver_backend.engines import open_engine
+
+    layout = exported["layout"]
+    service = EncoderService(open_engine("torch", exported["model_dir"]))
+    rng = np.random.default_rng(int(np.random.randint(1 << 30)))
+    first, second = (rng.integers(1, layout.cfg.vocab_size, n) for n in (23, 9))
+    service.encode_turn("kept", first, start=True)
+    service.encode_step(["kept"], first[-1:].reshape(1, 1), turn_done=True)
+    _, kept = service.encode_turn("kept", second)
+    _, rebuilt = service.encode_turn("rebuilt", second, prefix_ids=np.concatenate([first, first[-1:]]))
+    _, fresh = service.encode_turn("fresh", second, start=True)
+    # the torch engine's CPU GEMMs pick kernels by row count (9 rows here, 33 there): equal up to rounding
+    difference = max_difference(kept, {k: rebuilt[k][-second.size:] for k in kept})
+    assert difference["topk"] == difference["candidates"] == 0.0 and max(difference.values()) < 1e-5, difference
+    assert np.abs(kept["streams"] - fresh["streams"]).max() > 1e-3, "the history changes the turn (not vacuous)"
+    if layout.engram_layers:
+        assert service.sessions.get("kept").engram_recent.tolist() == second[-layout.engram_history:].tolist()

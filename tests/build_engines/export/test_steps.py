@@ -8,6 +8,7 @@ import torch
 
 from build_engines.export.decoder_step import DecoderStep
 from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.graph_ops import pair_swap, rope_apply, rope_tables, window_ring_positions
 from build_engines.export.layout import StepLayout
 from build_engines.export.parity import HANDOVER, torch_runner
@@ -23,6 +24,8 @@ from build_engines.lora import AdapterBank, decoder_lora_modules, random_adapter
 from build_engines.lora.stacked import stack_adapters
 from build_engines.model.conversation import Conversation
 from build_engines.model.primitives import apply_rope_tail, rope_angles
+from tests.build_engines.model.test_engram import engram_network
+from tests.tiny import tiny_network
 
 
 def test_rope_in_gather_form_equals_the_reference_bit_for_bit(seed: int) -> None:
@@ -46,8 +49,15 @@ def test_ring_positions_follow_start_and_ring_start() -> None:
     assert got[3, 0].item() == 128 and got[3, 99].item() == -1 and got[3, 100].item() == 100
 
 
+@pytest.fixture(params=["plain", "engram"])
+def step_net(request, seed):  # type: ignore[no-untyped-def]
+    """The tiny network, without and with Engram (layers 1 and 2, the feed's rows gathered from its tables)."""
+    return tiny_network() if request.param == "plain" else engram_network()
+
+
 @pytest.fixture
-def steps(net, tmp_path):  # type: ignore[no-untyped-def]
+def steps(step_net, tmp_path):  # type: ignore[no-untyped-def]
+    net = step_net
     cfg = net.cfg
     enc, dec = net.split()
     bank = AdapterBank(cfg, dec)
@@ -60,13 +70,14 @@ def steps(net, tmp_path):  # type: ignore[no-untyped-def]
     encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
     decoder = torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())
     lora = stack_adapters(layout, [None, *adapters])
-    return layout, enc, dec, encoder, decoder, lora, adapters
+    return layout, enc, dec, encoder, decoder, lora, adapters, EngramFeed.of_network(layout, enc)
 
 
 def test_steps_follow_the_reference_network_through_turns_replays_and_decode(steps) -> None:  # type: ignore[no-untyped-def]
     """Chunked prefill, replay under an adapter, decode, a new turn under another adapter: logits within 1e-4 of the
-    reference Conversation, the same greedy tokens, the same top-k selections."""
-    layout, enc, dec, encoder, decoder, lora, adapters = steps
+    reference Conversation, the same greedy tokens, the same top-k selections. With Engram the encoder step takes
+    rows gathered on the host after each row's n-gram history, across chunks, decode steps and turns."""
+    layout, enc, dec, encoder, decoder, lora, adapters, engram = steps
     cfg = layout.cfg
     conv = Conversation(enc, dec)
     erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
@@ -75,8 +86,8 @@ def test_steps_follow_the_reference_network_through_turns_replays_and_decode(ste
         tokens = torch.randint(0, cfg.vocab_size, (1, length))
         want = conv.new_turn(tokens, [None, *adapters][slot])
         for chunk in torch.split(tokens, 64, dim=1):  # prefill in chunks, as the encoder service does
-            out = encoder(encoder_inputs(layout, [erow], chunk.numpy()))
-            absorb_encoder(layout, [erow], out, chunk.shape[1])
+            out = encoder(encoder_inputs(layout, [erow], chunk.numpy(), engram=engram))
+            absorb_encoder(layout, [erow], out, chunk.shape[1], chunk.numpy())
             drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
         feed = {**decoder_inputs(layout, [drow], None, [slot]), **lora}
         got = decoder(feed)
@@ -86,8 +97,8 @@ def test_steps_follow_the_reference_network_through_turns_replays_and_decode(ste
         assert int(got["logits"][0].argmax()) == token, f"turn {turn}: replay picks another token"
         for _ in range(6):
             want = conv.step(torch.tensor([[token]]))
-            out = encoder(encoder_inputs(layout, [erow], np.array([[token]])))
-            absorb_encoder(layout, [erow], out, 1)
+            out = encoder(encoder_inputs(layout, [erow], np.array([[token]]), engram=engram))
+            absorb_encoder(layout, [erow], out, 1, np.array([[token]]))
             rows = {k: out[k][0] for k in HANDOVER}
             drow.absorb(layout, rows)
             feed = {**decoder_inputs(layout, [drow], [{k: rows[k] for k in HANDOVER[:4]}], [slot]), **lora}
@@ -99,6 +110,9 @@ def test_steps_follow_the_reference_network_through_turns_replays_and_decode(ste
     print(f"max abs logit difference, step modules vs reference: {worst:.2e}")
     assert worst < 1e-4
     assert erow.position == drow.position == conv.position
+    if engram is not None:
+        history = conv.encoder_state.engram_history[0]  # compressed ids; the row keeps the raw ones
+        assert torch.equal(engram.hasher.compress(torch.from_numpy(erow.engram_recent)), history)
 
 
 def test_engines_doc_carries_the_current_graph_contract() -> None:

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -215,9 +216,51 @@ def test_the_release_shaped_checkpoint_loads_by_role_and_runs(release_shaped: Pa
     assert torch.equal(decoder(handover, decoder.new_state()).logits, logits)
 
 
-def test_the_engine_steps_refuse_engram_rather_than_drop_it(release_shaped: Path) -> None:
+@torch.no_grad()
+def test_the_engine_steps_run_engram_from_rows_mapped_on_the_host(release_shaped: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoder step of the release-shaped checkpoint (fp8 runtime fake-quant on) takes Engram rows gathered from
+    the memory-mapped fp8 tables: each row equals the loaded parameter's row bit for bit, no table is read through
+    the loader, and two prefill chunks through the step follow the reference encoder."""
     from build_engines.export.encoder_step import EncoderStep
+    from build_engines.export.engram_feed import EngramFeed, table_name
+    from build_engines.export.layout import StepLayout
+    from build_engines.export.parity import torch_runner
+    from build_engines.export.rows import EncoderRow, absorb_encoder, encoder_inputs
 
     encoder = load_checkpoint(release_shaped, role="encoder")
-    with pytest.raises(NotImplementedError, match=r"Engram at layers \[1, 14\]"):
-        EncoderStep(encoder)
+    cfg = encoder.cfg
+    layout = StepLayout(cfg)
+    reads = _Reads(monkeypatch)
+    feed = EngramFeed.open(release_shaped, layout)
+    assert feed is not None and not reads.names, "the feed maps the tables; it reads nothing through the loader"
+    assert torch.equal(feed.hasher.token_map, encoder.engram_token_map)
+    ids = torch.randint(0, min(cfg.engram_num_embeddings), (5, 7)).numpy()
+    for layer in cfg.engram_layers:
+        want = encoder.layers[str(layer)].engram.embed.weight[torch.from_numpy(ids)].numpy()
+        assert feed.tables[layer].rows(ids).tobytes() == want.tobytes(), table_name(layer)
+    per_token = feed.bytes_per_token()
+    assert per_token == {"read": 2 * layout.engram_cols * (cfg.engram_head_dim + cfg.engram_head_dim // 32),
+                         "fed": 2 * layout.engram_cols * cfg.engram_head_dim * 4}
+    step = torch_runner(EncoderStep(encoder).eval(), layout.encoder_inputs(), layout.encoder_outputs())
+    row, state = EncoderRow.empty(layout), encoder.new_state()
+    tokens = torch.randint(0, cfg.vocab_size, (1, 45))
+    for chunk in (tokens[:, :30], tokens[:, 30:]):
+        out = step(encoder_inputs(layout, [row], chunk.numpy(), engram=feed))
+        absorb_encoder(layout, [row], out, chunk.shape[1], chunk.numpy())
+        want, state = encoder(chunk, state)
+        assert np.array_equal(out["topk"], want.topk.numpy()) and np.array_equal(out["candidates"], want.candidates.numpy())
+        worst = float(np.abs(out["streams"] - want.streams.numpy()).max())
+        assert worst < 1e-3 * max(1.0, float(want.streams.abs().max())), worst
+    assert torch.equal(feed.hasher.compress(torch.from_numpy(row.engram_recent)), state.engram_history[0])
+
+
+def test_encoder_steps_without_the_engram_feed_are_refused(release_shaped: Path) -> None:
+    from build_engines.export.layout import StepLayout
+    from build_engines.export.rows import EncoderRow, absorb_encoder, encoder_inputs
+
+    layout = StepLayout(load_config(release_shaped))
+    row = EncoderRow.empty(layout)
+    with pytest.raises(ValueError, match=r"Engram at layers \[1, 14\]: its encoder steps need the checkpoint's Engram feed"):
+        encoder_inputs(layout, [row], np.zeros((1, 3), np.int64))
+    with pytest.raises(ValueError, match="needs the step's tokens"):
+        absorb_encoder(layout, [row], {}, 3)
