@@ -68,10 +68,32 @@ def discovery_env(run_dir: Path) -> dict[str, str]:
             "DYN_EVENT_PLANE": "zmq", "DYN_LOG": os.environ.get("DYN_LOG", "warn")}
 
 
+# what Dynamo's DistributedRuntime accepts for each transport (its own documentation of the constructor)
+RUNTIME_CHOICES = {"DYN_DISCOVERY_BACKEND": ("file", "etcd", "kubernetes", "mem"), "DYN_REQUEST_PLANE": ("tcp", "nats"),
+                   "DYN_EVENT_PLANE": ("zmq", "nats")}
+RUNTIME_DEFAULTS = {"DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq"}
+
+
+def runtime_transports(env: dict[str, str] | None = None) -> tuple[str, str, str]:
+    """(discovery backend, request plane, event plane) from the same DYN_* variables Dynamo's frontend reads, so one
+    graph's environment (deploy/dynamo/graph.yaml) sets the workers and the frontend alike; unset, the loopback
+    defaults (file discovery, TCP requests, ZMQ events: no etcd or NATS needed). An unknown value fails here, naming
+    the variable, rather than deep inside the runtime."""
+    env = dict(os.environ) if env is None else env
+    values = []
+    for name, default in RUNTIME_DEFAULTS.items():
+        value = env.get(name, "") or default
+        if value not in RUNTIME_CHOICES[name]:
+            raise ValueError(f"{name}={value!r} is not one of {list(RUNTIME_CHOICES[name])}")
+        values.append(value)
+    return values[0], values[1], values[2]
+
+
 def make_runtime(loop: asyncio.AbstractEventLoop):  # type: ignore[no-untyped-def]
     from dynamo.runtime import DistributedRuntime
 
-    return DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
+    discovery, request_plane, event_plane = runtime_transports()
+    return DistributedRuntime(loop, discovery, request_plane, event_plane=event_plane)
 
 
 class WorkerStats:

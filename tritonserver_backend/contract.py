@@ -67,6 +67,7 @@ LOGPROB_OUTPUTS = (TOKEN_LOGPROB_OUT, TOP_TOKEN_ID_OUT, TOP_LOGPROB_OUT)
 TOKEN_IDS = TensorSpec("TOKEN_IDS", "INT64", (-1,), doc="the user turn rendered by the chat template (ends with the assistant prompt); H19 is pooled over it")
 PREFIX_IDS = TensorSpec("PREFIX_IDS", "INT64", (-1,), doc="what precedes TOKEN_IDS when a session (re)starts: <|bos|> and any history turns")
 START = TensorSpec("START", "BOOL", (1,), doc="the client asked for a new session")
+ARRIVAL_NS = TensorSpec("ARRIVAL_NS", "INT64", (1,), doc="when preprocess took the turn (ns since the epoch): the decoder's time-to-first-token starts here")
 ROLLBACK = TensorSpec("ROLLBACK", "BOOL", (1,), True, "sent by the decoder (BLS) when it rejects a turn: undo the turn's encoding")
 DROP_SESSION = TensorSpec("DROP_SESSION", "BOOL", (1,), True, "sent by the decoder (BLS) after a turn with end_session: drop the encoder state")
 STEP_SESSION_IDS = TensorSpec("STEP_SESSION_IDS", "BYTES", (-1,), True, "sent by the decoder (BLS): the sessions of one batched step")
@@ -111,7 +112,7 @@ class ModelSpec:
 # optional and preprocess, its first step, refuses a request without them with a clear error.
 SESSION_ID_IN = SESSION_ID.as_optional("conversation id: required; declared optional to Triton so that preprocess can answer its absence")
 TEXT_IN = TEXT.as_optional("the user turn: required; declared optional to Triton so that preprocess can answer its absence")
-PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, LOGPROBS, TOP_LOGPROBS), (TOKEN_IDS, PREFIX_IDS, START))
+PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, LOGPROBS, TOP_LOGPROBS), (TOKEN_IDS, PREFIX_IDS, START, ARRIVAL_NS))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE), (H19, *HANDOVER))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 # the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two
@@ -119,7 +120,7 @@ ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,
 DECODER = ModelSpec(
     "decoder",
     (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM,
-     LOGPROBS, TOP_LOGPROBS, CONTROL),
+     LOGPROBS, TOP_LOGPROBS, CONTROL, ARRIVAL_NS.as_optional()),
     (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS),
     decoupled=True,
 )

@@ -14,6 +14,11 @@ TURN, STEP = "turn", "step"
 # rows / steps above 1 is what shows that turns of different sessions shared engine calls
 DECODER_STEPS, DECODER_ROWS, REPLAY_PADDING = "decoder_steps", "decoder_step_rows", "replay_padding_positions"
 REPLAY, DECODE = "replay", "decode"
+# user turns the encoder refused before encoding anything, labelled by reason (BUSY: the turns-in-flight bound;
+# CONTEXT_LIMIT: the session would pass max_context). Triton's failure counter files both under reason="OTHER".
+TURNS_REFUSED = "turns_refused"
+BUSY, CONTEXT_LIMIT = "busy", "context_limit"
+REFUSAL_REASONS = (BUSY, CONTEXT_LIMIT)
 DESCRIPTIONS = {
     WRITTEN: "routing decisions written by the router (explicit overrides included)",
     READ: "routing decisions read by the decoder",
@@ -25,6 +30,8 @@ DESCRIPTIONS = {
     DECODER_STEPS: "decoder engine calls (kind=replay: a batch of bounded replays, kind=decode: one token for every active turn)",
     DECODER_ROWS: "sessions' rows in those calls (rows / steps is the mean batch size)",
     REPLAY_PADDING: "inert front-padding positions added so that replays of different lengths share one call",
+    TURNS_REFUSED: "user turns refused before any state changed (reason=busy: too many turns in flight, retry; "
+                   "reason=context_limit: the session would pass max_context)",
     ENCODED_TOKENS: "tokens run through the encoder (kind=turn: user turns and any rebuilt history; kind=step: generated tokens fed back)",
 }
 

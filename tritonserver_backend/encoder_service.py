@@ -70,6 +70,7 @@ class EncoderService:
         if session_id in self._in_flight:
             raise BadRequest(f"session {session_id!r} is still answering its previous turn; wait for its final response")
         if self.max_turns and len(self._in_flight) >= self.max_turns:
+            self.counters.add(k.TURNS_REFUSED, k.BUSY)
             raise ServerBusy(f"server busy: {len(self._in_flight)} turns in flight (limit {self.max_turns}); retry shortly")
         existed = self.sessions.contains(session_id)
         if start or (not existed and prefix.size > 1):
@@ -77,6 +78,7 @@ class EncoderService:
         else:
             row, ids_all = self.sessions.get(session_id).clone(), ids
         if row.position + ids_all.size > self.max_context:
+            self.counters.add(k.TURNS_REFUSED, k.CONTEXT_LIMIT)
             raise BadRequest(f"session {session_id!r} would reach {row.position + ids_all.size} tokens, more than the "
                              f"{self.max_context}-token context limit")
         first = row.position

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
-from typing import Any
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -47,15 +48,34 @@ class BlsEncoderPort:
         self._call(session_id, {c.DROP_SESSION: True}, [])
 
 
+@dataclass
+class StreamClock:
+    """When a turn arrived (ns since the epoch: preprocess's ARRIVAL_NS, or the decoder's own receipt for a request
+    sent to the decoder directly), and when its first and latest token responses went out."""
+
+    arrival_ns: int
+    first_ns: int | None = None
+    last_ns: int | None = None
+    tokens: int = 0  # tokens sent so far
+
+
 @dataclass(frozen=True)
 class Client:
     """Where a turn's responses go (the TurnRequest's context): the request, asked whether its client left; its
     response sender; whether the client reads a stream or wants the whole reply in one final response (Triton's HTTP
-    /generate accepts only one response from a model, and refuses it only after the model has run the turn)."""
+    /generate accepts only one response from a model, and refuses it only after the model has run the turn); the
+    clock its latencies are measured on."""
 
     request: Any
     sender: Any
     stream: bool = True
+    clock: StreamClock = field(default_factory=lambda: StreamClock(time.time_ns()))
+
+
+class LatencyRecorder(Protocol):
+    def first_token(self, seconds: float) -> None: ...
+
+    def inter_token(self, seconds: float) -> None: ...
 
 
 def read_turn(request: Any) -> TurnRequest:
@@ -63,7 +83,9 @@ def read_turn(request: Any) -> TurnRequest:
     sender = request.get_response_sender()
     context = Client(request, sender)  # until `stream` is read, so that a bad value is answered too
     try:
-        context = Client(request, sender, bool(glue.read(request, c.STREAM, True)))
+        arrival = glue.read(request, c.ARRIVAL_NS, None)
+        clock = StreamClock(int(arrival) if arrival is not None else time.time_ns())
+        context = Client(request, sender, bool(glue.read(request, c.STREAM, True)), clock)
         handover = rows_from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})[0]
         return TurnRequest(glue.read(request, c.SESSION_ID), handover, int(glue.read(request, c.ADAPTER_HASH)),
                            glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context)
@@ -89,10 +111,12 @@ class Emitter:
     docs/load.md). 1 streams every token as it is sampled; a larger interval trades the granularity of the stream
     (never its tokens or the time of the last one) for throughput, like SGLang's `--stream-interval`."""
 
-    def __init__(self, text: TextService, interval: int = 1) -> None:
+    def __init__(self, text: TextService, interval: int = 1, latency: LatencyRecorder | None = None) -> None:
+        """`latency` observes each streamed turn's time to first token and mean inter-token time (not for a client
+        that takes the whole reply in one response: it has no first token before the last)."""
         if interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {interval}")
-        self.text, self.interval = text, interval
+        self.text, self.interval, self.latency = text, interval, latency
 
     def __call__(self, turn: Turn, token: int, finish: str) -> bool:
         client: Client = turn.context  # type: ignore[assignment]
@@ -115,6 +139,9 @@ class Emitter:
             outputs = {c.TEXT_OUTPUT: "", c.TOKEN_ID_OUT: -1, c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish,
                        **logprob_outputs(turn, [])}
             sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            clock = client.clock
+            if self.latency is not None and clock.first_ns is not None and clock.last_ns is not None and clock.tokens > 1:
+                self.latency.inter_token((clock.last_ns - clock.first_ns) / 1e9 / (clock.tokens - 1))
         return True
 
     def _flush(self, turn: Turn, sender: Any, finish: str, flags: int) -> None:
@@ -125,6 +152,14 @@ class Emitter:
                    c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish,
                    **logprob_outputs(turn, turn.logprobs[first:] if turn.params.logprobs else [])}
         sender.send(glue.response(outputs), flags=flags)
+        client: Client = turn.context  # type: ignore[assignment]
+        if client.stream:
+            clock, now = client.clock, time.time_ns()
+            if clock.first_ns is None:
+                clock.first_ns = now
+                if self.latency is not None:
+                    self.latency.first_token(max(0, now - clock.arrival_ns) / 1e9)
+            clock.last_ns, clock.tokens = now, clock.tokens + len(ids)
 
 
 def logprob_outputs(turn: Turn, entries: list[TokenLogprobs]) -> dict[c.TensorSpec, np.ndarray]:

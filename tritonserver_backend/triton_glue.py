@@ -186,12 +186,14 @@ def bls_control(session_id: str, action: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- metrics
-def export_counters(counters: Counters, names: list[str], label: str = "adapter") -> None:
+def export_counters(counters: Counters, names: list[str], label: str = "adapter", known: tuple[str, ...] = ()) -> None:
     """Mirror `counters` into Triton custom metrics `mol2_<counter>{<label>="..."}` on the metrics port (the second key
-    of a count is the adapter for the routing counters, the kind of tokens for the encoder's)."""
+    of a count is the adapter for the routing counters, the kind of tokens for the encoder's). Series for the `known`
+    label values exist from the start at 0 (a counter's series otherwise appears at its first increment, and a
+    dashboard's rate() of a missing series shows no data instead of zero)."""
     pb_utils = pb()
     families = {n: pb_utils.MetricFamily(name=f"mol2_{n}", description=DESCRIPTIONS[n], kind=pb_utils.MetricFamily.COUNTER) for n in names}
-    metrics: dict[tuple[str, str], Any] = {}
+    metrics: dict[tuple[str, str], Any] = {(n, value): families[n].Metric(labels={label: value}) for n in names for value in known}
 
     def listener(counter: str, adapter: str, amount: int) -> None:
         if counter not in families:
@@ -209,3 +211,76 @@ def export_counters(counters: Counters, names: list[str], label: str = "adapter"
         listener(counter, adapter, amount)
 
     counters.listener = chained
+
+
+SESSION_BYTES, SESSION_BUDGET = "mol2_session_bytes", "mol2_session_budget_bytes"
+TTFT_METRIC, ITL_METRIC = "mol2_time_to_first_token_seconds", "mol2_inter_token_latency_seconds"
+GAUGE_METRICS, HISTOGRAM_METRICS = (SESSION_BYTES, SESSION_BUDGET), (TTFT_METRIC, ITL_METRIC)
+
+
+class SessionGauges:
+    """`mol2_session_bytes{store}` and `mol2_session_budget_bytes{store}` of one model's session store: what its
+    sessions hold against the budget that evicts them. `update()` is called by the thread that owns the model's
+    `pb_utils` objects (the encoder's `execute`, the decoder's worker) and sets the gauge only when the bytes changed."""
+
+    def __init__(self, store_name: str, store: Any) -> None:
+        pb_utils = pb()
+        gauge = pb_utils.MetricFamily.GAUGE
+        used = pb_utils.MetricFamily(name=SESSION_BYTES, description="bytes of the sessions a model's store holds "
+                                     "(store=encoder: encoder state; store=decoder: global-KV mirror, replay rows, rings)", kind=gauge)
+        budget = pb_utils.MetricFamily(name=SESSION_BUDGET, description="the store's budget: past it the least "
+                                       "recently used sessions are evicted (session_budget_bytes)", kind=gauge)
+        self.store, self._last = store, -1
+        self._families = (used, budget)  # a Metric is usable only while its MetricFamily object lives
+        self._used = used.Metric(labels={"store": store_name})
+        self._budget = budget.Metric(labels={"store": store_name})
+        self._budget.set(float(store.budget_bytes))
+        self.update()
+
+    def update(self) -> None:
+        """Never raises: a metric that cannot be written is logged, and the requests it follows are answered."""
+        try:
+            now = self.store.total_bytes()
+            if now != self._last:
+                self._used.set(float(now))
+                self._last = now
+        except Exception:  # noqa: BLE001 - monitoring must not fail a turn
+            LOG.exception("could not update %s", SESSION_BYTES)
+
+
+# seconds; Dynamo's frontend histograms cover the same range (first token: prefill of a long turn; ITL: one step)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class LatencyHistograms:
+    """`mol2_time_to_first_token_seconds` (once per turn) and `mol2_inter_token_latency_seconds` (once per turn: its
+    mean gap between streamed tokens), the `Emitter`'s latency recorder, observed on the decoder's worker thread, the
+    one that sends the responses. Why once per turn and not per token: each observation is an IPC round trip from the
+    stub to the server, and a response per token already costs one (docs/load.md)."""
+
+    def __init__(self) -> None:
+        pb_utils = pb()
+        histogram = pb_utils.MetricFamily.HISTOGRAM
+        ttft = pb_utils.MetricFamily(name=TTFT_METRIC, kind=histogram,
+                                     description="from the turn's arrival at the mol2 ensemble (its preprocess step) to "
+                                                 "the response carrying its first token")
+        itl = pb_utils.MetricFamily(name=ITL_METRIC, kind=histogram,
+                                    description="a turn's mean time between its streamed tokens (first to last token "
+                                                "response, over the tokens after the first), once per turn")
+        self._families = (ttft, itl)  # a Metric is usable only while its MetricFamily object lives
+        self._ttft = ttft.Metric(labels={}, buckets=list(TTFT_BUCKETS))
+        self._itl = itl.Metric(labels={}, buckets=list(ITL_BUCKETS))
+
+    def first_token(self, seconds: float) -> None:
+        self._observe(self._ttft, seconds, TTFT_METRIC)
+
+    def inter_token(self, seconds: float) -> None:
+        self._observe(self._itl, seconds, ITL_METRIC)
+
+    @staticmethod
+    def _observe(metric: Any, seconds: float, name: str) -> None:
+        try:
+            metric.observe(seconds)
+        except Exception:  # noqa: BLE001 - monitoring must not fail a turn
+            LOG.exception("could not observe %s", name)

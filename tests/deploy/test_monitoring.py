@@ -40,6 +40,7 @@ from tests.deploy.checks import (
 )
 from tests.tiny import PROJECT_ROOT
 from tritonserver_backend.counters import DESCRIPTIONS
+from tritonserver_backend.triton_glue import GAUGE_METRICS, HISTOGRAM_METRICS, ITL_METRIC, TTFT_METRIC
 
 DASH: dict[str, Any] = json.loads(DASHBOARD.read_text())
 CONFIG: dict[str, Any] = load_yaml_documents(PROMETHEUS)[0]
@@ -79,7 +80,9 @@ def test_every_query_reads_one_scrape_job_and_project_counters_exist() -> None:
     jobs = {_job_of(q) for _, q in QUERIES}
     assert jobs == {"mol2-triton", "mol2-dynamo-frontend"}
     project = {s.name for _, q in QUERIES for s in q.selectors if s.name.startswith("mol2_")}
-    assert project and project <= {f"mol2_{n}" for n in DESCRIPTIONS}
+    exported = {f"mol2_{n}" for n in DESCRIPTIONS} | set(GAUGE_METRICS) | {f"{h}_bucket" for h in HISTOGRAM_METRICS}
+    assert project and project <= exported
+    assert set(GAUGE_METRICS) | {f"{h}_bucket" for h in HISTOGRAM_METRICS} | {"mol2_turns_refused"} <= project
 
 
 def test_the_query_check_notices_a_missing_metric_a_wrong_value_and_a_missing_label() -> None:
@@ -125,6 +128,7 @@ def test_the_scrape_config_finds_the_pods_and_adds_the_dashboards_labels() -> No
         "reason",
         "status",
         "error_type",
+        "store",
     }
     assert groupings <= scrape_config_added_labels(CONFIG, "mol2-triton")
 
@@ -194,9 +198,23 @@ def test_every_triton_metric_the_dashboard_queries_is_exposed_after_a_conversati
     triton = [(t, q) for t, q in QUERIES if _job_of(q) == "mol2-triton"]
     assert len(triton) >= 10
     assert [p for t, q in triton for p in query_problems(t, q, scrape, added)] == []
-    # the busy-refusal panel moved: refused turns count as failed ensemble requests
+    # refused turns count as failed ensemble requests, and as the encoder's refusals by reason (busy ones exactly)
     failed = sum(v for labels, v in sample_values(text, "nv_inference_request_failure") if labels["model"] == "mol2")
     assert failed >= len(busy)
+    refused = {labels["reason"]: v for labels, v in sample_values(text, "mol2_turns_refused")}
+    assert refused == {"busy": len(busy), "context_limit": 0}, refused
+    # every streamed turn with tokens observed its time to first token and (with two or more) its mean inter-token
+    # time: at least the three conversation turns, at most every turn that was not refused
+    served = len(turns) + 3 * (attempt + 1) - len(busy)
+    for histogram in (TTFT_METRIC, ITL_METRIC):
+        count = sum(v for _, v in sample_values(text, f"{histogram}_count"))
+        total = sum(v for _, v in sample_values(text, f"{histogram}_sum"))
+        print(f"{histogram}: {count:.0f} turns, mean {total / max(count, 1):.4f} s")
+        assert len(turns) <= count <= served, (histogram, count, served)
+    held = {labels["store"]: v for labels, v in sample_values(text, "mol2_session_bytes")}
+    budget = {labels["store"]: v for labels, v in sample_values(text, "mol2_session_budget_bytes")}
+    assert set(held) == set(budget) == {"encoder", "decoder"} and all(v > 0 for v in held.values()), held
+    assert all(v == float(parameters["session_budget_bytes"]) for v in budget.values()), budget
     # and the check fails for real on this scrape: a counter that nothing incremented is not exposed at all
     missing = parse_promql("sum by (adapter) (rate(mol2_routing_decisions_rejected[5m]))")
     assert query_problems("rejected", missing, scrape, added) == [

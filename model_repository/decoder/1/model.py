@@ -25,10 +25,17 @@ class TritonPythonModel:
         text = TextService(model_dir)
         service = DecoderService(glue.engine(args, params, model_dir), registry, text.tokenizer, counters,
                                  int(params["session_budget_bytes"]), int(params["max_context"]))
-        scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(), triton_decoder.Emitter(text, int(params.get("stream_interval", "1"))), triton_decoder.fail,
+        emitter = triton_decoder.Emitter(text, int(params.get("stream_interval", "1")), glue.LatencyHistograms())
+        scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(), emitter, triton_decoder.fail,
                                   int(params["max_active_turns"]), int(params.get("decode_lanes", "1")))
         self.scheduler = scheduler
-        self.worker = TurnWorker(lambda requests: triton_decoder.handle_requests(scheduler, requests), scheduler.iterate,
+        gauges = glue.SessionGauges("decoder", service.sessions)
+
+        def iterate():
+            scheduler.iterate()
+            gauges.update()  # on the worker thread, which owns every pb_utils object of this stub
+
+        self.worker = TurnWorker(lambda requests: triton_decoder.handle_requests(scheduler, requests), iterate,
                                  lambda: scheduler.idle)
 
     def execute(self, requests):

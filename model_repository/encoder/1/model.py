@@ -16,8 +16,10 @@ class TritonPythonModel:
         max_turns = int(params["max_active_turns"]) + int(params["max_queued_turns"])
         counters = Counters()
         glue.export_counters(counters, [k.ENCODED_TOKENS], label="kind")
+        glue.export_counters(counters, [k.TURNS_REFUSED], label="reason", known=k.REFUSAL_REASONS)
         self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]), int(params["max_context"]),
                                       int(params["prefill_chunk"]), max_turns, counters)
+        self.gauges = glue.SessionGauges("encoder", self.service.sessions)
 
     def execute(self, requests):
         responses = []
@@ -26,6 +28,7 @@ class TritonPythonModel:
                 responses.append(glue.response(self._serve(request)))
             except Exception as exc:  # noqa: BLE001 - one request's error never fails the others
                 responses.append(glue.error_response(exc))
+        self.gauges.update()
         return responses
 
     def _serve(self, request):

@@ -1,5 +1,7 @@
 """preprocess: user text -> the turn's token ids through the chat template (and history ids for a rebuild)."""
 
+import time
+
 import triton_python_backend_utils as pb_utils  # noqa: F401  (the stub provides it; glue uses it)
 
 from tritonserver_backend import contract as c
@@ -14,6 +16,7 @@ class TritonPythonModel:
         self.text = TextService(model_dir)
 
     def execute(self, requests):
+        arrival = time.time_ns()  # the turns' time-to-first-token starts here (the decoder observes it)
         responses = []
         for request in requests:
             try:
@@ -24,7 +27,7 @@ class TritonPythonModel:
                 self.registry.check_explicit(glue.read(request, c.ADAPTER, ""))
                 glue.sampling_params(request)  # bad sampling parameters fail here, before the turn is encoded
                 ids, prefix, start = self.text.preprocess(glue.read(request, c.TEXT_IN), bool(glue.read(request, c.NEW_SESSION, False)), glue.read(request, c.HISTORY, None))
-                responses.append(glue.response({c.TOKEN_IDS: ids, c.PREFIX_IDS: prefix, c.START: start}))
+                responses.append(glue.response({c.TOKEN_IDS: ids, c.PREFIX_IDS: prefix, c.START: start, c.ARRIVAL_NS: arrival}))
             except Exception as exc:  # noqa: BLE001 - one request's error never fails the others
                 responses.append(glue.error_response(exc))
         return responses
