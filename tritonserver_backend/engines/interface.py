@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.layout import StepLayout
 from build_engines.formats.config_file import load_config
+
+if TYPE_CHECKING:
+    from build_engines.export.engram_feed import EngramFeed
 
 BACKENDS = ("torch", "onnx", "trt")
 Arrays = dict[str, np.ndarray]
@@ -36,6 +39,9 @@ class StepEngine(ABC):
         """The checkpoint's Engram feed (hashes + rows gathered from its memory-mapped tables), opened on first use;
         None when the config has no Engram. The encoder step's `engram_rows_<layer>` inputs come from it."""
         if self._engram is None and self.layout.engram_layers:
+            # imported here: the feed hashes and dequantizes with torch, which an Engram-free onnx/trt stub never loads
+            from build_engines.export.engram_feed import EngramFeed
+
             self._engram = EngramFeed.open(self.model_dir, self.layout)
         return self._engram
 
