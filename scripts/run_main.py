@@ -51,17 +51,25 @@ def checkpoint_problem(model: Path) -> str | None:
         return f"{model} is not a checkpoint this system can load: {exc}"
     if not list(model.glob("*.safetensors")):
         return f"{model} holds no *.safetensors weights"
-    missing = [part for part in ("router", "adapters") if not (model / part).is_dir()]
-    if missing:
-        return (f"{model} has no {' and no '.join(p + '/' for p in missing)}: the served conversation routes between LoRA "
-                f"adapters (docs/pipeline.md says how the default's were trained)")
+    if not (model / "adapters").is_dir():
+        return (f"{model} has no adapters/: the served conversation routes between LoRA adapters (docs/pipeline.md says "
+                f"how the default's were trained; `python -m build_engines release-shaped --adapters` writes random ones "
+                f"for a release-shaped checkpoint)")
     return None
+
+
+def router_note(model: Path) -> str | None:
+    """What to say when `model` has no trained router head: serving then routes with a seeded random head."""
+    if (model / "router").is_dir():
+        return None
+    return (f"note: {model} has no router/ (a trained MoL2 head): turns are routed by a seeded random head, arbitrary "
+            f"but the same in every process; an explicit adapter still wins")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                   help="checkpoint directory: ours or a release directory (config.json + shards), with router/ and adapters/")
+                   help="checkpoint directory: ours or a release directory (config.json + shards), with adapters/ (and router/)")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "main")
     p.add_argument("--engines", type=Path, default=None,
                    help="ONNX engine directory, built or reused (default: artifacts/engines/<model directory name>)")
@@ -77,6 +85,9 @@ def main() -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    note = router_note(args.model)
+    if note:
+        print(note)
     if args.engines is None:
         args.engines = ROOT / "artifacts" / "engines" / args.model.resolve().name
     if args.work.exists():

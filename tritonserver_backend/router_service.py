@@ -7,7 +7,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from build_engines.data.tokenizer import ChatTokenizer
 from build_engines.export.pointer_step import option_inputs
@@ -22,6 +21,17 @@ from .registry import BASE_NAME, Registry
 UNLOADED = -1  # ADAPTER_HASH of a turn whose explicit adapter is not loaded: the decoder rejects it
 
 
+def token_embedding(model_dir: Path) -> torch.Tensor:
+    """`embed.weight` as fp32, read alone from whichever shard holds it (ours: model.safetensors; a release: its
+    index), dequantized as the loader does (bf16 in the release)."""
+    from build_engines.formats.checkpoint import CheckpointFiles, dequantize_one
+
+    files = CheckpointFiles(model_dir)
+    name = "embed.weight"
+    scale = files.scale_name(name)
+    return dequantize_one(name, files.get(name), files.get(scale) if scale in files else None, torch.float32)
+
+
 class RouterService:
     """The option side (descriptions through the token embedding, the head's option layers) is computed here once per
     adapter set; each request's pooled H19 is scored by the engine's pointer step (`mol2::PointerScore`)."""
@@ -32,8 +42,7 @@ class RouterService:
         self.registry = registry
         self.counters = counters or Counters()
         self.tokenizer = ChatTokenizer.load(model_dir)
-        with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-            self.embed = f.get_tensor("embed.weight").float()  # the option side sees the token embedding only
+        self.embed = token_embedding(model_dir)  # the option side sees the token embedding only
         self.head, self.trained = load_router_head(model_dir, self.embed.shape[1])
         self._options: OptionCache | None = None
         self._option_names: list[str] = []

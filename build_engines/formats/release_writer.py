@@ -2,6 +2,7 @@
 
     python -m build_engines release-shaped --out artifacts/release-shaped            # 40 layers, ~25 MB
     python -m build_engines release-shaped --out DIR --dim 512 --experts 64 --force   # a bigger one for memory figures
+    python -m build_engines release-shaped --out DIR --adapters                       # + random adapters, to serve it
 
 Why: the released DeepSeek-V4.1-Flash (~1.5 TB) cannot be downloaded or loaded here, yet everything that reads it (the
 config translation, the lazy loader, role-bounded builds, Engram, the chat format) must be exercised on exactly its
@@ -159,6 +160,29 @@ def write_release_shaped(out: Path, shape: ReleaseShape = ReleaseShape(), tokeni
     return out
 
 
+def write_random_adapters(model_dir: Path, rank: int = 8, seed: int = 0) -> list[Path]:
+    """Random LoRA adapters (PEFT layout) for `model_dir`'s decoder, one per default domain, named and described as
+    the default's (the router reads each `mol2_description`): what `main.sh --model` needs to serve a checkpoint that
+    has no trained adapters. Random like the weights they sit on: they exercise loading, stacking, routing and replay
+    on the release's layout; what they answer means nothing. Each targets every Linear an adapter may target."""
+    from build_engines.formats.config_file import load_config
+    from build_engines.lora import decoder_lora_modules, random_adapter_weights, save_adapter
+    from build_engines.model.network import DecoderEngine
+    from build_engines.routing.data import ADAPTER_DESCRIPTIONS
+
+    cfg = load_config(model_dir)
+    with torch.device("meta"):
+        decoder = DecoderEngine(cfg)
+    modules = decoder_lora_modules(cfg, decoder)
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for name, description in tqdm(ADAPTER_DESCRIPTIONS.items(), desc="random adapters", unit="adapter"):
+        weights = random_adapter_weights(modules, rank, std=0.02, generator=generator)
+        out.append(save_adapter(model_dir / "adapters" / name, weights, rank, 2.0 * rank, cfg.name,
+                                extra={"mol2_description": description}))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m build_engines release-shaped", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
@@ -168,11 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shards", type=int, default=ReleaseShape.shards)
     p.add_argument("--seed", type=int, default=ReleaseShape.seed)
     p.add_argument("--force", action="store_true", help="rewrite even when the directory holds this shape already")
+    p.add_argument("--adapters", action="store_true", help="also write random LoRA adapters (adapters/, the default's "
+                   "names and descriptions), so that `scripts/main.sh --model DIR` can serve it")
     args = p.parse_args(argv)
     shape = ReleaseShape(dim=args.dim, experts=args.experts, inter=args.inter, shards=args.shards, seed=args.seed)
     path = write_release_shaped(args.out, shape, force=args.force)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"release-shaped checkpoint in {path}: {size / 1e6:.1f} MB in {shape.shards} shards")
+    if args.adapters:
+        written = write_random_adapters(path, seed=args.seed)
+        print(f"random adapters: {', '.join(a.name for a in written)} in {path / 'adapters'}")
     return 0
 
 

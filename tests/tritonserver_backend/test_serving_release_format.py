@@ -1,0 +1,97 @@
+"""A checkpoint in the release's storage (fp8 32x32 blocks, packed fp4 experts, fp8 Engram tables with per-row scales)
+with Engram at layers 1 and 2 and the release's fp8 runtime fake-quant, built into ONNX engines and served by a real
+tritonserver: the encoder model gathers Engram rows from the memory-mapped shards for every prefill and decode step,
+and the served conversation is token for token the in-process pipeline's.
+
+Random weights, random adapters (`release_writer.write_random_adapters`) and no trained router: this checks that every
+part runs on the release's formats, not what the model says. One build (about a minute) for the module.
+"""
+
+from __future__ import annotations
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from build_engines.build.cli import main as build
+from build_engines.formats.checkpoint import CheckpointFiles, write_synthetic_release
+from build_engines.formats.release_writer import TOKENIZER_FILES, write_random_adapters
+from build_engines.model.engram import compressed_token_map_from_file, engram_table_rows
+from tests.conftest import EMBEDDED
+from tests.tiny import tiny_config
+
+pytestmark = pytest.mark.slow
+SEED = 7  # fixed: the build's parity check runs on this checkpoint (the fake-quant graphs are checked bit-level elsewhere)
+ENGRAM = dict(engram_layers=(1, 2), engram_vocab_size=97, engram_max_ngram=4, engram_n_heads=2, engram_head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from tritonserver_backend.launcher import TritonServer
+    from tritonserver_backend.repository import main as render
+
+    root = tmp_path_factory.mktemp("release_format")
+    model = root / "model"
+    model.mkdir()
+    for name in TOKENIZER_FILES:
+        shutil.copy2(EMBEDDED / name, model / name)
+    token_map = compressed_token_map_from_file(model / "tokenizer.json")
+    cfg = tiny_config(vocab_size=len(token_map), runtime_fake_quant=True, engram_compressed_vocab_size=int(token_map.max()) + 1,
+                      engram_num_embeddings=engram_table_rows(SimpleNamespace(**ENGRAM)), **ENGRAM)
+    write_synthetic_release(cfg, model, seed=SEED, shards=3, extras=False)
+    write_random_adapters(model, seed=SEED)
+    engines = root / "engines"
+    assert build(["--model", str(model), "--out", str(engines)]) == 0
+    repo = root / "repo"
+    render(["--out", str(repo), "--model-dir", str(model), "--registry-root", str(root / "registry"),
+            "--engine-dir", str(engines), "--max-context", "2048"])
+    server = TritonServer(work_dir=root / "server")
+    server.start(repo)
+    try:
+        server.wait_ready(300)
+        yield SimpleNamespace(server=server, model=model, cfg=cfg, engines=engines)
+    finally:
+        server.stop()
+
+
+def test_the_checkpoint_is_stored_as_released(served) -> None:  # type: ignore[no-untyped-def]
+    files = CheckpointFiles(served.model)
+    assert files.tensors["layers.2.engram.embed.weight"].dtype == "F8_E4M3"
+    assert files.tensors["layers.2.engram.embed.scale"].dtype == "F8_E8M0"
+    assert files.tensors["layers.1.attn.wq_a.weight"].dtype == "F8_E4M3"
+    assert files.tensors["layers.5.ffn.experts.0.w1.weight"].dtype == "I8"
+
+
+CONVERSATION = [("Hi! How was your day?", None), ("ls -la shows nothing", None), ("Make the header sticky.", "L3_design")]
+
+
+def test_a_conversation_is_served_as_the_in_process_pipeline_serves_it(served, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Three greedy turns (routed, routed, explicit adapter) through tritonserver on two sessions, and through the
+    in-process pipeline on the same engines: the same tokens everywhere, so the served encoder model (its Engram rows
+    gathered per prefill chunk and per decode step, its n-gram history kept across turns) computes what the library
+    computes, and two sessions never share state."""
+    from tritonserver_backend.client import GrpcChat, TurnRequest
+    from tritonserver_backend.pipeline import InProcessPipeline
+    from tritonserver_backend.registry_init import ensure_registry
+    from tritonserver_backend.sampling import SamplingParams
+
+    chat = GrpcChat(served.server.grpc_url)
+    try:
+        served_turns: dict[str, list[tuple[str, list[int]]]] = {}
+        for session in ("one", "two"):
+            served_turns[session] = []
+            for i, (text, adapter) in enumerate(CONVERSATION):
+                reply = chat.turn(TurnRequest(session, text, new_session=i == 0, adapter=adapter, max_tokens=6))
+                assert reply.error is None and reply.token_ids, reply.error
+                served_turns[session].append((reply.adapter, reply.token_ids))
+    finally:
+        chat.close()
+    assert served_turns["one"] == served_turns["two"]
+    assert served_turns["one"][2][0] == "L3_design"
+    ensure_registry(tmp_path / "registry", served.model)
+    pipe = InProcessPipeline(served.model, tmp_path / "registry", backend="onnx", engine_dir=served.engines)
+    local = [(r.adapter, r.token_ids) for r in (pipe.chat("local", text, adapter=adapter, new_session=i == 0,
+                                                          params=SamplingParams(max_tokens=6))
+                                                for i, (text, adapter) in enumerate(CONVERSATION))]
+    assert local == served_turns["one"]
