@@ -24,12 +24,9 @@ UNLOADED = -1  # ADAPTER_HASH of a turn whose explicit adapter is not loaded: th
 def token_embedding(model_dir: Path) -> torch.Tensor:
     """`embed.weight` as fp32, read alone from whichever shard holds it (ours: model.safetensors; a release: its
     index), dequantized as the loader does (bf16 in the release)."""
-    from build_engines.formats.checkpoint import CheckpointFiles, dequantize_one
+    from build_engines.formats.checkpoint import CheckpointFiles
 
-    files = CheckpointFiles(model_dir)
-    name = "embed.weight"
-    scale = files.scale_name(name)
-    return dequantize_one(name, files.get(name), files.get(scale) if scale in files else None, torch.float32)
+    return CheckpointFiles(model_dir).read_float("embed.weight")
 
 
 class RouterService:

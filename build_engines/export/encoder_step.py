@@ -32,7 +32,7 @@ from .common import (
     query_and_latent,
     visible,
 )
-from .graph_ops import DenseExperts, chunk_positions, rms_norm, select_top, window_ring_positions
+from .graph_ops import DenseExperts, chunk_positions, plus_eps, rms_norm, select_top, window_ring_positions
 
 
 @dataclass
@@ -108,7 +108,7 @@ class EncoderStep(StepModule):
         kv = plain_linear(rows.flatten(-2), f"layers.{layer}.engram.wkv", engram.wkv)  # (B, S, (hc + 1) * dim)
         key = kv[..., : hc * dim].unflatten(-1, (hc, dim))
         value = kv[..., hc * dim:].unsqueeze(-2)
-        rstd = torch.rsqrt(X.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+        rstd = torch.rsqrt(plus_eps(X.square().mean(-1), eps)) * torch.rsqrt(plus_eps(key.square().mean(-1), eps))
         dot = (X * (engram.q_weight.float() * engram.k_weight.float()) * key).sum(-1) * rstd * dim ** -0.5
         root = dot.abs().clamp_min(GATE_FLOOR).sqrt()
         # copysign(root, dot) without Sign/CopySign ops: 1 / dot < 0 is dot's sign bit, -0.0 included

@@ -74,10 +74,19 @@ def chunk_positions(start: torch.Tensor, length: int | torch.SymInt, like: torch
 # ----------------------------------------------------------------------------------------------- norms, selection
 
 
+def plus_eps(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x + eps that survives export. onnxscript's optimizer removes an `Add` of a scalar constant it takes for zero
+    (`math.isclose` with an absolute tolerance of 1e-8), so the release's norm_eps = 1e-20 vanished from every norm of
+    the exported graphs and an all-zero row (a replay's padding) became 0 / 0 = NaN (found building the
+    release-shaped checkpoint). As a one-element tensor the constant is not a scalar, that rule does not match, and
+    the sum is bit for bit the scalar one."""
+    return x + torch.full((1,), eps, dtype=x.dtype, device=x.device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm written as x / sqrt(mean(x^2) + eps) * w: onnxruntime fuses exactly this pattern into one node."""
     xf = x.float()
-    y = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = xf / torch.sqrt(plus_eps(xf.pow(2).mean(-1, keepdim=True), eps))
     return y if weight is None else weight.float() * y
 
 
@@ -275,7 +284,7 @@ class DenseExperts:
         scores = torch.sqrt(F.softplus(x.float() @ self.gate_weight.t()))
         idx = torch.topk(scores + self.gate_bias, self.topk, dim=-1).indices
         picked = scores.gather(-1, idx)
-        picked = picked / (picked.sum(-1, keepdim=True) + 1e-20) * self.route_scale
+        picked = picked / plus_eps(picked.sum(-1, keepdim=True), 1e-20) * self.route_scale
         routed = torch.zeros_like(scores).scatter(-1, idx, picked)
         return torch.cat((routed, torch.ones_like(scores[..., :1])), -1)
 

@@ -35,6 +35,17 @@ WEIGHTS_FILE = "model.safetensors"
 SCALE_SUFFIX = ".scale"
 
 
+def scale_name_of(name: str) -> str:
+    """The release's name for a tensor's block scales: `<module>.scale` beside `<module>.weight` (else `<name>.scale`)."""
+    return name[: -len(".weight")] + SCALE_SUFFIX if name.endswith(".weight") else name + SCALE_SUFFIX
+
+
+def is_orphan_scale(name: str, present: set[str] | dict) -> bool:  # type: ignore[type-arg]
+    """A `.scale` tensor with no weight beside it (neither `<module>` nor `<module>.weight`)."""
+    owner = name[: -len(SCALE_SUFFIX)]
+    return name.endswith(SCALE_SUFFIX) and owner not in present and owner + ".weight" not in present
+
+
 def save_checkpoint(net: CEDNetwork, directory: str | Path) -> Path:
     """Write config.json + model.safetensors (contiguous fp32/bf16 tensors under the released names)."""
     directory = Path(directory)
@@ -138,7 +149,12 @@ class CheckpointFiles:
         return self._open[stored.shard].get_tensor(name)
 
     def scale_name(self, name: str) -> str:
-        return name[: -len(".weight")] + SCALE_SUFFIX if name.endswith(".weight") else name + SCALE_SUFFIX
+        return scale_name_of(name)
+
+    def read_float(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One tensor as plain floats: read with its scale (when it has one) and dequantized, nothing else read."""
+        scale = scale_name_of(name)
+        return dequantize_one(name, self.get(name), self.get(scale) if scale in self.tensors else None, dtype)
 
     def bytes_of(self, names: Iterable[str]) -> int:
         """Stored bytes of these parameters, their scale tensors included."""
@@ -158,7 +174,7 @@ def read_raw_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
 
 def dequantize_one(name: str, tensor: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """One stored tensor as plain floats: fp8 blocks and packed fp4 use their scale, floats are cast."""
-    scale_name = name[: -len(".weight")] + SCALE_SUFFIX if name.endswith(".weight") else name + SCALE_SUFFIX
+    scale_name = scale_name_of(name)
     try:
         if tensor.dtype == torch.float8_e4m3fn:
             if scale is None:
@@ -188,14 +204,13 @@ def dequantize_tensors(raw: dict[str, torch.Tensor], dtype: torch.dtype = torch.
     skipped: list[str] = []
     for name, tensor in raw.items():
         if name.endswith(SCALE_SUFFIX):
-            if name[: -len(SCALE_SUFFIX)] not in raw and name[: -len(SCALE_SUFFIX)] + ".weight" not in raw:
+            if is_orphan_scale(name, raw):
                 raise CheckpointError(f"scale tensor {name!r} has no weight beside it")
             continue
         if is_optional_extra(name):
             skipped.append(name)
             continue
-        scale_name = name[: -len(".weight")] + SCALE_SUFFIX if name.endswith(".weight") else name + SCALE_SUFFIX
-        out[name] = dequantize_one(name, tensor, raw.get(scale_name), dtype)
+        out[name] = dequantize_one(name, tensor, raw.get(scale_name_of(name)), dtype)
     return out, skipped
 
 
@@ -268,7 +283,7 @@ def _audit_names(files: CheckpointFiles, cfg: CEDConfig) -> None:
     if missing:
         problems.append(f"missing tensors {missing[:10]}{' ...' if len(missing) > 10 else ''} ({len(missing)} in all)")
     scales = {n for n in present if n.endswith(SCALE_SUFFIX)}
-    orphans = sorted(s for s in scales if s[: -len(SCALE_SUFFIX)] not in present and s[: -len(SCALE_SUFFIX)] + ".weight" not in present)
+    orphans = sorted(s for s in scales if is_orphan_scale(s, present))
     if orphans:
         problems.append(f"scale tensors {orphans[:5]} have no weight beside them")
     unexpected = sorted(n for n in present - expected - scales if not is_optional_extra(n))
@@ -294,8 +309,7 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
     problems = []
     with torch.no_grad():
         for name, target in net.state_dict().items():
-            scale_name = files.scale_name(name)
-            tensor = dequantize_one(name, files.get(name), files.get(scale_name) if scale_name in files else None, dtype)
+            tensor = files.read_float(name, dtype)
             problem = _check_one(name, tensor, tuple(target.shape))
             if problem:
                 problems.append(problem)
@@ -321,6 +335,22 @@ def _install_engram_token_map(net: nn.Module, cfg: CEDConfig, directory: Path) -
         raise CheckpointError(f"{directory / 'tokenizer.json'}: {exc}") from exc
 
 
+def stored_as_released(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One parameter in the release's storage (`release_format.storage_of`): the stored tensor, and its scale under
+    the release's name when it has one (fp8 32x32 blocks; Engram tables per 32 along each row; packed fp4)."""
+    t = tensor.detach().float()
+    storage = storage_of(name)
+    if storage in (Storage.FP8_BLOCKS, Storage.FP8_ROWS):
+        q, scale = quantize_fp8_blocks(t, block=(1, 32) if storage is Storage.FP8_ROWS else (32, 32))
+        return {name: q, scale_name_of(name): scale}
+    if storage is Storage.FP4_PACKED:
+        q, scale = quantize_fp4_packed(t)
+        return {name: q, scale_name_of(name): scale}
+    if storage is Storage.F32:
+        return {name: t.contiguous()}
+    return {name: t.to(torch.bfloat16).contiguous()}
+
+
 def write_synthetic_release(cfg: CEDConfig, directory: str | Path, seed: int = 0, shards: int = 2, extras: bool = True) -> Path:
     """A random checkpoint in the release's naming and storage dtypes (for tests at reduced width).
 
@@ -335,17 +365,7 @@ def write_synthetic_release(cfg: CEDConfig, directory: str | Path, seed: int = 0
     init_weights(net)
     stored: dict[str, torch.Tensor] = {}
     for name, tensor in net.state_dict().items():
-        t = tensor.detach().float()
-        storage = storage_of(name)
-        if storage in (Storage.FP8_BLOCKS, Storage.FP8_ROWS):
-            block = (1, 32) if storage is Storage.FP8_ROWS else (32, 32)
-            stored[name], stored[name[: -len(".weight")] + SCALE_SUFFIX] = quantize_fp8_blocks(t, block=block)
-        elif storage is Storage.FP4_PACKED:
-            stored[name], stored[name[: -len(".weight")] + SCALE_SUFFIX] = quantize_fp4_packed(t)
-        elif storage is Storage.F32:
-            stored[name] = t.contiguous()
-        else:
-            stored[name] = t.to(torch.bfloat16).contiguous()
+        stored.update(stored_as_released(name, tensor))
     if extras:
         stored["mtp.0.norm.weight"] = torch.ones(cfg.dim, dtype=torch.bfloat16)
         stored["layers.1.engram.q_weight"] = torch.zeros(cfg.hc_mult, cfg.dim, dtype=torch.bfloat16)

@@ -28,15 +28,13 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from build_engines.formats.quant_formats import quantize_fp4_packed, quantize_fp8_blocks
+from build_engines.formats.checkpoint import stored_as_released
 from build_engines.formats.release_config import ReleaseExtras, to_release_dict
-from build_engines.formats.release_format import Storage, storage_of
 from build_engines.model.config import CEDConfig, get_preset
 from build_engines.model.network import Block, CEDNetwork, init_weights
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "embedded" / "mol2-small"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-SCALE_SUFFIX = ".scale"
 STAMP = "release_shaped.json"
 
 
@@ -74,21 +72,6 @@ def release_shaped_config(shape: ReleaseShape, vocab_size: int, compressed_vocab
         "dspark_n_activated_experts": 3, "vision_n_layers": 0,
     })
     return cfg, extras
-
-
-def _stored(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """One parameter in the release's storage: the weight (and its scale) under the release's names."""
-    t = tensor.detach().float()
-    storage = storage_of(name)
-    if storage in (Storage.FP8_BLOCKS, Storage.FP8_ROWS):  # a table has one ue8m0 scale per 32 along each row
-        q, s = quantize_fp8_blocks(t, block=(1, 32) if storage is Storage.FP8_ROWS else (32, 32))
-        return {name: q, name[: -len(".weight")] + SCALE_SUFFIX: s}
-    if storage is Storage.FP4_PACKED:
-        q, s = quantize_fp4_packed(t)
-        return {name: q, name[: -len(".weight")] + SCALE_SUFFIX: s}
-    if storage is Storage.F32:
-        return {name: t.contiguous()}
-    return {name: t.to(torch.bfloat16).contiguous()}
 
 
 def dspark_tensors(cfg: CEDConfig, extras: ReleaseExtras) -> dict[str, torch.Tensor]:
@@ -144,7 +127,7 @@ def write_release_shaped(out: Path, shape: ReleaseShape = ReleaseShape(), tokeni
     params.update(dspark_tensors(cfg, extras))
     stored: dict[str, torch.Tensor] = {}
     for name in tqdm(sorted(params), desc="quantizing as released", unit="tensor", mininterval=5):
-        stored.update(_stored(name, params.pop(name)))
+        stored.update(stored_as_released(name, params.pop(name)))
     names = sorted(stored)
     per_shard = -(-len(names) // shape.shards)
     weight_map: dict[str, str] = {}
