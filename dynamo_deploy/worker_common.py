@@ -62,16 +62,15 @@ class WorkerSettings:
         return f"{self.role}-{self.index}"
 
 
-def discovery_env(run_dir: Path) -> dict[str, str]:
-    """Dynamo with no external services: discovery in files under the run folder, TCP requests, ZMQ events."""
-    return {"DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(run_dir / "discovery"), "DYN_REQUEST_PLANE": "tcp",
-            "DYN_EVENT_PLANE": "zmq", "DYN_LOG": os.environ.get("DYN_LOG", "warn")}
-
-
 # what Dynamo's DistributedRuntime accepts for each transport (its own documentation of the constructor)
 RUNTIME_CHOICES = {"DYN_DISCOVERY_BACKEND": ("file", "etcd", "kubernetes", "mem"), "DYN_REQUEST_PLANE": ("tcp", "nats"),
                    "DYN_EVENT_PLANE": ("zmq", "nats")}
 RUNTIME_DEFAULTS = {"DYN_DISCOVERY_BACKEND": "file", "DYN_REQUEST_PLANE": "tcp", "DYN_EVENT_PLANE": "zmq"}
+
+
+def discovery_env(run_dir: Path) -> dict[str, str]:
+    """Dynamo with no external services: discovery in files under the run folder, TCP requests, ZMQ events."""
+    return {**RUNTIME_DEFAULTS, "DYN_FILE_KV": str(run_dir / "discovery"), "DYN_LOG": os.environ.get("DYN_LOG", "warn")}
 
 
 def runtime_transports(env: dict[str, str] | None = None) -> tuple[str, str, str]:

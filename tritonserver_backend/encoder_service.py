@@ -39,6 +39,9 @@ class EncoderService:
         """`max_turns` bounds the turns in flight (active + queued at the decoder); 0 = no bound. `counters` count the
         tokens encoded (what shows that a continued conversation encodes only its new turn)."""
         self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
+        # opened now, not at the first turn: the token map is a pass over the vocabulary, and a checkpoint without its
+        # Engram tables should fail at start-up
+        self.engram = engine.engram
         self.max_context, self.prefill_chunk, self.max_turns = max_context, prefill_chunk, max_turns
         self.sessions: SessionStore[EncoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
         self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked state, kept between its steps
@@ -92,7 +95,7 @@ class EncoderService:
         return h19.astype(np.float32), handover
 
     def _prefill(self, row: EncoderRow, ids: np.ndarray) -> Handover:
-        out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None], engram=self.engine.engram))
+        out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None], engram=self.engram))
         absorb_encoder(self.layout, [row], out, ids.size, ids[None])
         return {k: out[k][0] for k in HANDOVER_KEYS + ("h19",)}
 
@@ -115,7 +118,7 @@ class EncoderService:
             raise BadRequest(f"sessions {over} would pass the {self.max_context}-token context limit")
         starts = [r.position for r in rows]
         tokens = tokens.astype(np.int64)
-        out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens, self.arena, self.engine.engram))
+        out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens, self.arena, self.engram))
         absorb_encoder(self.layout, rows, out, tokens.shape[1], tokens)
         # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
         self._uncounted_steps += int(tokens.size)

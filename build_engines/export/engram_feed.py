@@ -19,11 +19,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from build_engines.formats.checkpoint import CheckpointFiles, StoredTensor
+from build_engines.formats.checkpoint import CheckpointFiles, StoredTensor, directory_token_map
 from build_engines.formats.config_file import CheckpointError
 from build_engines.formats.quant_formats import dequantize_fp8_blocks
-from build_engines.model.config import CEDConfig
-from build_engines.model.engram import NO_TOKEN, EngramHasher, engram_token_map, placeholder_token_map
+from build_engines.model.engram import NO_TOKEN, EngramHasher, placeholder_token_map
 
 from .layout import StepLayout
 
@@ -121,7 +120,8 @@ class EngramFeed:
                 raise CheckpointError(f"{model_dir}: the config has Engram at layer {layer} but the checkpoint has no {name!r}")
             scale = files.tensors.get(files.scale_name(name))
             tables[layer] = MappedTable(files.tensors[name], scale)
-        return cls(layout, _token_map(cfg, Path(model_dir)), tables)
+        token_map = directory_token_map(cfg, Path(model_dir))
+        return cls(layout, placeholder_token_map(cfg) if token_map is None else token_map, tables)
 
     @classmethod
     def of_network(cls, layout: StepLayout, engine: torch.nn.Module) -> "EngramFeed | None":
@@ -150,14 +150,3 @@ class EngramFeed:
         cols, width = self.layout.engram_cols, self.layout.cfg.engram_head_dim
         return {"read": sum(cols * t.stored_bytes_per_row() for t in self.tables.values()),
                 "fed": len(self.tables) * cols * width * 4}
-
-
-def _token_map(cfg: CEDConfig, model_dir: Path) -> torch.Tensor:
-    tokenizer = model_dir / "tokenizer.json"
-    if not tokenizer.exists():
-        return placeholder_token_map(cfg)
-    try:
-        return engram_token_map(cfg, tokenizer)
-    except ValueError as exc:
-        raise CheckpointError(f"{tokenizer}: {exc}") from exc
-

@@ -322,17 +322,31 @@ def load_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32, d
     return net.eval()
 
 
-def _install_engram_token_map(net: nn.Module, cfg: CEDConfig, directory: Path) -> None:
-    """Engram hashes compressed token ids: the map comes from the model directory's tokenizer (the release ships no
-    tensor for it). Without a tokenizer.json the network keeps its placeholder map (our own test checkpoints)."""
-    if not cfg.engram_layers or not hasattr(net, "set_engram_token_map") or not (directory / "tokenizer.json").exists():
-        return
+def directory_token_map(cfg: CEDConfig, directory: Path) -> torch.Tensor | None:
+    """Engram's compressed token map from the model directory's tokenizer.json (the release ships no tensor for it),
+    checked against the config; None without a tokenizer.json (our own test checkpoints: the placeholder map)."""
+    tokenizer = Path(directory) / "tokenizer.json"
+    if not tokenizer.exists():
+        return None
     from build_engines.model.engram import engram_token_map
 
     try:
-        net.set_engram_token_map(engram_token_map(cfg, directory / "tokenizer.json"))
+        return engram_token_map(cfg, tokenizer)
     except ValueError as exc:
-        raise CheckpointError(f"{directory / 'tokenizer.json'}: {exc}") from exc
+        raise CheckpointError(f"{tokenizer}: {exc}") from exc
+
+
+def _install_engram_token_map(net: nn.Module, cfg: CEDConfig, directory: Path) -> None:
+    """Engram hashes compressed token ids: install the directory's map (`directory_token_map`); without one the
+    network keeps its placeholder map."""
+    if not cfg.engram_layers or not hasattr(net, "set_engram_token_map"):
+        return
+    token_map = directory_token_map(cfg, directory)
+    if token_map is not None:
+        try:
+            net.set_engram_token_map(token_map)
+        except ValueError as exc:
+            raise CheckpointError(f"{directory / 'tokenizer.json'}: {exc}") from exc
 
 
 def stored_as_released(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -17,13 +17,12 @@ import pytest
 from build_engines.build.cli import main as build
 from build_engines.formats.checkpoint import CheckpointFiles, write_synthetic_release
 from build_engines.formats.release_writer import TOKENIZER_FILES, write_random_adapters
-from build_engines.model.engram import compressed_token_map_from_file, engram_table_rows
+from build_engines.model.engram import compressed_token_map_from_file
+from tests.build_engines.model.test_engram import engram_config
 from tests.conftest import EMBEDDED
-from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.slow
 SEED = 7  # fixed: the build's parity check runs on this checkpoint (the fake-quant graphs are checked bit-level elsewhere)
-ENGRAM = dict(engram_layers=(1, 2), engram_vocab_size=97, engram_max_ngram=4, engram_n_heads=2, engram_head_dim=32)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +36,7 @@ def served(tmp_path_factory):  # type: ignore[no-untyped-def]
     for name in TOKENIZER_FILES:
         shutil.copy2(EMBEDDED / name, model / name)
     token_map = compressed_token_map_from_file(model / "tokenizer.json")
-    cfg = tiny_config(vocab_size=len(token_map), runtime_fake_quant=True, engram_compressed_vocab_size=int(token_map.max()) + 1,
-                      engram_num_embeddings=engram_table_rows(SimpleNamespace(**ENGRAM)), **ENGRAM)
+    cfg = engram_config(vocab_size=len(token_map), runtime_fake_quant=True, engram_compressed_vocab_size=int(token_map.max()) + 1)
     write_synthetic_release(cfg, model, seed=SEED, shards=3, extras=False)
     write_random_adapters(model, seed=SEED)
     engines = root / "engines"

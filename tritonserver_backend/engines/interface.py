@@ -36,8 +36,8 @@ class StepEngine(ABC):
 
     @property
     def engram(self) -> "EngramFeed | None":
-        """The checkpoint's Engram feed (hashes + rows gathered from its memory-mapped tables), opened on first use;
-        None when the config has no Engram. The encoder step's `engram_rows_<layer>` inputs come from it."""
+        """The checkpoint's Engram feed (hashes + rows gathered from its memory-mapped tables), opened on first use, so
+        that only a process that encodes pays for it (`EncoderService` asks at start-up); None without Engram."""
         if self._engram is None and self.layout.engram_layers:
             # imported here: the feed hashes and dequantizes with torch, which an Engram-free onnx/trt stub never loads
             from build_engines.export.engram_feed import EngramFeed
