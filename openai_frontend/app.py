@@ -1,4 +1,5 @@
-"""The FastAPI application: `/v1/chat/completions`, `/v1/models`, `/health`, errors in the OpenAI format.
+"""The FastAPI application: `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/health`, errors in the
+OpenAI format, and with an API key every route but `/health` behind `Authorization: Bearer <key>`.
 
 Streaming answers are server-sent events of `chat.completion.chunk` objects ending with `data: [DONE]`. The first
 token is awaited before the response starts, so an error before the reply (bad parameter, unknown adapter, busy
@@ -8,6 +9,7 @@ every chunk. An error after the reply started is sent as an `error` event (the s
 
 from __future__ import annotations
 
+import hmac
 import json
 import time
 from contextlib import asynccontextmanager
@@ -19,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import responses as r
 from .errors import APIError, unavailable
-from .schemas import ChatRequest
+from .schemas import ChatRequest, TokenizeRequest, detokenize_request
 from .service import Answer, ChatService
 
 ADAPTER_HEADER = "x-mol2-adapter"
@@ -35,7 +37,10 @@ def _headers(answer: Answer) -> dict[str, str]:
     return {ADAPTER_HEADER: answer.adapter, REUSED_HEADER: "true" if answer.reused else "false", CACHED_HEADER: str(answer.cached_tokens)}
 
 
-def create_app(service: ChatService) -> FastAPI:
+def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
+    """`api_key`: when set, every route but `/health` needs `Authorization: Bearer <api_key>` (vLLM's `--api-key`),
+    compared in constant time so response timing does not reveal how much of a guess was right."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
@@ -50,6 +55,18 @@ def create_app(service: ChatService) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(exc.status_code, str(exc.detail), "invalid_request_error").body(), status_code=exc.status_code)
+
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):  # type: ignore[no-untyped-def]
+            given = request.headers.get("authorization", "").encode("latin-1", "replace")
+            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+                error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                 "invalid_request_error", "invalid_api_key")
+                return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -67,6 +84,19 @@ def create_app(service: ChatService) -> FastAPI:
         if model_id not in known:
             raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model_not_found", "model")
         return JSONResponse(r.model_card(model_id, int(time.time())))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        """vLLM's `/tokenize`: a `prompt` as plain text, or `messages` rendered in the model's chat format."""
+        body = TokenizeRequest.parse(await request.body())
+        tokens = service.tokenizer.encode(body.prompt) if body.messages is None else service.tokenizer.chat(
+            body.messages, add_generation_prompt=body.add_generation_prompt)
+        return JSONResponse({"count": len(tokens), "max_model_len": service.max_model_len, "tokens": tokens})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        tokens = detokenize_request(await request.body(), service.tokenizer.vocab_size)
+        return JSONResponse({"prompt": service.tokenizer.decode(tokens, skip_special=False)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUDGET = 2 << 30  # the server's session_budget_bytes default (tritonserver_backend.repository)
+DEFAULT_MAX_CONTEXT = 8192  # the server's max_context default (tritonserver_backend.repository)
+API_KEY_ENV = "MOL2_API_KEY"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,6 +23,11 @@ def parser() -> argparse.ArgumentParser:
                    help="the served model's folder: its tokenizer counts prompt tokens, its config sizes sessions")
     p.add_argument("--cache-budget-bytes", type=int, default=DEFAULT_BUDGET,
                    help="bound of the conversation-prefix cache, in server session bytes (use the server's session_budget_bytes)")
+    p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_CONTEXT,
+                   help="the server's max_context, as /tokenize reports it")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV}; "
+                        "unset: no authentication)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -36,7 +44,7 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     cache = PrefixCache(args.cache_budget_bytes, SessionCost.of_model(args.model_dir))
     tokenizer = ChatTokenizer.load(args.model_dir)
     tokenizer.chat_format  # noqa: B018 - prompts are counted in the directory's chat format: none fails at start, not per request
-    return create_app(ChatService(TritonStream(args.triton_url), tokenizer, cache))
+    return create_app(ChatService(TritonStream(args.triton_url), tokenizer, cache, args.max_model_len), args.api_key)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     app = build(args)
-    print(f"OpenAI frontend on http://{args.host}:{args.port}/v1 -> tritonserver gRPC {args.triton_url}", flush=True)
+    auth = "API key required" if args.api_key else "no API key (any Authorization is accepted)"
+    print(f"OpenAI frontend on http://{args.host}:{args.port}/v1 -> tritonserver gRPC {args.triton_url}; {auth}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio")  # grpc.aio needs asyncio's loop
     return 0

@@ -1,19 +1,19 @@
 """The `POST /v1/chat/completions` body: pydantic checks the types, `ChatRequest.parse` the meaning.
 
-Unknown fields are ignored (as OpenAI-compatible servers do: clients send `user`, `metadata`, ...); features this
-server cannot honour (`n` > 1, tools, log-probabilities, non-text content) are refused with a 400 naming the field
-instead of being silently dropped.
+Nothing is silently dropped: `parameters.check` refuses, with a 400 naming it, every parameter the server does not
+honour (`n` > 1, tools, log-probabilities, `response_format`, `top_k`, ... and any key it does not know), and
+non-text content is refused the same way.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
-from . import model_ids
+from . import model_ids, parameters
 from .errors import APIError, bad_request
 
 MAX_TOKENS_LIMIT = 4096  # tritonserver_backend.sampling.MAX_TOKENS_LIMIT (not imported: it pulls torch)
@@ -50,11 +50,9 @@ class ChatBody(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # extension (vLLM, TensorRT-LLM have it too)
-    logprobs: bool | None = None
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
 
 
+B = TypeVar("B", bound=BaseModel)
 Message = tuple[str, str]  # (role, content) with roles normalised to system / user / assistant
 
 
@@ -85,28 +83,14 @@ class ChatRequest:
 
     @classmethod
     def parse(cls, raw: bytes) -> "ChatRequest":
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise bad_request("the request body must be a JSON object")
-        try:
-            body = ChatBody.model_validate(data)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise bad_request(f"{where}: {first['msg']}", param=where) from None
-        return cls.from_body(body)
+        data = _json_object(raw)
+        parameters.check(data)
+        return cls.from_body(_validate(ChatBody, data))
 
     @classmethod
     def from_body(cls, body: ChatBody) -> "ChatRequest":
         if body.n != 1:
             raise bad_request("only n=1 is supported", "n")
-        if body.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
-        if body.tools or body.functions:
-            raise bad_request("tools and function calling are not supported", "tools")
         try:
             adapter = model_ids.parse(body.model)
         except ValueError:
@@ -132,3 +116,64 @@ def _message(i: int, m: MessageIn) -> Message:
         raise bad_request(f"messages[{i}].content is missing", f"messages.{i}.content")
     text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
     return role, text
+
+
+class TokenizeBody(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[MessageIn] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's; plain text gets no special tokens here either way
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """`POST /tokenize` (vLLM's shape): exactly one of `prompt` (plain text) or `messages` (the chat format)."""
+
+    prompt: str
+    messages: list | None  # Message tuples for the chat format, or None for plain text
+    add_generation_prompt: bool
+
+    @classmethod
+    def parse(cls, raw: bytes) -> "TokenizeRequest":
+        from build_engines.data.tokenizer import Message as ChatMessage
+
+        body = _validate(TokenizeBody, _json_object(raw))
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of prompt (plain text) or messages (rendered in the chat format)", "prompt")
+        if body.add_special_tokens:
+            raise bad_request("add_special_tokens is not supported: plain text never gets control tokens here "
+                              "(send messages to get the chat format's)", "add_special_tokens")
+        messages = None if body.messages is None else [ChatMessage(*_message(i, m)) for i, m in enumerate(body.messages)]
+        return cls(body.prompt or "", messages, body.add_generation_prompt)
+
+
+def detokenize_request(raw: bytes, vocab_size: int) -> list[int]:
+    """`POST /detokenize` {"tokens": [...]}: the ids, each checked against the vocabulary."""
+    tokens = _json_object(raw).get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request("tokens must be a list of integer token ids", "tokens")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "tokens")
+    return tokens
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    return data
+
+
+def _validate(model: type[B], data: dict) -> B:
+    """pydantic's check, its first complaint as a 400 naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"{where}: {first['msg']}", param=where) from None

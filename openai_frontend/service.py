@@ -87,8 +87,10 @@ class Answer:
 
 
 class ChatService:
-    def __init__(self, stream: TritonStream, tokenizer: ChatTokenizer, cache: PrefixCache) -> None:
+    def __init__(self, stream: TritonStream, tokenizer: ChatTokenizer, cache: PrefixCache, max_model_len: int = 8192) -> None:
+        """`max_model_len`: the server's max_context (what /tokenize reports)."""
         self.stream, self.tokenizer, self.cache = stream, tokenizer, cache
+        self.max_model_len = max_model_len
         self._adapters: list[str] = []
         self._adapters_at = 0.0
         self.reused = self.rebuilt = self.started = 0

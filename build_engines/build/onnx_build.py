@@ -18,9 +18,10 @@ from tqdm import tqdm
 from build_engines.export.decoder_step import DecoderStep
 from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.engram_feed import EngramFeed
+from build_engines.export.graph_rounding import FollowGraphRounding, RoundingMismatch, write_tapped_graph
 from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import export_module, export_sizes
-from build_engines.export.parity import decoder_case, encoder_case, max_difference, torch_runner
+from build_engines.export.parity import Runner, decoder_case, encoder_case, max_difference, torch_runner
 from build_engines.export.pointer_step import PointerStep, option_inputs
 from build_engines.formats.checkpoint import load_checkpoint
 from build_engines.model.network import DecoderEngine, EncoderEngine
@@ -117,27 +118,54 @@ def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], d
             bar.update()
     graphs = {name: graphs[name] for name in GRAPH_FILES}
     tqdm.write("checking each graph against its module (onnxruntime CPU)")
+    rounding: dict[str, dict[str, int]] = {}
     parity = check_parity(out, layout, modules["encoder"][0], modules["decoder"][0], modules["pointer"][0], head,
-                          EngramFeed.open(model_dir, layout))
+                          EngramFeed.open(model_dir, layout), rounding)
     worst = {name: max(d.values()) for name, d in parity.items()}
     if any(v > PARITY_BOUND for v in worst.values()):
         raise ParityError(f"exported graphs differ from their modules beyond {PARITY_BOUND}: {parity}")
+    for name, figures in rounding.items():
+        if figures["roundings"]:
+            graphs[name]["parity_fake_quant_rounding"] = figures
     return graphs, parity
 
 
+def compare_following_rounding(module: Runner, path: Path, feed: dict[str, np.ndarray], what: str,
+                               rounding: dict[str, dict[str, int]]) -> dict[str, float]:
+    """Max difference per output between the graph at `path` and its module on `feed`, the module taking the graph's
+    side of fake-quant rounding ties (graph_rounding); a graph without fake-quant is compared as it is."""
+    tapped = path.with_name(f".{path.stem}.rounding.onnx")
+    try:
+        names = write_tapped_graph(path, tapped)
+        got = ort_runner(tapped if names else path)(feed)
+    finally:
+        tapped.unlink(missing_ok=True)
+    follow = FollowGraphRounding([got.pop(n) for n in names])
+    with follow.patched():
+        want = module(feed)
+    try:
+        follow.check(what)
+    except RoundingMismatch as e:
+        raise ParityError(str(e)) from e
+    rounding[what] = follow.figures()
+    return max_difference(want, got)
+
+
 def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: DecoderStep, pointer: PointerStep,
-                 head: torch.nn.Module, engram: EngramFeed | None = None) -> dict[str, dict[str, float]]:
-    """`engram`: the checkpoint's Engram feed (rows from its memory-mapped tables), needed when the config has Engram."""
+                 head: torch.nn.Module, engram: EngramFeed | None = None,
+                 rounding: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, float]]:
+    """`engram`: the checkpoint's Engram feed (rows from its memory-mapped tables), needed when the config has Engram.
+    `rounding` receives, per graph, how many fake-quant roundings were compared and how many ties were followed."""
     cfg = layout.cfg
+    rounding = {} if rounding is None else rounding
     enc_t = torch_runner(encoder, layout.encoder_inputs(), layout.encoder_outputs())
-    enc_o = ort_runner(out / GRAPH_FILES["encoder"])
     case = encoder_case(layout, enc_t, (37, 6), seed=0, engram=engram)
-    result = {"encoder": max_difference(enc_t(case), enc_o(case))}
+    result = {"encoder": compare_following_rounding(enc_t, out / GRAPH_FILES["encoder"], case, "encoder", rounding)}
     # two sessions replayed in one batch under two different adapter slots (random adapters: no checkpoint needed)
     feed = decoder_case(layout, enc_t, 30, seed=1, slots=[1, 2], engram=engram)
     feed.update(random_bank(layout, slots=3, rank=4))
     dec_t = torch_runner(decoder, layout.decoder_inputs(), layout.decoder_outputs())
-    result["decoder"] = max_difference(dec_t(feed), ort_runner(out / GRAPH_FILES["decoder"])(feed))
+    result["decoder"] = compare_following_rounding(dec_t, out / GRAPH_FILES["decoder"], feed, "decoder", rounding)
     generator = torch.Generator().manual_seed(2)
     options = head.encode_options([torch.randn(7, cfg.dim, generator=generator), torch.randn(4, cfg.dim, generator=generator)])
     pfeed = {k: v.detach().numpy() for k, v in option_inputs(options).items()}

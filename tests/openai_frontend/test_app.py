@@ -173,6 +173,10 @@ def test_bad_requests_get_openai_errors_and_lose_nothing(client, frontend) -> No
         (dict(model="mol2", messages=[{"role": "assistant", "content": "hello"}]), openai.BadRequestError, None),
         (dict(model="mol2", messages=[]), openai.BadRequestError, None),
         (dict(model="mol2", messages=[{"role": "tool", "content": "x"}]), openai.BadRequestError, None),
+        # parameters the server does not honour are refused by name, never silently dropped
+        (dict(model="mol2", messages=user, response_format={"type": "json_object"}), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, logit_bias={"5": 10}), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, extra_body={"top_k": 4, "min_p": 0.1}), openai.BadRequestError, None),
     ]
     for kwargs, error, code in cases:
         with pytest.raises(error) as info:

@@ -1,0 +1,163 @@
+"""Let a step module take its exported graph's decision where fp32 noise puts a fake-quant value on a rounding tie.
+
+Why: with V4.1's runtime fake-quant every fp8/fp4 GEMM input is rounded onto a coarse grid. onnxruntime and torch
+compute the same fp32 arithmetic in a different order (GEMM accumulation, fused kernels), so the two differ by about
+1e-7 relative; now and then that lands a value on the other side of a rounding tie, the two round one grid step apart
+(1/16 of the value in fp8, up to 1/2 in fp4), and over 40 quantized layers that one step spreads until the build's
+parity check cannot tell a flip from a wrong graph (seen on the release-shaped checkpoint: 4e-3 on H19, other top-k).
+
+So the parity check exposes every rounding the graph makes (the output of each `Round(v / step) * step` of
+`graph_ops.round_e4m3` / `round_e2m1`) as an extra graph output, and runs the module with those two functions
+patched. The graph's roundings, in the order torch.export traced them (the node names it keeps in the metadata; the
+optimizer reorders the nodes themselves), are paired with the module's calls in turn: a call is paired with the next
+graph rounding if the two are equal, or differ only where the module's input sits on the tie between them
+(`|v - (mine + graph's) / 2| <= tol * |v|`), and there the module takes the graph's value. A call the graph has no
+rounding for must repeat an earlier call's input exactly (the optimizer merged the two: one normed activation
+quantized for two projections) and takes what that one took. Anything else (a difference off a tie, a rounding left
+unpaired) fails the check: following is allowed exactly where a correct graph and a correct module can disagree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from . import graph_ops
+
+ROUNDING_FUNCTIONS = ("round_e4m3", "round_e2m1")
+TIE_TOLERANCE = 1e-4  # relative to |v|: fp32 noise is ~1e-7 per op, far below; a grid step is >= 1/16 of |v|
+
+
+class RoundingMismatch(RuntimeError):
+    """The graph's roundings cannot be paired with the module's (a different count, shape, or a mismatch off a tie)."""
+
+
+def _call_index(node: onnx.NodeProto) -> int:
+    """Which `aten.round` call of the traced module a Round node is: torch.export names them round, round_1, ... in
+    the order the module made them, and the exporter keeps that name in the node's metadata."""
+    fx = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.fx_node"), "")
+    match = re.match(r"%round(?:_(\d+))? ", fx)
+    if match is None:
+        raise RoundingMismatch(f"Round node {node.name!r} carries no exporter metadata naming its call ({fx[:60]!r})")
+    return int(match.group(1) or 0)
+
+
+def rounding_outputs(model: onnx.ModelProto) -> list[str]:
+    """The graph's rounded values (the Mul after each Round: `Round(v / step) * step`) in the module's call order.
+
+    Calls missing from the graph are ones the optimizer merged with an identical earlier one (the same input rounded
+    twice, e.g. one normed activation quantized for two projections)."""
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    names = {}
+    for node in model.graph.node:
+        if node.op_type != "Round":
+            continue
+        users = consumers.get(node.output[0], [])
+        if len(users) != 1 or users[0].op_type != "Mul":
+            raise RoundingMismatch(f"Round node {node.name!r} is not followed by one Mul (the grid step): "
+                                   f"{[u.op_type for u in users]}; graph_ops' rounding changed shape")
+        names[_call_index(node)] = users[0].output[0]
+    return [names[k] for k in sorted(names)]
+
+
+def write_tapped_graph(path: Path, tapped: Path) -> list[str]:
+    """Write a copy of the graph at `path` to `tapped` (same folder, so external data stays valid) that also outputs
+    every rounded value; returns the names of those outputs in the module's call order (none, and no copy, for a
+    graph without fake-quant)."""
+    if tapped.parent.resolve() != path.parent.resolve():
+        raise ValueError("the tapped copy must sit beside the graph: its external data is referenced by relative path")
+    model = onnx.load(str(path), load_external_data=False)
+    names = rounding_outputs(model)
+    if not names:
+        return []
+    existing = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+                              for n in names if n not in existing)
+    onnx.save(model, str(tapped))
+    return names
+
+
+@dataclass
+class FollowGraphRounding:
+    """The graph's rounded values of one run, and what following them took (filled while the module runs)."""
+
+    values: list[np.ndarray]  # the graph's rounded values, in the module's call order
+    tol: float = TIE_TOLERANCE
+    calls: int = 0
+    elements: int = 0
+    flips: int = 0
+    unmatched: int = 0
+    merged: int = 0
+    problems: list[str] = field(default_factory=list)
+    _next: int = 0
+    _seen: dict[tuple[tuple[int, ...], bytes], torch.Tensor] = field(default_factory=dict)
+
+    def _follow(self, real: Callable[[torch.Tensor], torch.Tensor], name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def rounding(v: torch.Tensor) -> torch.Tensor:
+            mine = real(v)
+            k, self.calls = self.calls, self.calls + 1
+            self.elements += mine.numel()
+            key = (tuple(v.shape), v.detach().numpy().tobytes())
+            paired = self._pair(v, mine) if self._next < len(self.values) else None
+            if paired is None:  # merged in the graph into an identical earlier call: take what that one took
+                self.merged += 1
+                if key in self._seen:
+                    return self._seen[key]
+                self.problems.append(f"rounding #{k} ({name}, shape {tuple(mine.shape)}): the graph's next rounding "
+                                     f"(#{self._next}) differs off a tie, and no earlier call had this input")
+                self.unmatched += mine.numel()
+                return mine
+            self._seen[key] = paired
+            return paired
+
+        return rounding
+
+    def _pair(self, v: torch.Tensor, mine: torch.Tensor) -> torch.Tensor | None:
+        """The graph's next rounding if it is this call's (equal, or different only on ties: then taken), else None."""
+        graph = torch.from_numpy(np.ascontiguousarray(self.values[self._next]))
+        if graph.shape != mine.shape:
+            return None
+        differ = mine != graph
+        tie = (v - (mine + graph) * 0.5).abs() <= self.tol * v.abs()
+        if bool((differ & ~tie).any()):
+            return None
+        self._next += 1
+        self.flips += int(differ.sum())
+        return torch.where(differ, graph, mine)
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[FollowGraphRounding]:
+        """graph_ops' rounding functions follow the graph inside the block (the QDQ functions look them up there)."""
+        saved = {name: getattr(graph_ops, name) for name in ROUNDING_FUNCTIONS}
+        try:
+            for name, real in saved.items():
+                setattr(graph_ops, name, self._follow(real, name))
+            yield self
+        finally:
+            for name, real in saved.items():
+                setattr(graph_ops, name, real)
+
+    def check(self, what: str, max_flip_share: float = 1e-3) -> None:
+        """Raise unless every rounding was paired, off-tie differences are none and flips are rare."""
+        if self._next != len(self.values):
+            self.problems.append(f"{len(self.values) - self._next} of the graph's {len(self.values)} roundings were "
+                                 f"paired with none of the module's {self.calls}")
+        if self.flips > max(8, max_flip_share * self.elements):
+            self.problems.append(f"{self.flips} rounding flips in {self.elements} values: too many to be fp32 noise")
+        if self.problems:
+            raise RoundingMismatch(f"{what}: the graph's fake-quant roundings differ from the module's: "
+                                   + "; ".join(self.problems[:6]))
+
+    def figures(self) -> dict[str, int]:
+        return {"roundings": self.calls, "merged_in_graph": self.merged, "rounded_values": self.elements,
+                "flips_followed": self.flips}

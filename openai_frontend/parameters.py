@@ -1,0 +1,137 @@
+"""Every chat-completions parameter a client may send, and what this server does with it: no silent drops.
+
+Why a table: OpenAI-compatible servers differ most in what they quietly ignore. A client that asked for JSON
+(`response_format`), for `top_k` or for a `logit_bias` and got a plain reply cannot tell; so a parameter the server
+does not honour is refused with a 400 that names it, unless its value asks for nothing (`n: 1`, `logprobs: false`,
+`tools: []`, `response_format: {"type": "text"}`, `top_k: -1`, ...), which is what the server does anyway. A key in no
+list (a typo, a parameter of another server) is refused too, as OpenAI's own API refuses it. `null` means absent.
+`docs/openai.md` shows this table; a test keeps the two the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .errors import bad_request
+
+HONOURED = {
+    "model": "'mol2' routes with MoL2, 'mol2:base' and 'mol2:<adapter>' choose",
+    "messages": "system, developer (as system), user, assistant; text content parts",
+    "stream": "server-sent chunks ending with [DONE]",
+    "stream_options": "include_usage",
+    "max_tokens": "1 to the server's limit",
+    "max_completion_tokens": "wins over max_tokens",
+    "temperature": "0 is greedy",
+    "top_p": "nucleus sampling",
+    "seed": "same seed, same reply",
+    "stop": "up to 4 strings, cut from the reply",
+    "frequency_penalty": "OpenAI's definition, in the decoder's sampler",
+    "presence_penalty": "OpenAI's definition, in the decoder's sampler",
+    "n": "1 only (more is refused)",
+}
+EXTENSIONS = {
+    "repetition_penalty": "vLLM / TensorRT-LLM's multiplicative penalty",
+}
+NO_EFFECT = {  # accepted and recorded nowhere: they never change a reply
+    "user": "an end-user id for abuse monitoring",
+    "safety_identifier": "user's successor",
+    "metadata": "stored-completion tags; nothing is stored",
+    "prompt_cache_key": "the prefix cache keys on the messages themselves",
+    "parallel_tool_calls": "meaningful only with tools, which are refused",
+}
+
+
+def _is(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: any(value == a and type(value) is type(a) for a in allowed)
+
+
+def _empty(value: Any) -> bool:
+    return value in ([], {}, "")
+
+
+# refused unless the value asks for nothing; the predicate says which values those are
+REFUSED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _is(False),
+    "top_logprobs": _is(0),
+    "logit_bias": _empty,
+    "response_format": lambda v: v == {"type": "text"},
+    "tools": _empty,
+    "tool_choice": _is("none"),
+    "functions": _empty,
+    "function_call": _is("none"),
+    "audio": lambda v: False,
+    "modalities": lambda v: v == ["text"],
+    "prediction": lambda v: False,
+    "web_search_options": lambda v: False,
+    "reasoning_effort": lambda v: False,
+    "verbosity": lambda v: False,
+    "service_tier": _is("auto", "default"),
+    "store": _is(False),
+    # other servers' extensions (vLLM, SGLang)
+    "top_k": _is(-1, 0),
+    "min_p": _is(0, 0.0),
+    "stop_token_ids": _empty,
+    "min_tokens": _is(0),
+    "ignore_eos": _is(False),
+    "best_of": _is(1),
+    "use_beam_search": _is(False),
+    "length_penalty": _is(1, 1.0),
+    "echo": _is(False),
+    "prompt_logprobs": _is(0),
+    "guided_json": lambda v: False,
+    "guided_regex": lambda v: False,
+    "guided_choice": lambda v: False,
+    "guided_grammar": lambda v: False,
+    "guided_decoding_backend": lambda v: False,
+    "structured_outputs": lambda v: False,
+    "bad_words": _empty,
+    "allowed_token_ids": lambda v: False,
+    "logits_processors": _empty,
+    "include_stop_str_in_output": _is(False),
+    "skip_special_tokens": _is(True),
+    "add_generation_prompt": _is(True),
+    "continue_final_message": _is(False),
+    "chat_template": lambda v: False,
+    "chat_template_kwargs": _empty,
+    "truncate_prompt_tokens": lambda v: False,
+    "priority": _is(0),
+}
+REFUSED_WHY = {
+    "logprobs": "log-probabilities are not returned yet",
+    "top_logprobs": "log-probabilities are not returned yet",
+    "response_format": "structured outputs are not implemented yet",
+    "tools": "tool calling is not implemented yet",
+    "tool_choice": "tool calling is not implemented yet",
+    "functions": "function calling is not implemented",
+    "function_call": "function calling is not implemented",
+}
+
+
+def check(data: dict[str, Any]) -> None:
+    """Refuse, naming them, the parameters this server would otherwise drop; returns when every key is honoured."""
+    unknown, refused = [], []
+    for key, value in data.items():
+        if value is None or key in HONOURED or key in EXTENSIONS or key in NO_EFFECT:
+            continue
+        if key not in REFUSED:
+            unknown.append(key)
+        elif not REFUSED[key](value):
+            refused.append(key)
+    if refused:
+        reasons = "; ".join(f"{k}: {REFUSED_WHY.get(k, 'not supported by this server')}" for k in refused)
+        raise bad_request(f"unsupported parameter{'s' if len(refused) > 1 else ''} {', '.join(refused)} ({reasons}); "
+                          "docs/openai.md lists every parameter and what the server does with it", refused[0])
+    if unknown:
+        raise bad_request(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {', '.join(unknown)}",
+                          unknown[0])
+
+
+def table_rows() -> list[tuple[str, str, str]]:
+    """(parameter, status, what happens) for every parameter, as docs/openai.md shows them."""
+    rows = [(k, "honoured", v) for k, v in HONOURED.items()]
+    rows += [(k, "extension", v) for k, v in EXTENSIONS.items()]
+    rows += [(k, "accepted, no effect", v) for k, v in NO_EFFECT.items()]
+    rows += [(k, "refused (400)", REFUSED_WHY.get(k, "not supported")) for k in REFUSED]
+    return rows
+
