@@ -21,10 +21,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import responses as r
 from .errors import APIError, unavailable
-from .schemas import ChatRequest, TokenizeRequest, detokenize_request
+from .schemas import ChatRequest, TokenizeRequest, detokenize_request, lora_request
 from .service import Answer, ChatService
 
 ADAPTER_HEADER = "x-mol2-adapter"
+ADMIN_KEY_HEADER = "mol2-admin-key"  # tritonserver_backend.admin_auth.ADMIN_KEY_HEADER, forwarded as the server reads it
 REUSED_HEADER = "x-mol2-session-reused"
 CACHED_HEADER = "x-mol2-cached-tokens"
 
@@ -97,6 +98,23 @@ def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
     async def detokenize(request: Request) -> JSONResponse:
         tokens = detokenize_request(await request.body(), service.tokenizer.vocab_size)
         return JSONResponse({"prompt": service.tokenizer.decode(tokens, skip_special=False)})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        """vLLM's dynamic adapter route, forwarded to `adapter_admin` load with the caller's `mol2-admin-key` header:
+        the server checks the key, the allowed folders and the bounds (docs/admin.md)."""
+        body = lora_request(await request.body(), load=True)
+        result = await _safe(service.stream.administer("load", body.lora_name, request.headers.get(ADMIN_KEY_HEADER),
+                                                       body.lora_path or "", body.description or ""))
+        await service.adapters(fresh=True)
+        return JSONResponse(result)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        body = lora_request(await request.body(), load=False)
+        result = await _safe(service.stream.administer("unload", body.lora_name, request.headers.get(ADMIN_KEY_HEADER)))
+        await service.adapters(fresh=True)
+        return JSONResponse(result)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

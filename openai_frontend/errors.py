@@ -41,6 +41,10 @@ def unavailable(message: str) -> APIError:
 # Triton's per-request messages (tritonserver_backend.errors) -> status, type, code. Order matters: first match wins.
 _TRITON_CLASSES: tuple[tuple[str, int, str, str | None], ...] = (
     ("server busy", 429, "rate_limit_error", "server_busy"),
+    ("needs the admin key", 401, "authentication_error", "admin_key_required"),
+    ("wrong admin key", 403, "permission_error", "wrong_admin_key"),
+    ("administration is turned off", 403, "permission_error", "admin_disabled"),
+    ("admin key is not usable", 503, "server_error", "admin_key_unusable"),
     ("still answering its previous turn", 429, "rate_limit_error", "session_busy"),
     ("unknown adapter", 404, "invalid_request_error", "model_not_found"),
     ("unknown session", 409, "invalid_request_error", "session_lost"),

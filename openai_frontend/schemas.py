@@ -177,3 +177,19 @@ def _validate(model: type[B], data: dict) -> B:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise bad_request(f"{where}: {first['msg']}", param=where) from None
+
+
+class LoraBody(BaseModel):
+    """vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` bodies (`description` is ours: what MoL2's
+    router reads about the adapter; without it the server takes the adapter folder's own)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = None
+    description: str | None = None
+
+
+def lora_request(raw: bytes, load: bool) -> LoraBody:
+    body = _validate(LoraBody, _json_object(raw))
+    if load and not body.lora_path:
+        raise bad_request("lora_path is required: the adapter's folder (PEFT layout) on the server", "lora_path")
+    return body

@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from tritonserver_backend import contract as c
+from tritonserver_backend.admin_auth import ADMIN_KEY_HEADER as ADMIN_KEY_PARAMETER
 from tritonserver_backend.client import TurnRequest
 
 from .errors import APIError, from_triton, unavailable
@@ -110,9 +111,11 @@ class TritonStream:
         except Exception:  # noqa: BLE001 - best effort: the turn may have ended meanwhile, or the server be gone
             pass
 
-    async def _infer(self, model: str, tensors: dict[c.TensorSpec, Any], output: c.TensorSpec) -> str:
+    async def _infer(self, model: str, tensors: dict[c.TensorSpec, Any], output: c.TensorSpec,
+                     parameters: dict[str, str] | None = None) -> str:
         try:
-            result = await self.client.infer(model, self._inputs(tensors), outputs=[self._aio.InferRequestedOutput(output.name)])
+            result = await self.client.infer(model, self._inputs(tensors), outputs=[self._aio.InferRequestedOutput(output.name)],
+                                             parameters=parameters)
         except self._aio.InferenceServerException as exc:
             raise _transport_error(exc) from None
         return result.as_numpy(output.name).reshape(-1)[0].decode("utf-8")
@@ -121,6 +124,17 @@ class TritonStream:
         """Names of the loaded adapters (`adapter_admin` list, open to everyone)."""
         answer = json.loads(await self._infer(c.ADMIN.name, {c.ACTION: "list"}, c.RESULT))
         return [a["name"] for a in answer["adapters"]]
+
+    async def administer(self, action: str, name: str, admin_key: str | None, path: str = "", description: str = "") -> dict:
+        """`adapter_admin` load / unload with the caller's admin key as the request parameter the server checks
+        (docs/admin.md): the frontend holds no key of its own, so it can change nothing a caller could not."""
+        tensors = {c.ACTION: action, c.ADAPTER: name}
+        if path:
+            tensors[c.ADAPTER_PATH] = path
+        if description:
+            tensors[c.DESCRIPTION] = description
+        parameters = {ADMIN_KEY_PARAMETER: admin_key} if admin_key else None
+        return json.loads(await self._infer(c.ADMIN.name, tensors, c.RESULT, parameters))
 
     async def cancel(self, session_id: str) -> dict:
         return json.loads(await self._infer(c.SESSION_CONTROL.name, {c.SESSION_ID: session_id, c.CONTROL_ACTION: "cancel"}, c.RESULT))

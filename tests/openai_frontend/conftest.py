@@ -26,6 +26,7 @@ def triton(tmp_path_factory):  # type: ignore[no-untyped-def]
     params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
               "engine_backend": "torch", "max_active_turns": "1", "max_queued_turns": "0"}
     srv = TritonServer(work_dir=work / "server")
+    srv.registry_root = work / "registry"  # its admin.key and adapters/ (docs/admin.md)
     srv.start(build_repository(work / "repo", params))
     try:
         srv.wait_ready(240)

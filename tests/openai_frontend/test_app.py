@@ -254,3 +254,38 @@ def test_unreachable_triton_is_503(tmp_path) -> None:  # type: ignore[no-untyped
                 break
         else:
             pytest.fail("the frontend never answered")
+
+
+def test_lora_adapters_load_and_unload_through_vllms_routes_behind_the_admin_key(client, frontend, triton) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+
+    import httpx
+    import openai
+
+    registry = triton.registry_root
+    copy = registry / "adapters" / "oai_new"
+    shutil.copytree(registry / "adapters" / "L1_agent", copy)
+    key = (registry / "admin.key").read_text().strip()
+    load = {"lora_name": "oai_new", "lora_path": "adapters/oai_new", "description": "answers like the agent adapter"}
+
+    def post(route: str, body: dict, headers: dict | None = None) -> httpx.Response:
+        return httpx.post(f"{frontend.base_url}/{route}", json=body, headers=headers or {}, timeout=120)
+
+    before = [m.id for m in client.models.list().data]
+    for headers, status, code in (({}, 401, "admin_key_required"), ({"mol2-admin-key": "wrong-" + key}, 403, "wrong_admin_key")):
+        resp = post("load_lora_adapter", load, headers)
+        assert resp.status_code == status and resp.json()["error"]["code"] == code, resp.text
+    assert post("load_lora_adapter", {"lora_name": "oai_new"}, {"mol2-admin-key": key}).status_code == 400, "no lora_path"
+    assert [m.id for m in client.models.list().data] == before, "a refused load changes nothing"
+    resp = post("load_lora_adapter", load, {"mol2-admin-key": key})
+    assert resp.status_code == 200 and resp.json()["loaded"] == "oai_new", resp.text
+    assert "mol2:oai_new" in [m.id for m in client.models.list().data]
+    done = client.chat.completions.create(model="mol2:oai_new", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
+    assert done.adapter == "oai_new"
+    assert post("unload_lora_adapter", {"lora_name": "oai_new"}).status_code == 401
+    resp = post("unload_lora_adapter", {"lora_name": "oai_new"}, {"mol2-admin-key": key})
+    assert resp.status_code == 200 and resp.json()["unloaded"] == "oai_new", resp.text
+    assert [m.id for m in client.models.list().data] == before
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="mol2:oai_new", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
+    shutil.rmtree(copy)
