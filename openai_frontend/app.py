@@ -1,5 +1,6 @@
-"""The FastAPI application: `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/health`, errors in the
-OpenAI format, and with an API key every route but `/health` behind `Authorization: Bearer <key>`.
+"""The FastAPI application: `/v1/chat/completions`, `/v1/models`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
+`/tokenize`, `/detokenize`, `/metrics` (Prometheus), `/health`, errors in the OpenAI format, and with an API key every
+route but `/health` and `/metrics` behind `Authorization: Bearer <key>` (as vLLM guards its API, not its scrape).
 
 Streaming answers are server-sent events of `chat.completion.chunk` objects ending with `data: [DONE]`. The first
 token is awaited before the response starts, so an error before the reply (bad parameter, unknown adapter, busy
@@ -13,7 +14,7 @@ import hmac
 import json
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,10 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import responses as r
 from .errors import APIError, unavailable
+from .metrics import CONTENT_TYPE, FrontendMetrics
 from .schemas import ChatRequest, TokenizeRequest, detokenize_request, lora_request
 from .service import Answer, ChatService
 
 ADAPTER_HEADER = "x-mol2-adapter"
+OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key
 ADMIN_KEY_HEADER = "mol2-admin-key"  # tritonserver_backend.admin_auth.ADMIN_KEY_HEADER, forwarded as the server reads it
 REUSED_HEADER = "x-mol2-session-reused"
 CACHED_HEADER = "x-mol2-cached-tokens"
@@ -39,8 +42,9 @@ def _headers(answer: Answer) -> dict[str, str]:
 
 
 def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
-    """`api_key`: when set, every route but `/health` needs `Authorization: Bearer <api_key>` (vLLM's `--api-key`),
-    compared in constant time so response timing does not reveal how much of a guess was right."""
+    """`api_key`: when set, every route but `/health` and `/metrics` needs `Authorization: Bearer <api_key>` (vLLM's
+    `--api-key`), compared in constant time so response timing does not reveal how much of a guess was right."""
+    metrics = FrontendMetrics()
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -48,13 +52,16 @@ def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
         await service.stream.close()
 
     app = FastAPI(title="mol2 OpenAI-compatible frontend", lifespan=lifespan)
+    app.state.metrics = metrics
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        metrics.errors.labels(exc.type, exc.code or "").inc()
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        metrics.errors.labels("invalid_request_error", "").inc()
         return JSONResponse(APIError(exc.status_code, str(exc.detail), "invalid_request_error").body(), status_code=exc.status_code)
 
     if api_key is not None:
@@ -63,17 +70,29 @@ def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
         @app.middleware("http")
         async def require_key(request: Request, call_next):  # type: ignore[no-untyped-def]
             given = request.headers.get("authorization", "").encode("latin-1", "replace")
-            if request.url.path != "/health" and not hmac.compare_digest(given, expected):
+            if request.url.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected):
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                  "invalid_request_error", "invalid_api_key")
+                metrics.errors.labels(error.type, error.code or "").inc()
                 return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             return await call_next(request)
+
+    @app.middleware("http")  # added last, so outermost: it counts the key check's 401s too
+    async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
+        return response
 
     @app.get("/health")
     async def health() -> Response:
         if not await service.stream.ready():
             raise unavailable(f"tritonserver at {service.stream.url} is not ready")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
@@ -118,27 +137,41 @@ def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        received = time.perf_counter()
         chat = ChatRequest.parse(await request.body())
         answer = await _safe(service.start(chat))
+        first = time.perf_counter()
+        metrics.ttft.observe(first - received)
+        metrics.sessions.labels("reused" if answer.reused else "rebuilt" if chat.earlier else "new").inc()
+
+        def completed() -> None:
+            metrics.completed(answer.prompt_tokens, answer.cached_tokens, answer.completion_tokens, received, first,
+                              time.perf_counter())
+
         cid, created = r.completion_id(), int(time.time())
         if not chat.stream:
             text = await _safe(answer.collect())
+            completed()
             use = r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
             return JSONResponse(r.completion(cid, created, chat.model, text, r.finish_reason(answer.finish), answer.adapter, use),
                                 headers=_headers(answer))
-        return StreamingResponse(_events(chat, answer, cid, created), media_type="text/event-stream", headers=_headers(answer))
+        return StreamingResponse(_events(chat, answer, cid, created, metrics, completed), media_type="text/event-stream",
+                                 headers=_headers(answer))
 
     return app
 
 
-async def _events(chat: ChatRequest, answer: Answer, cid: str, created: int) -> AsyncIterator[bytes]:
+async def _events(chat: ChatRequest, answer: Answer, cid: str, created: int, metrics: FrontendMetrics,
+                  completed: Callable[[], None]) -> AsyncIterator[bytes]:
     yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"role": "assistant", "content": ""}))
     try:
         async for delta in answer.deltas():
             yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"content": delta}))
     except APIError as exc:
+        metrics.errors.labels(exc.type, exc.code or "").inc()
         yield _sse(exc.body())
         return
+    completed()
     yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {}, r.finish_reason(answer.finish)))
     if chat.include_usage:
         yield _sse(r.usage_chunk(cid, created, chat.model, answer.adapter, r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)))

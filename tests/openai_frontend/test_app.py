@@ -289,3 +289,42 @@ def test_lora_adapters_load_and_unload_through_vllms_routes_behind_the_admin_key
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="mol2:oai_new", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
     shutil.rmtree(copy)
+
+
+def _scrape(frontend) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    import httpx
+
+    text = httpx.get(frontend.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_frontend_metrics_count_what_the_clients_were_told(client, frontend) -> None:  # type: ignore[no-untyped-def]
+    import openai
+
+    before = _scrape(frontend)
+    ok = 'mol2_frontend_requests_total{route="/v1/chat/completions",status="200"}'
+    messages = [{"role": "user", "content": "Count me."}]
+    first = client.chat.completions.create(model="mol2", messages=messages, max_tokens=TOKENS)
+    stream = client.chat.completions.create(model="mol2", messages=messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                                                               {"role": "user", "content": "Again."}],
+                                            max_tokens=TOKENS, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    usage = [c.usage for c in chunks if c.usage][0]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="mol2", messages=messages, extra_body={"top_k": 3})
+    after = _scrape(frontend)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew(ok) == 2
+    assert grew('mol2_frontend_requests_total{route="/v1/chat/completions",status="400"}') == 1
+    assert grew('mol2_frontend_errors_total{code="",type="invalid_request_error"}') == 1
+    assert grew("mol2_frontend_prompt_tokens_total") == first.usage.prompt_tokens + usage.prompt_tokens
+    assert grew("mol2_frontend_completion_tokens_total") == first.usage.completion_tokens + usage.completion_tokens
+    assert grew("mol2_frontend_cached_tokens_total") == usage.prompt_tokens_details.cached_tokens > 0, "the resent one continued"
+    assert grew('mol2_frontend_sessions_total{outcome="reused"}') == 1
+    assert grew("mol2_frontend_time_to_first_token_seconds_count") == 2
+    assert grew("mol2_frontend_request_duration_seconds_count") == 2
+    assert grew("mol2_frontend_inter_token_latency_seconds_count") == sum(
+        u.completion_tokens >= 2 for u in (first.usage, usage))
