@@ -153,8 +153,8 @@ def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
             text = await _safe(answer.collect())
             completed()
             use = r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
-            return JSONResponse(r.completion(cid, created, chat.model, text, r.finish_reason(answer.finish), answer.adapter, use),
-                                headers=_headers(answer))
+            return JSONResponse(r.completion(cid, created, chat.model, text, r.finish_reason(answer.finish), answer.adapter, use,
+                                             answer.logprobs if chat.logprobs else None), headers=_headers(answer))
         return StreamingResponse(_events(chat, answer, cid, created, metrics, completed), media_type="text/event-stream",
                                  headers=_headers(answer))
 
@@ -165,8 +165,9 @@ async def _events(chat: ChatRequest, answer: Answer, cid: str, created: int, met
                   completed: Callable[[], None]) -> AsyncIterator[bytes]:
     yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"role": "assistant", "content": ""}))
     try:
-        async for delta in answer.deltas():
-            yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"content": delta}))
+        async for text, entries in answer.deltas():
+            yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"content": text}, None,
+                               entries if chat.logprobs else None))
     except APIError as exc:
         metrics.errors.labels(exc.type, exc.code or "").inc()
         yield _sse(exc.body())

@@ -2,7 +2,7 @@
 
 Why a table: OpenAI-compatible servers differ most in what they quietly ignore. A client that asked for JSON
 (`response_format`), for `top_k` or for a `logit_bias` and got a plain reply cannot tell; so a parameter the server
-does not honour is refused with a 400 that names it, unless its value asks for nothing (`n: 1`, `logprobs: false`,
+does not honour is refused with a 400 that names it, unless its value asks for nothing (`n: 1`, `logit_bias: {}`,
 `tools: []`, `response_format: {"type": "text"}`, `top_k: -1`, ...), which is what the server does anyway. A key in no
 list (a typo, a parameter of another server) is refused too, as OpenAI's own API refuses it. `null` means absent.
 `docs/openai.md` shows this table; a test keeps the two the same.
@@ -29,6 +29,8 @@ HONOURED = {
     "frequency_penalty": "OpenAI's definition, in the decoder's sampler",
     "presence_penalty": "OpenAI's definition, in the decoder's sampler",
     "n": "1 only (more is refused)",
+    "logprobs": "each generated token's log-probability under the model (before penalties and temperature)",
+    "top_logprobs": "0 to 20 alternatives per token (needs logprobs)",
 }
 EXTENSIONS = {
     "repetition_penalty": "vLLM / TensorRT-LLM's multiplicative penalty",
@@ -52,8 +54,6 @@ def _empty(value: Any) -> bool:
 
 # refused unless the value asks for nothing; the predicate says which values those are
 REFUSED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _is(False),
-    "top_logprobs": _is(0),
     "logit_bias": _empty,
     "response_format": lambda v: v == {"type": "text"},
     "tools": _empty,
@@ -98,8 +98,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "priority": _is(0),
 }
 REFUSED_WHY = {
-    "logprobs": "log-probabilities are not returned yet",
-    "top_logprobs": "log-probabilities are not returned yet",
     "response_format": "structured outputs are not implemented yet",
     "tools": "tool calling is not implemented yet",
     "tool_choice": "tool calling is not implemented yet",

@@ -27,15 +27,23 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion(cid: str, created: int, model: str, text: str, finish: str, adapter: str, use: dict) -> dict:
+def logprobs(entries: list[dict] | None) -> dict | None:
+    """A choice's `logprobs` object (None when the request did not ask for them)."""
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
+def completion(cid: str, created: int, model: str, text: str, finish: str, adapter: str, use: dict,
+               entries: list[dict] | None = None) -> dict:
     return {"id": cid, "object": "chat.completion", "created": created, "model": model, "adapter": adapter,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs(entries),
+                         "finish_reason": finish}],
             "usage": use}
 
 
-def chunk(cid: str, created: int, model: str, adapter: str, delta: dict, finish: str | None = None) -> dict:
+def chunk(cid: str, created: int, model: str, adapter: str, delta: dict, finish: str | None = None,
+          entries: list[dict] | None = None) -> dict:
     return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model, "adapter": adapter,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(entries), "finish_reason": finish}]}
 
 
 def usage_chunk(cid: str, created: int, model: str, adapter: str, use: dict) -> dict:

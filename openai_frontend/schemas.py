@@ -18,6 +18,7 @@ from .errors import APIError, bad_request
 
 MAX_TOKENS_LIMIT = 4096  # tritonserver_backend.sampling.MAX_TOKENS_LIMIT (not imported: it pulls torch)
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20  # the server's top_logprobs bound (tritonserver_backend.contract TOP_LOGPROBS), OpenAI's too
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -50,6 +51,8 @@ class ChatBody(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)  # extension (vLLM, TensorRT-LLM have it too)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 B = TypeVar("B", bound=BaseModel)
@@ -71,6 +74,8 @@ class ChatRequest:
     frequency_penalty: float | None
     presence_penalty: float | None
     repetition_penalty: float | None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def earlier(self) -> tuple[Message, ...]:
@@ -102,10 +107,12 @@ class ChatRequest:
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP or any(not s for s in stop):
             raise bad_request(f"stop takes up to {MAX_STOP} non-empty strings", "stop")
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         return cls(body.model, adapter, messages, body.stream, bool(body.stream_options and body.stream_options.include_usage),
                    max_tokens, body.temperature, body.top_p, body.seed, stop, body.frequency_penalty, body.presence_penalty,
-                   body.repetition_penalty)
+                   body.repetition_penalty, bool(body.logprobs), body.top_logprobs or 0)
 
 
 def _message(i: int, m: MessageIn) -> Message:

@@ -46,27 +46,31 @@ class Answer:
     finish: str = ""
     completion_tokens: int = 0
     text: str = ""
+    logprobs: list[dict] = field(default_factory=list)  # with logprobs: OpenAI's entry per generated token, so far
     _stop: StopText = field(init=False)
 
     def __post_init__(self) -> None:
         self.adapter = self.first.adapter
         self._stop = StopText(self.request.stop)
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def deltas(self) -> AsyncIterator[tuple[str, list[dict]]]:
+        """(text, log-probability entries of the tokens that piece brought) as the reply arrives; a piece whose
+        text the stop-string check holds back still brings its tokens' entries."""
         complete = False
         try:
             piece = self.first
             while True:
                 out = self._take(piece)
-                if out:
-                    yield out
+                entries = self._entries(piece)
+                if out or entries:
+                    yield out, entries
                 if piece.finish:
                     break
                 piece = await anext(self.rest)
             tail = self._stop.flush()
             self.text = self._stop.emitted
             if tail:
-                yield tail
+                yield tail, []
             complete = True
         finally:
             if not complete:
@@ -82,8 +86,24 @@ class Answer:
         self.completion_tokens += len(piece.token_ids)
         return self._stop.feed(piece.text)
 
+    def _entries(self, piece: Piece) -> list[dict]:
+        """OpenAI's `logprobs.content` entries for the piece's tokens (empty unless the request asked for them)."""
+        if not self.request.logprobs or len(piece.logprobs) != len(piece.token_ids):
+            return []
+        tokenizer = self.service.tokenizer
+        entries = [{**_token(tokenizer, t, lp), "top_logprobs": [_token(tokenizer, i, x) for i, x in top][:self.request.top_logprobs]}
+                   for t, lp, top in zip(piece.token_ids, piece.logprobs, piece.top or ((),) * len(piece.token_ids))]
+        self.logprobs.extend(entries)
+        return entries
+
     async def collect(self) -> str:
-        return "".join([d async for d in self.deltas()])
+        return "".join([text async for text, _ in self.deltas()])
+
+
+def _token(tokenizer: ChatTokenizer, token_id: int, logprob: float) -> dict:
+    """One token as OpenAI's logprobs show it: its text, its log-probability and the UTF-8 bytes of that text."""
+    text = tokenizer.decode([token_id], skip_special=False)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 class ChatService:
@@ -134,7 +154,8 @@ class ChatService:
                            temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                            stop=list(request.stop) or None, frequency_penalty=request.frequency_penalty,
                            presence_penalty=request.presence_penalty, repetition_penalty=request.repetition_penalty,
-                           history=history, stream=request.stream)  # a non-streamed completion: one response, not one per token
+                           history=history, stream=request.stream, logprobs=request.logprobs,
+                           top_logprobs=request.top_logprobs or None)  # a non-streamed completion: one response, not one per token
         pieces = self.stream.turn(turn)
         try:
             first = await anext(pieces)

@@ -27,6 +27,8 @@ class Piece:
     text: str
     adapter: str
     finish: str  # "" while streaming
+    logprobs: tuple[float, ...] = ()  # with logprobs: one per token id
+    top: tuple[tuple[tuple[int, float], ...], ...] = ()  # with top_logprobs k: per token id, k (id, log-probability)
 
 
 def _array(spec: c.TensorSpec, value: Any) -> np.ndarray:
@@ -39,6 +41,18 @@ def _array(spec: c.TensorSpec, value: Any) -> np.ndarray:
 def _text(result: Any, spec: c.TensorSpec) -> str:
     value = result.as_numpy(spec.name)
     return "" if value is None else value.reshape(-1)[0].decode("utf-8", errors="replace")
+
+
+def _logprobs(result: Any, n: int) -> tuple[tuple[float, ...], tuple[tuple[tuple[int, float], ...], ...]]:
+    """A response's log-probabilities: one per token id, and the top-k (id, log-probability) of each (k may be 0)."""
+    token_lp = result.as_numpy(c.TOKEN_LOGPROB_OUT.name)
+    if token_lp is None or token_lp.size != n:
+        return (), ()
+    ids, lps = result.as_numpy(c.TOP_TOKEN_ID_OUT.name), result.as_numpy(c.TOP_LOGPROB_OUT.name)
+    k = ids.size // n if ids is not None and n else 0
+    top = tuple(tuple(zip((int(i) for i in row_ids), (float(x) for x in row_lps)))
+                for row_ids, row_lps in zip(ids.reshape(n, k), lps.reshape(n, k))) if k else ((),) * n
+    return tuple(float(x) for x in token_lp.reshape(-1)), top
 
 
 def _message(error: Any) -> str:
@@ -90,8 +104,9 @@ class TritonStream:
                 token = result.as_numpy(c.TOKEN_ID_OUT.name)
                 if token is None:
                     continue
-                piece = Piece(tuple(int(t) for t in token.reshape(-1) if t >= 0), _text(result, c.TEXT_OUTPUT), _text(result, c.ADAPTER_NAME),
-                              _text(result, c.FINISH_REASON))
+                ids = tuple(int(t) for t in token.reshape(-1) if t >= 0)
+                piece = Piece(ids, _text(result, c.TEXT_OUTPUT), _text(result, c.ADAPTER_NAME), _text(result, c.FINISH_REASON),
+                              *(_logprobs(result, len(ids)) if request.logprobs else ((), ())))
                 finished = bool(piece.finish)
                 yield piece
                 if finished:

@@ -328,3 +328,34 @@ def test_frontend_metrics_count_what_the_clients_were_told(client, frontend) -> 
     assert grew("mol2_frontend_request_duration_seconds_count") == 2
     assert grew("mol2_frontend_inter_token_latency_seconds_count") == sum(
         u.completion_tokens >= 2 for u in (first.usage, usage))
+
+
+def test_logprobs_are_the_samplers_and_top_1_is_the_greedy_token(client, triton) -> None:  # type: ignore[no-untyped-def]
+    """Greedy decoding with logprobs and top_logprobs=3, streamed and not: one entry per generated token, the token's
+    own log-probability equals its top-1 alternative's (greedy takes the most likely token), alternatives are
+    sorted and are log-probabilities, and every figure equals the tensor API's for the same turn."""
+    import math
+
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    kwargs = dict(model="mol2:L2_code", messages=messages, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=3)
+    done = client.chat.completions.create(**kwargs)
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens >= 2
+    for entry in content:
+        tops = entry.top_logprobs
+        assert len(tops) == 3 and tops[0].token == entry.token and math.isclose(tops[0].logprob, entry.logprob, abs_tol=1e-6)
+        assert all(a.logprob >= b.logprob for a, b in zip(tops, tops[1:])) and all(t.logprob <= 0 for t in tops)
+        assert bytes(entry.bytes) == entry.token.encode("utf-8")
+    assert "".join(e.token for e in content).startswith(done.choices[0].message.content[:8])
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    chat = GrpcChat(triton.grpc_url)
+    try:
+        ref = chat.turn(TurnRequest("tensor-logprobs", messages[0]["content"], new_session=True, adapter="L2_code",
+                                    max_tokens=TOKENS, temperature=0.0, logprobs=True, top_logprobs=3))
+    finally:
+        chat.close()
+    assert [e.logprob for e in content] == pytest.approx(ref.logprobs, abs=1e-6)
+    plain = client.chat.completions.create(model="mol2:L2_code", messages=messages, max_tokens=TOKENS, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == done.choices[0].message.content

@@ -26,8 +26,6 @@ def _parse(**body) -> ChatRequest:  # type: ignore[no-untyped-def]
     (dict(logit_bias={"42": 5}), "logit_bias"),
     (dict(top_k=5), "top_k"),
     (dict(min_p=0.1), "min_p"),
-    (dict(logprobs=True), "logprobs"),
-    (dict(top_logprobs=3), "top_logprobs"),
     (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(guided_json={"type": "object"}), "guided_json"),

@@ -35,7 +35,8 @@ def test_fields_map_onto_the_tensor_api() -> None:
     (dict(messages=[]), 400, "messages"),
     (dict(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]), 400, "messages"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages.0.content.list[TextPart].0.type"),
-    (dict(logprobs=True), 400, "logprobs"),
+    (dict(top_logprobs=3), 400, "top_logprobs"),  # needs logprobs: true
+    (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
 ])
 def test_bad_bodies(body: dict, status: int, param: str) -> None:
     with pytest.raises(APIError) as info:
