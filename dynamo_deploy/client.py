@@ -1,5 +1,7 @@
-"""A minimal OpenAI chat client for the deployment (stdlib only): a conversation resends its messages each turn, with
-`x-dynamo-session-id` so the frontend keeps it on its encoder worker."""
+"""A minimal OpenAI chat client for the deployment: a conversation resends its messages each turn, with
+`x-dynamo-session-id` so the frontend keeps it on its encoder worker, and its session token (session_guard.py): every
+turn asks for `nvext.engine_data`, where the turn that starts the session returns the token, and presents the token
+it holds as an `nvext.annotations` entry."""
 
 from __future__ import annotations
 
@@ -11,28 +13,40 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+from .session_guard import client_nvext, issued_token
 from .worker_common import MODEL_NAME
 
 
 @dataclass
 class Conversation:
     url: str
-    session_id: str
+    session_id: str | None  # None: no x-dynamo-session-id (the worker keys the conversation by its history)
     messages: list[dict[str, str]] = field(default_factory=list)
     model: str = MODEL_NAME
+    session_token: str | None = None  # issued on the turn that started the session; a later issue replaces it
+
+    def _headers(self) -> dict[str, str]:
+        return {"content-type": "application/json", **({"x-dynamo-session-id": self.session_id} if self.session_id else {})}
+
+    def _take_token(self, nvext: dict[str, Any] | None) -> None:
+        token = issued_token(nvext)
+        if token:
+            self.session_token = token
 
     def say(self, text: str, max_tokens: int = 24, timeout_s: float = 300.0, **sampling: Any) -> dict[str, Any]:
         """One turn: the reply's message and finish reason (the reply joins the history for the next turn)."""
         self.messages.append({"role": "user", "content": text})
-        body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0, **sampling}
+        body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "nvext": client_nvext(self.session_token), **sampling}
         req = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
-                                     headers={"content-type": "application/json", "x-dynamo-session-id": self.session_id})
+                                     headers=self._headers())
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 out = json.load(r)
         except urllib.error.HTTPError as exc:
             self.messages.pop()
             raise RuntimeError(f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+        self._take_token(out.get("nvext"))
         choice = out["choices"][0]
         self.messages.append({"role": "assistant", "content": choice["message"]["content"] or ""})
         return {"text": choice["message"]["content"] or "", "finish_reason": choice["finish_reason"], "usage": out.get("usage")}
@@ -42,11 +56,11 @@ class Conversation:
         user message stays in `messages`; what the assistant message should be is the caller's choice (the server
         keeps the partial reply it generated, which may be longer than what reached the client)."""
         self.messages.append({"role": "user", "content": text})
-        body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "nvext": client_nvext(self.session_token)}
         url = urllib.parse.urlparse(self.url)
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                     {"content-type": "application/json", "x-dynamo-session-id": self.session_id})
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), self._headers())
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read().decode(errors='replace')[:500]}")
@@ -57,7 +71,9 @@ class Conversation:
                 break
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
-            delta = json.loads(line[5:])["choices"][0].get("delta", {}).get("content") or ""
+            event = json.loads(line[5:])
+            self._take_token(event.get("nvext"))
+            delta = event["choices"][0].get("delta", {}).get("content") or ""
             if delta:
                 received.append(delta)
                 chunks += 1

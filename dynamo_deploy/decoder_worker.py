@@ -4,6 +4,11 @@ Endpoint `mol2.decoder.turn`: one turn per request (session id, hand-over rows, 
 instance that holds the session), answered as a stream of tokens. The project's `TurnScheduler` runs the token loops
 of all active turns on one thread, calling the session's encoder worker once per generated token
 (`RemoteEncoderPort`); the Dynamo handlers only queue turns and relay what the scheduler emits.
+
+A turn is taken only under the encoder's grant (session_guard.py): an HMAC under the deployment's internal key of the
+session id and the hand-over's first position, fresh, and newer than the session's last grant (each is taken once).
+Anything else on the request plane is refused before its rows are read, so it can neither overwrite a session's
+decoder state nor start a turn that steps the session's encoder. The port signs its step and control calls.
 """
 
 from __future__ import annotations
@@ -17,17 +22,28 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from build_engines.data.tokenizer import ChatTokenizer
+from tritonserver_backend import counters as k
 from tritonserver_backend.counters import Counters
 from tritonserver_backend.decoder_service import DecoderService, Turn
 from tritonserver_backend.engines import open_engine
 from tritonserver_backend.registry import Registry
 from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
+from tritonserver_backend.session_auth import GrantLedger, SessionRefused, refusal
 
 from .remote_encoder import RemoteEncoderPort
 from .requests import params_from_json
+from .session_guard import PATH_HANDOVER, CallAuth, load_internal_key
 from .transfer import HandoverChannel
 from .wire import nbytes
-from .worker_common import NAMESPACE, WorkerSettings, WorkerStats, announce_ready, make_runtime
+from .worker_common import (
+    DECODER_TURN,
+    ENCODER_CONTROL,
+    ENCODER_STEP,
+    WorkerSettings,
+    WorkerStats,
+    announce_ready,
+    make_runtime,
+)
 
 LOG = logging.getLogger("mol2.decoder")
 
@@ -52,7 +68,9 @@ class DecoderWorker:
         engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir)
         tokenizer = ChatTokenizer.load(settings.model_dir)
         self.decoder = DecoderService(engine, Registry(settings.registry_root), tokenizer, self.counters, max_context=settings.max_context)
-        self.port = RemoteEncoderPort(step_client, control_client, loop, self.stats)
+        self.key = load_internal_key(settings.internal_key_path)
+        self.ledger = GrantLedger()
+        self.port = RemoteEncoderPort(step_client, control_client, loop, self.stats, CallAuth(self.key))
         self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
         self.scheduler = TurnScheduler(self.decoder, self.port, self._emit, self._fail)
         self.inbox: queue.SimpleQueue[TurnRequest] = queue.SimpleQueue()
@@ -83,11 +101,32 @@ class DecoderWorker:
         sink: Sink = request.context  # type: ignore[assignment]
         sink.put(("error", f"{type(exc).__name__}: {exc}", None, None))
 
+    def _admit(self, sid: str, request: dict[str, Any]) -> int:
+        """The hand-over's first position, when the request carries this deployment's grant for it (taken now, once);
+        else SessionRefused, counted, before anything is read or changed."""
+        try:
+            first = int(request["first_position"])
+            grant = request.get("grant")
+            self.ledger.take(sid, self.key.verify(grant if isinstance(grant, str) else None, sid, first))
+            return first
+        except (SessionRefused, KeyError, TypeError, ValueError):
+            self.counters.add(k.TOKEN_REFUSALS, PATH_HANDOVER)  # what was presented is never logged
+            self.stats.flush()
+            raise refusal(sid) from None
+
     async def turn(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        sid = str(request.get("session_id"))
+        try:
+            first = self._admit(sid, request)
+        except SessionRefused as exc:
+            yield {"error": str(exc)}
+            return
         rows, _ = await self.channel.take(request["handover"])  # NIXL: read in full before the turn is admitted
+        if not rows["positions"].size or int(rows["positions"][0]) != first:
+            yield {"error": f"the hand-over of session {sid!r} does not start at its granted position {first}"}
+            return
         self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(rows), handover_turn_rows=int(rows["positions"].size),
                        handover_turn_transfer_s=time.time() - float(request["sent_at"]))
-        sid = str(request["session_id"])
         self.port.encoder_of[sid] = int(request["encoder"])
         sink = Sink(asyncio.get_running_loop())
         self.inbox.put(TurnRequest(sid, rows, int(request["adapter_hash"]), params_from_json(request["params"]), False, sink))
@@ -128,16 +167,16 @@ class DecoderWorker:
 async def serve(settings: WorkerSettings) -> None:
     loop = asyncio.get_running_loop()
     runtime = make_runtime(loop)
-    step_client = await runtime.endpoint(f"{NAMESPACE}.encoder.step").client()
-    control_client = await runtime.endpoint(f"{NAMESPACE}.encoder.control").client()
+    step_client = await runtime.endpoint(ENCODER_STEP).client()
+    control_client = await runtime.endpoint(ENCODER_CONTROL).client()
     worker = DecoderWorker(settings, step_client, control_client, loop)
     await worker.channel.start()
-    endpoint = runtime.endpoint(f"{NAMESPACE}.decoder.turn")
+    endpoint = runtime.endpoint(DECODER_TURN)
     worker.stats.instance_id = endpoint.connection_id()
     worker.stats.flush()
     LOG.warning("%s serving (instance %s)", settings.name, worker.stats.instance_id)
     await asyncio.gather(endpoint.serve_endpoint(worker.turn),
-                         announce_ready(runtime, f"{NAMESPACE}.decoder.turn", settings, worker.stats.instance_id))
+                         announce_ready(runtime, DECODER_TURN, settings, worker.stats.instance_id))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,13 @@ Frontend -> encoder affinity is Dynamo's (`--router-session-affinity-ttl-secs` w
 reaches the worker as `agent_context.session_id`); encoder -> decoder is direct routing by the decoder instance id
 kept in the session's record here. A session whose decoder is gone, or whose prompt does not continue what the
 worker holds, is rebuilt from the prompt on a live decoder (a fresh internal session id, so nothing stale is reused).
+
+Who may touch a session (session_guard.py): the turn that starts a session id here issues its session token (in the
+first chunk's `engine_data`); every later turn of that id must present it (an `nvext.annotations` entry), or it is
+refused with session_auth's one message before anything is read, ended or replaced. A conversation without a
+session id is kept under a digest of its whole history, so only a request that resends that exact history finds it.
+`step` and `control` take only calls signed with the deployment's internal key (the decoders'), and the hand-over
+sent to a decoder carries the encoder's grant.
 """
 
 from __future__ import annotations
@@ -28,23 +35,47 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 
 from build_engines.data.tokenizer import ChatTokenizer
+from tritonserver_backend import counters as k
 from tritonserver_backend.counters import Counters
 from tritonserver_backend.encoder_service import EncoderService
 from tritonserver_backend.engines import open_engine
-from tritonserver_backend.errors import ServingError, UnknownSession
+from tritonserver_backend.errors import BadRequest, ServingError, UnknownSession
 from tritonserver_backend.registry import Registry
 from tritonserver_backend.router_service import RouterService
+from tritonserver_backend.session_auth import SessionRefused, SessionTokens, refusal
 
 from .conversation import SessionRecord, continuation, fingerprint, reply_ids, split_turn
 from .model_ids import explicit_adapter, explicit_ids
 from .requests import openai_finish, params_to_json, sampling_params
+from .session_guard import (
+    ENGINE_DATA_FIELD,
+    ENGINE_DATA_KEY,
+    PATH_CONTROL,
+    PATH_STEP,
+    PATH_TURN,
+    CallAuth,
+    anonymous_key,
+    load_internal_key,
+    presented_token,
+    wants_engine_data,
+)
 from .transfer import HandoverChannel
 from .wire import nbytes, pack
-from .worker_common import MODEL_NAME, NAMESPACE, WorkerSettings, WorkerStats, announce_ready, make_runtime
+from .worker_common import (
+    ENCODER_CONTROL,
+    ENCODER_STEP,
+    MODEL_NAME,
+    NAMESPACE,
+    WorkerSettings,
+    WorkerStats,
+    announce_ready,
+    make_runtime,
+)
 
 LOG = logging.getLogger("mol2.encoder")
 MAX_RECORDS = 10_000
 SETTLE_TIMEOUT_S = 120.0  # a cancelled turn's decoder has this long to end it; else the session is rebuilt next turn
+Slot = tuple[bool, str]  # where a record is kept: (anonymous, key); key = the x-dynamo-session-id, or anonymous_key(history)
 
 
 class DecoderLost(RuntimeError):
@@ -55,17 +86,33 @@ class ClientLeft(Exception):
     """Dynamo stopped the request's context: the client disconnected."""
 
 
+def for_client(exc: ServingError) -> Exception:
+    """An error whose message the client should read: Dynamo's frontend answers a worker's `InvalidArgument` with HTTP
+    400 and its message (streamed: an error event with it); any other exception becomes a bare HTTP 500, and
+    `HttpError(403, ...)` a 403 without the message (measured on ai-dynamo 1.6.1)."""
+    try:
+        from dynamo.llm.exceptions import InvalidArgument
+    except ImportError:  # outside the Dynamo venv (unit tests)
+        return exc
+    return InvalidArgument(str(exc))
+
+
 class EncoderWorker:
     def __init__(self, settings: WorkerSettings, decoders: Any) -> None:
         self.settings, self.decoders = settings, decoders
         self.counters = Counters()
         self.stats = WorkerStats(settings, self.counters)
         engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir)
-        self.encoder = EncoderService(engine, max_context=settings.max_context, counters=self.counters)
+        # the client's token is checked here, per x-dynamo-session-id, which outlives the service's internal session ids
+        # (a rebuild starts a new one); the service is reached only through this worker's endpoints
+        self.encoder = EncoderService(engine, max_context=settings.max_context, counters=self.counters, session_auth=False)
+        self.tokens = SessionTokens(settings.session_auth)  # x-dynamo-session-id -> its token's digest, while its record lives
+        self.key = load_internal_key(settings.internal_key_path)
+        self.calls = CallAuth(self.key)
         self.router = RouterService(settings.model_dir, Registry(settings.registry_root), self.counters, engine)
         self.tokenizer = ChatTokenizer.load(settings.model_dir)
         self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
-        self.records: OrderedDict[str, SessionRecord] = OrderedDict()
+        self.records: OrderedDict[Slot, SessionRecord] = OrderedDict()
         self.dead: set[int] = set()
         self.absorbed: dict[str, list[int]] = {}  # internal session id -> the tokens its turn in flight fed back here
         self.settling: dict[str, asyncio.Future] = {}  # internal session id -> its turn's end: the reply it kept, or None
@@ -84,23 +131,92 @@ class EncoderWorker:
             # e.g. a request Dynamo migrated mid-reply (prompt + partial reply): continuing it would encode the partial
             # reply as a user turn, silently wrong; the client retries the turn instead
             raise ValueError("the prompt must end with the assistant prompt (a chat request, not a partial reply)")
-        key = (request.get("agent_context") or {}).get("session_id") or "anon-" + fingerprint(prompt, self.tokenizer.end_of_turn_id)
+        session_id = (request.get("agent_context") or {}).get("session_id")
+        if session_id:
+            key = str(session_id)
+            slot: Slot = (False, key)
+            try:
+                issued = self._admit(key, presented_token(request), wants_engine_data(request))  # before anything is read
+            except ServingError as exc:
+                raise for_client(exc) from None
+        else:
+            key = anonymous_key(split_turn(self.tokenizer, prompt)[0])
+            slot, issued = (True, key), ""
         params = sampling_params(request)
         if self.settings.record_logprobs:
             params = dataclasses.replace(params, logprobs=True)
         explicit = explicit_adapter(request.get("model"))  # an explicit adapter always wins over routing
-        for _ in range(1 + len(self.decoders.instance_ids())):
-            try:
-                async with contextlib.aclosing(self._turn(key, prompt, params, explicit, context)) as turn:
-                    async for chunk in turn:  # a client that leaves closes this generator, and so the turn's
-                        yield chunk
-                return
-            except DecoderLost as exc:
-                LOG.warning("%s: %s; rebuilding the session on another decoder", self.settings.name, exc)
-        raise RuntimeError("no decoder worker could take the turn")
+        handed: list[bool] = []  # set once a chunk (the first carries an issued token) went to the frontend
+        try:
+            for _ in range(1 + len(self.decoders.instance_ids())):
+                try:
+                    async with contextlib.aclosing(self._turn(slot, key, prompt, params, explicit, context, issued)) as turn:
+                        async for chunk in turn:  # a client that leaves closes this generator, and so the turn's
+                            handed.append(True)
+                            yield chunk
+                    return
+                except DecoderLost as exc:
+                    LOG.warning("%s: %s; rebuilding the session on another decoder", self.settings.name, exc)
+            raise RuntimeError("no decoder worker could take the turn")
+        except BaseException:
+            if issued and not handed:  # the client never got the token: the session id is free again, with no record
+                self.tokens.restore(key, None)
+                self.records.pop(slot, None)
+            raise
 
-    async def _turn(self, key: str, prompt: list[int], params: Any, explicit: str | None, context: Any) -> AsyncIterator[dict[str, Any]]:
-        record = self.records.get(key)
+    def _admit(self, session_id: str, token: str | None, wants_token: bool) -> str:
+        """A turn under `session_id`: -> the token to issue when it starts the session ("" when the session is live
+        and `token` is its token). A live session's turn without its token is refused (the one message, counted)
+        before anything is read, ended or replaced. Check and issue run without a pause, so two requests racing to
+        start one id cannot both own it."""
+        if not self.tokens.enabled:
+            return ""
+        if self.tokens.digest(session_id) is not None:
+            if not self.tokens.matches(session_id, token):
+                self._refused(PATH_TURN)
+                raise refusal(session_id)
+            return ""
+        if not wants_token:
+            raise BadRequest(f"a turn that starts session {session_id!r} must ask for its session token: list "
+                             f"{ENGINE_DATA_FIELD!r} in nvext.extra_fields (it comes back in nvext.engine_data."
+                             f"{ENGINE_DATA_KEY}; later turns present it as the nvext.annotations entry "
+                             f"'mol2-session-token:<token>')")
+        return self.tokens.issue(session_id)
+
+    def _refused(self, path: str) -> None:
+        """Count a refused check (stats `session_token_refusals/<path>`); what was presented is never logged."""
+        self.counters.add(k.TOKEN_REFUSALS, path)
+        self.stats.flush()
+
+    def _remember(self, slot: Slot, record: SessionRecord) -> None:
+        self.records[slot] = record
+        self.records.move_to_end(slot)
+        while len(self.records) > MAX_RECORDS:
+            (anonymous, key), _ = self.records.popitem(last=False)
+            if not anonymous:
+                self.tokens.forget(key)  # the id's record is gone: its token opens nothing (its owner is told why)
+
+    def _commit(self, slot: Slot, record: SessionRecord, expected: list[int]) -> None:
+        """The turn ended: the record continues under `expected`. An anonymous conversation's record is kept only from
+        now, under its new history's key (the one it continued from, if any, is dropped): one whose turn is in flight
+        is found by nobody, so a second conversation with the same opening never meets it."""
+        record.expected = expected
+        record.turns += 1
+        if slot[0]:
+            held = self.records.get(slot)
+            if held is not None and held.session_id == record.session_id:
+                del self.records[slot]
+            self._remember((True, anonymous_key(expected)), record)
+
+    def _spoil(self, slot: Slot, record: SessionRecord) -> None:
+        """Never continue a session whose last turn failed: its next turn rebuilds (a session id keeps its token)."""
+        held = self.records.get(slot)
+        if held is not None and held.session_id == record.session_id:
+            held.expected = []
+
+    async def _turn(self, slot: Slot, key: str, prompt: list[int], params: Any, explicit: str | None, context: Any,
+                    issued: str) -> AsyncIterator[dict[str, Any]]:
+        record = self.records.get(slot)
         new = continuation(record, prompt)
         live = [i for i in self.decoders.instance_ids() if i not in self.dead]
         if not live:
@@ -120,21 +236,22 @@ class EncoderWorker:
             target = live[next(self._next) % len(live)]
             rebuilt = len(history) > 1
             encoded = await self.run(self.encoder.encode_turn, sid, np.asarray(turn, np.int64), np.asarray(history, np.int64), True)
-        h19, handover = encoded
+        h19, handover = encoded.h19, encoded.handover
         routed = (await self.run(self.router.route, [h19], [explicit]))[0]
         if isinstance(routed, Exception):
             await self.run(self.encoder.rollback, sid)
             raise routed
         record = SessionRecord(sid, decoder_instance=target, turns=(record.turns if record else 0))
-        self.records[key] = record
-        self.records.move_to_end(key)
-        while len(self.records) > MAX_RECORDS:
-            self.records.popitem(last=False)
+        if not slot[0]:  # an anonymous record is kept once its turn ends (_commit)
+            self._remember(slot, record)
         sent_at = time.time()
         t0 = time.perf_counter()
         wire, held = await self.channel.offer(handover)
+        first = int(handover["positions"][0])
         payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": int(routed),
-                   "params": params_to_json(params), "handover": wire, "sent_at": sent_at}
+                   "params": params_to_json(params), "handover": wire, "sent_at": sent_at,
+                   "first_position": first, "grant": self.key.grant(sid, first)}  # the decoder takes rows under a grant only
+        token_data = {"engine_data": {ENGINE_DATA_KEY: issued}} if issued else {}  # rides on the first chunk
         self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(handover), handover_turn_rows=int(handover["positions"].size),
                        handover_turn_pack_s=time.perf_counter() - t0)
         generated: list[int] = []
@@ -161,16 +278,16 @@ class EncoderWorker:
                     generated.append(int(data["token"]))
                     if "logprob" in data:
                         logprobs.append(float(data["logprob"]))
-                    yield {"token_ids": [int(data["token"])], "index": 0}
+                    chunk, token_data = {"token_ids": [int(data["token"])], "index": 0, **token_data}, {}
+                    yield chunk
                 if "finish" in data:
                     self.settling.pop(sid, None)
-                    record.expected = prompt + reply_ids(self.tokenizer, generated)
-                    record.turns += 1
+                    self._commit(slot, record, prompt + reply_ids(self.tokenizer, generated))
                     self.stats.add(turns=1, rebuilds=int(rebuilt))
                     self.stats.log_turn(**log, tokens=generated, finish=data["finish"],
                                         **({"logprobs": logprobs} if params.logprobs else {}))
                     self.stats.flush()
-                    yield {"token_ids": [], "index": 0, "finish_reason": openai_finish(data["finish"])}
+                    yield {"token_ids": [], "index": 0, "finish_reason": openai_finish(data["finish"]), **token_data}
                     return
             raise ServingError(f"decoder {target} ended the turn's stream without a finish")
         except (GeneratorExit, asyncio.CancelledError, ClientLeft) as exc:  # the client left mid-turn
@@ -179,16 +296,18 @@ class EncoderWorker:
                 LOG.warning("%s: the client of %s left mid-turn (%s); stopping the decoder's turn", self.settings.name, key,
                             type(exc).__name__)
                 downstream.stop_generating()  # the decoder ends the turn as "cancelled" and keeps the partial reply
-                task = asyncio.ensure_future(self._settle_cancelled(key, record, prompt, generated, log))
+                task = asyncio.ensure_future(self._settle_cancelled(slot, record, prompt, generated, log))
                 self._settles.add(task)
                 task.add_done_callback(self._settles.discard)
             if not isinstance(exc, ClientLeft):
                 raise
         except ServingError:
-            self.records.pop(key, None)  # never continue a session whose last turn failed: the next one rebuilds
+            self._spoil(slot, record)  # never continue a session whose last turn failed: the next one rebuilds
+            if not started:  # e.g. the decoder refused the hand-over: nothing of the turn was absorbed there
+                await self.run(self.encoder.rollback, sid)
             raise
         except Exception as exc:  # noqa: BLE001 - a transport failure
-            self.records.pop(key, None)
+            self._spoil(slot, record)
             if started:
                 raise
             self.dead.add(target)
@@ -215,7 +334,7 @@ class EncoderWorker:
         if context is not None:
             await context.async_killed_or_stopped()
 
-    async def _settle_cancelled(self, key: str, record: SessionRecord, prompt: list[int], streamed: list[int], log: dict[str, Any]) -> None:
+    async def _settle_cancelled(self, slot: Slot, record: SessionRecord, prompt: list[int], streamed: list[int], log: dict[str, Any]) -> None:
         """A turn whose client left: once the decoder has ended it (its trailing step reached `step` with turn_done),
         the session holds the prompt plus the partial reply as the encoder absorbed it, like a reply cut by max_tokens
         (the Triton path's rule). The record then continues under exactly that history; if the turn failed instead
@@ -230,19 +349,24 @@ class EncoderWorker:
             except TimeoutError:
                 kept = None
             self.settling.pop(sid, None)
-        if self.records.get(key) is not record:
+        if not slot[0] and self.records.get(slot) is not record:
             return  # a newer turn of the conversation took over meanwhile
         if kept is None:
-            self.records.pop(key, None)
+            self._spoil(slot, record)
             return
-        record.expected = prompt + reply_ids(self.tokenizer, kept)
-        record.turns += 1
+        self._commit(slot, record, prompt + reply_ids(self.tokenizer, kept))
         self.stats.add(turns=1, cancelled_turns=1, rebuilds=int(log["rebuilt"]))
         self.stats.log_turn(**log, tokens=kept, finish="cancelled", client_tokens=len(streamed))
         self.stats.flush()
 
     # ------------------------------------------------------------------ the decoder's endpoints
     async def step(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
+        try:
+            self.calls.check(ENCODER_STEP, request, request.get("sessions") or ())
+        except SessionRefused as exc:  # not a decoder of this deployment: nothing is read or changed
+            self._refused(PATH_STEP)
+            yield {"error": str(exc)}
+            return
         t0 = time.perf_counter()
         try:
             rows = await self.run(self.encoder.encode_step, list(request["sessions"]), np.asarray(request["tokens"], np.int64),
@@ -277,6 +401,12 @@ class EncoderWorker:
 
     async def control(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         op, sid = request.get("op"), str(request.get("session_id"))
+        try:
+            self.calls.check(ENCODER_CONTROL, request, [sid])
+        except SessionRefused as exc:
+            self._refused(PATH_CONTROL)
+            yield {"error": str(exc)}
+            return
         if op in ("rollback", "end"):
             self._dropped(sid)
         if op == "rollback":
@@ -295,8 +425,8 @@ async def serve(settings: WorkerSettings) -> None:
     worker = EncoderWorker(settings, decoders)
     await worker.channel.start()
     generate = runtime.endpoint(f"{NAMESPACE}.encoder.generate")
-    step = runtime.endpoint(f"{NAMESPACE}.encoder.step")
-    control = runtime.endpoint(f"{NAMESPACE}.encoder.control")
+    step = runtime.endpoint(ENCODER_STEP)
+    control = runtime.endpoint(ENCODER_CONTROL)
     worker.stats.instance_id = step.connection_id()
     worker.stats.flush()
     model_path = str(settings.run_dir / "model")
@@ -308,7 +438,7 @@ async def serve(settings: WorkerSettings) -> None:
     LOG.warning("%s serving (instance %s)", settings.name, worker.stats.instance_id)
     await asyncio.gather(generate.serve_endpoint(worker.generate), step.serve_endpoint(worker.step),
                          control.serve_endpoint(worker.control),
-                         announce_ready(runtime, f"{NAMESPACE}.encoder.step", settings, worker.stats.instance_id))
+                         announce_ready(runtime, ENCODER_STEP, settings, worker.stats.instance_id))
 
 
 def main(argv: list[str] | None = None) -> None:

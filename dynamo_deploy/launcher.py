@@ -2,7 +2,9 @@
 in files under the run folder (no etcd, no NATS); started and stopped as one.
 
 The frontend runs with session affinity (`x-dynamo-session-id` binds a conversation to one encoder worker for
-`affinity_ttl_s` idle seconds) on the KV router without engine events.
+`affinity_ttl_s` idle seconds) on the KV router without engine events. The workers' shared secret (the internal key
+that signs their calls to each other, session_guard.py) is created here, 0600, in the run folder before any worker
+starts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.session_auth import INTERNAL_KEY_FILE, InternalKey
 
 from .tokenizer_files import write_model_folder
 from .worker_common import MODEL_NAME, discovery_env
@@ -38,6 +41,7 @@ class Deployment:
     affinity_ttl_s: int = 3600
     nixl_threshold_bytes: int = 0  # hand-overs from this size move through NIXL (0: NIXL off, all inline; transfer.py)
     record_logprobs: bool = False  # turns.jsonl keeps each token's log-probability (tests compare them bit for bit)
+    session_auth: bool = True  # session tokens (session_guard.py); off only for a trusted single-tenant deployment
     python: Path = field(default_factory=lambda: Path(os.environ.get("MOL2_DYNAMO_PYTHON", DYNAMO_PYTHON)))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -54,6 +58,7 @@ class Deployment:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         write_model_folder(self.model_dir, self.run_dir / "model", MODEL_NAME, self.max_context)
         ensure_registry(self.run_dir / "registry", self.model_dir)
+        InternalKey.from_file(self.run_dir / INTERNAL_KEY_FILE)  # created once (0600); every worker reads the same file
         for i in range(self.encoders):
             self.start_worker("encoder", i)
         for i in range(self.decoders):
@@ -71,7 +76,8 @@ class Deployment:
             "-m", f"dynamo_deploy.{role}_worker", "--index", str(index), "--run-dir", str(self.run_dir),
             "--model-dir", str(self.model_dir), "--engine-dir", str(self.engine_dir),
             "--registry-root", str(self.run_dir / "registry"), "--backend", self.backend, "--max-context", str(self.max_context),
-            "--nixl-threshold-bytes", str(self.nixl_threshold_bytes), *(["--record-logprobs"] if self.record_logprobs else [])])
+            "--nixl-threshold-bytes", str(self.nixl_threshold_bytes), *(["--record-logprobs"] if self.record_logprobs else []),
+            *([] if self.session_auth else ["--no-session-auth"])])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")

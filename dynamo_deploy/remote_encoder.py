@@ -2,7 +2,8 @@
 holds each session (`Client.direct` by instance id), from the scheduler's thread into the worker's event loop.
 
 The scheduler batches every active turn into one step; their sessions may live on different encoder workers, so a
-step is split by encoder instance and the calls run concurrently.
+step is split by encoder instance and the calls run concurrently. Every call is signed with the deployment's internal
+key (session_guard.CallAuth): the encoder takes steps and clean-up calls from its decoders only.
 """
 
 from __future__ import annotations
@@ -16,15 +17,18 @@ import numpy as np
 from tritonserver_backend.encoder_service import Handover
 from tritonserver_backend.errors import ServingError
 
+from .session_guard import CallAuth
 from .wire import nbytes, unpack
-from .worker_common import WorkerStats
+from .worker_common import ENCODER_CONTROL, ENCODER_STEP, WorkerStats
 
 CALL_TIMEOUT_S = 120.0
 
 
 class RemoteEncoderPort:
-    def __init__(self, step_client: Any, control_client: Any, loop: asyncio.AbstractEventLoop, stats: WorkerStats) -> None:
+    def __init__(self, step_client: Any, control_client: Any, loop: asyncio.AbstractEventLoop, stats: WorkerStats,
+                 calls: CallAuth) -> None:
         self.step_client, self.control_client, self.loop, self.stats = step_client, control_client, loop, stats
+        self.calls = calls
         self.encoder_of: dict[str, int] = {}  # session id -> the encoder instance that holds it (set by each turn)
 
     def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
@@ -45,7 +49,8 @@ class RemoteEncoderPort:
 
     async def _step(self, instance: int, sessions: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
         t0 = time.perf_counter()
-        stream = await self.step_client.direct({"sessions": sessions, "tokens": tokens.tolist(), "turn_done": turn_done}, instance)
+        body = {"sessions": sessions, "tokens": tokens.tolist(), "turn_done": turn_done}
+        stream = await self.step_client.direct(self.calls.sign(ENCODER_STEP, body), instance)
         data: dict[str, Any] | None = None
         async for chunk in stream:
             data = chunk.data()
@@ -65,9 +70,11 @@ class RemoteEncoderPort:
 
     def _control(self, op: str, session_id: str) -> None:
         async def call() -> None:
-            stream = await self.control_client.direct({"op": op, "session_id": session_id}, self._encoder(session_id))
-            async for _ in stream:
-                pass
+            body = self.calls.sign(ENCODER_CONTROL, {"op": op, "session_id": session_id})
+            stream = await self.control_client.direct(body, self._encoder(session_id))
+            async for chunk in stream:
+                if "error" in (data := chunk.data()):
+                    raise ServingError(data["error"])
 
         asyncio.run_coroutine_threadsafe(call(), self.loop).result(CALL_TIMEOUT_S)
 

@@ -19,9 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from tritonserver_backend.counters import Counters
+from tritonserver_backend.session_auth import INTERNAL_KEY_FILE
 
 NAMESPACE = "mol2"
 MODEL_NAME = "mol2-small"
+ENCODER_STEP, ENCODER_CONTROL = f"{NAMESPACE}.encoder.step", f"{NAMESPACE}.encoder.control"  # the decoders' calls
+DECODER_TURN = f"{NAMESPACE}.decoder.turn"
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,13 @@ class WorkerSettings:
     max_context: int = 2048
     nixl_threshold: int = 0  # hand-overs of at least this many bytes move through NIXL; <= 0: all inline (transfer.py)
     record_logprobs: bool = False  # every turn computes its tokens' log-probabilities and turns.jsonl keeps them
+    session_auth: bool = True  # a live session id's later turns need the token issued when it started (session_guard.py)
+    internal_key_file: Path | None = None  # the workers' shared secret; default <run_dir>/internal.key
+
+    @property
+    def internal_key_path(self) -> Path:
+        """The internal key's file (session_auth.InternalKey.from_file creates it, 0600, when missing)."""
+        return self.internal_key_file or self.run_dir / INTERNAL_KEY_FILE
 
     @classmethod
     def from_args(cls, role: str, argv: list[str] | None = None) -> "WorkerSettings":
@@ -53,9 +63,15 @@ class WorkerSettings:
         p.add_argument("--record-logprobs", action="store_true",
                        help="compute every token's log-probability and keep them in turns.jsonl (what the tests "
                             "compare bit for bit)")
+        p.add_argument("--no-session-auth", dest="session_auth", action="store_false",
+                       help="no session tokens: any client that sends a session id continues that conversation (a "
+                            "trusted single-tenant deployment only; the workers' calls to each other stay signed)")
+        p.add_argument("--internal-key-file", type=Path, default=None,
+                       help="the secret the workers share (a 0600 file; created when missing); default "
+                            "<run-dir>/internal.key")
         a = p.parse_args(argv)
         return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context,
-                   a.nixl_threshold_bytes, a.record_logprobs)
+                   a.nixl_threshold_bytes, a.record_logprobs, a.session_auth, a.internal_key_file)
 
     @property
     def name(self) -> str:

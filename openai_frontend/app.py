@@ -1,6 +1,8 @@
 """The FastAPI application: `/v1/chat/completions`, `/v1/models`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
-`/tokenize`, `/detokenize`, `/metrics` (Prometheus), `/health`, errors in the OpenAI format, and with an API key every
+`/tokenize`, `/detokenize`, `/metrics` (Prometheus), `/health`, errors in the OpenAI format, and with API keys every
 route but `/health` and `/metrics` behind `Authorization: Bearer <key>` (as vLLM guards its API, not its scrape).
+With several keys (one per tenant) the conversation-prefix cache is partitioned by the key a request presented, so the
+same messages sent under two keys never continue the same server session.
 
 Streaming answers are server-sent events of `chat.completion.chunk` objects ending with `data: [DONE]`. The first
 token is awaited before the response starts, so an error before the reply (bad parameter, unknown adapter, busy
@@ -10,11 +12,12 @@ every chunk. An error after the reply started is sent as an `error` event (the s
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import responses as r
 from .errors import APIError, unavailable
 from .metrics import CONTENT_TYPE, FrontendMetrics
+from .prefix_cache import namespace_of
 from .schemas import ChatRequest, TokenizeRequest, detokenize_request, lora_request
 from .service import Answer, ChatService
 
@@ -41,10 +45,33 @@ def _headers(answer: Answer) -> dict[str, str]:
     return {ADAPTER_HEADER: answer.adapter, REUSED_HEADER: "true" if answer.reused else "false", CACHED_HEADER: str(answer.cached_tokens)}
 
 
-def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
-    """`api_key`: when set, every route but `/health` and `/metrics` needs `Authorization: Bearer <api_key>` (vLLM's
-    `--api-key`), compared in constant time so response timing does not reveal how much of a guess was right."""
-    metrics = FrontendMetrics()
+def key_checker(api_keys: Sequence[str]) -> Callable[[str], str | None]:
+    """A check of an `Authorization` header against every key: the namespace (`prefix_cache.namespace_of`) of the
+    key it presents as `Bearer <key>`, or None. The presented key's SHA-256 is compared with every key's in constant
+    time (`hmac.compare_digest`, every key compared, no early exit), so timing reveals neither how much of a guess was
+    right, nor its length, nor which key matched."""
+    digests = [namespace_of(k) for k in dict.fromkeys(api_keys)]
+    if not digests or any(not k for k in api_keys):
+        raise ValueError("API keys must be non-empty strings")
+
+    def check(header: str) -> str | None:
+        raw = header.encode("latin-1", "replace")  # the header's bytes as sent (Starlette decodes them as latin-1)
+        presented = raw[len(b"Bearer "):] if raw.startswith(b"Bearer ") else b""
+        given = hashlib.sha256(presented).hexdigest()
+        matched = None
+        for digest in digests:
+            if hmac.compare_digest(given, digest):
+                matched = digest
+        return matched
+
+    return check
+
+
+def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None) -> FastAPI:
+    """`api_keys`: when set (one key or several), every route but `/health` and `/metrics` needs `Authorization: Bearer
+    <key>` with one of them (vLLM's `--api-key`; see `key_checker`), and each key has its own partition of the prefix
+    cache. None or empty: no authentication, one partition."""
+    metrics = FrontendMetrics(service.session_counts)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -64,13 +91,15 @@ def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
         metrics.errors.labels("invalid_request_error", "").inc()
         return JSONResponse(APIError(exc.status_code, str(exc.detail), "invalid_request_error").body(), status_code=exc.status_code)
 
-    if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
+    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
+    if keys:
+        check = key_checker(keys)
 
         @app.middleware("http")
         async def require_key(request: Request, call_next):  # type: ignore[no-untyped-def]
-            given = request.headers.get("authorization", "").encode("latin-1", "replace")
-            if request.url.path not in OPEN_ROUTES and not hmac.compare_digest(given, expected):
+            namespace = check(request.headers.get("authorization", ""))
+            request.state.cache_namespace = namespace or ""
+            if request.url.path not in OPEN_ROUTES and namespace is None:
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                  "invalid_request_error", "invalid_api_key")
                 metrics.errors.labels(error.type, error.code or "").inc()
@@ -139,7 +168,7 @@ def create_app(service: ChatService, api_key: str | None = None) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
         chat = ChatRequest.parse(await request.body())
-        answer = await _safe(service.start(chat))
+        answer = await _safe(service.start(chat, getattr(request.state, "cache_namespace", "")))
         first = time.perf_counter()
         metrics.ttft.observe(first - received)
         metrics.sessions.labels("reused" if answer.reused else "rebuilt" if chat.earlier else "new").inc()

@@ -25,11 +25,24 @@ def parser() -> argparse.ArgumentParser:
                    help="bound of the conversation-prefix cache, in server session bytes (use the server's session_budget_bytes)")
     p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_CONTEXT,
                    help="the server's max_context, as /tokenize reports it")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require 'Authorization: Bearer <key>' on every route but /health (default: ${API_KEY_ENV}; "
-                        "unset: no authentication)")
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help=f"require 'Authorization: Bearer <key>' on every route but /health and /metrics; repeat it for "
+                        "several keys (one per tenant: each key has its own partition of the conversation cache; default: "
+                        f"${API_KEY_ENV}, a comma-separated list; unset: no authentication)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
+
+
+def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) -> list[str]:
+    """The accepted API keys: every `--api-key`, else ${API_KEY_ENV} split at commas (blanks dropped); [] for none.
+    An empty `--api-key` is an error (it would accept a bare 'Bearer ')."""
+    if args.api_key is not None:
+        keys = [k.strip() for k in args.api_key]
+        if not all(keys):
+            raise SystemExit("openai_server: --api-key needs a non-empty key")
+    else:
+        keys = [k.strip() for k in (os.environ if environ is None else environ).get(API_KEY_ENV, "").split(",")]
+    return list(dict.fromkeys(k for k in keys if k))
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -44,7 +57,7 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     cache = PrefixCache(args.cache_budget_bytes, SessionCost.of_model(args.model_dir))
     tokenizer = ChatTokenizer.load(args.model_dir)
     tokenizer.chat_format  # noqa: B018 - prompts are counted in the directory's chat format: none fails at start, not per request
-    return create_app(ChatService(TritonStream(args.triton_url), tokenizer, cache, args.max_model_len), args.api_key)
+    return create_app(ChatService(TritonStream(args.triton_url), tokenizer, cache, args.max_model_len), api_keys(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper())
     app = build(args)
-    auth = "API key required" if args.api_key else "no API key (any Authorization is accepted)"
+    n = len(api_keys(args))
+    auth = f"API key required ({n} key{'s' * (n != 1)})" if n else "no API key (any Authorization is accepted)"
     print(f"OpenAI frontend on http://{args.host}:{args.port}/v1 -> tritonserver gRPC {args.triton_url}; {auth}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio")  # grpc.aio needs asyncio's loop
     return 0

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tritonserver_backend.session_auth import REFUSAL
+
+# what every session-token refusal says, whatever the session id ("with this session_token")
+TOKEN_REFUSAL_NEEDLE = REFUSAL.partition("{session_id!r}")[2].partition(":")[0].strip().lower()
+
 
 @dataclass
 class APIError(Exception):
@@ -47,6 +52,7 @@ _TRITON_CLASSES: tuple[tuple[str, int, str, str | None], ...] = (
     ("admin key is not usable", 503, "server_error", "admin_key_unusable"),
     ("still answering its previous turn", 429, "rate_limit_error", "session_busy"),
     ("unknown adapter", 404, "invalid_request_error", "model_not_found"),
+    (TOKEN_REFUSAL_NEEDLE, 409, "invalid_request_error", "session_refused"),
     ("unknown session", 409, "invalid_request_error", "session_lost"),
     ("was evicted", 409, "invalid_request_error", "session_lost"),
     ("was ended", 409, "invalid_request_error", "session_lost"),
@@ -66,6 +72,13 @@ def from_triton(message: str) -> APIError:
     return APIError(400, message, "invalid_request_error", None)
 
 
+def session_refused(error: APIError) -> bool:
+    """The server refused the session token the frontend sent (session_auth.py): one message whether the session is
+    gone (a restarted server, a forgotten eviction) or the token is not its own."""
+    return error.code == "session_refused"
+
+
 def session_lost(error: APIError) -> bool:
-    """The server no longer holds the session the cache pointed at: rebuild it from the messages instead."""
-    return error.code == "session_lost"
+    """The server no longer holds the session the cache pointed at, or will not open it with the token the frontend
+    holds: rebuild it from the messages under a new session id instead."""
+    return error.code in ("session_lost", "session_refused")

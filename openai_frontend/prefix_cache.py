@@ -10,6 +10,12 @@ before the new user message: the longest prefix a session can continue from, bec
 turn and then the server's own reply, and cannot absorb assistant text it did not generate. Any other prefix
 (edited history, a lost entry) is rebuilt from the messages with the `history` input.
 
+With API keys configured the cache is partitioned by the key a request presented: the key's SHA-256 (`namespace`) is
+mixed into the cache key, so the same messages sent under two keys never reach the same session (one tenant cannot
+continue, or even detect, another's conversation). Without keys there is one namespace. An entry also holds the
+session's token (the server's issued_session_token), which every later turn of the session must present; the key of
+the cache never holds an API key itself, only its digest.
+
 `take` removes the entry it returns: a session serves one request at a time, so two concurrent requests that resend
 the same conversation never share (or see) one session; the second rebuilds its own. The turn's outcome is stored
 under its new key with `put`. Entries are evicted least recently used once their estimated bytes pass the budget
@@ -23,22 +29,30 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .schemas import Message
 from .session_cost import SessionCost
 
 
-def prefix_key(messages: Sequence[Message]) -> str:
+def namespace_of(api_key: str | None) -> str:
+    """The cache namespace of requests that presented `api_key`: its hex SHA-256; "" without keys (one namespace)."""
+    return hashlib.sha256(api_key.encode("utf-8")).hexdigest() if api_key else ""
+
+
+def prefix_key(messages: Sequence[Message], namespace: str = "") -> str:
+    """The cache key of a message list within a namespace (`namespace_of`; "" without API keys)."""
     canonical = json.dumps([list(m) for m in messages], ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+    salt = f"{namespace}\x00" if namespace else ""
+    return hashlib.sha256((salt + canonical).encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)
 class Entry:
     session_id: str
     tokens: int  # positions the session holds (what its bytes grow with)
+    session_token: str = field(default="", repr=False)  # the server's token for the session ("" with session_auth off)
 
 
 class PrefixCache:

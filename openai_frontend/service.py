@@ -5,6 +5,12 @@ message is sent (and encoded). Otherwise it starts a fresh session with `new_ses
 `history` (the server's rebuild path). Either way the request is the same tensor-API turn a client of the `mol2`
 ensemble would send, so the reply is the one that conversation gets there. A cached session the server has meanwhile
 evicted fails before anything is encoded and is rebuilt at once; the client never sees it.
+
+The server issues a session token when a session starts (issued_session_token on the turn's responses; with
+session_auth on, the default, every later turn and cancel of the session must present it). The frontend keeps it in
+the cache entry beside the session id and sends it with each continuing turn; the client never sees it. A turn the
+server refuses for its token (a restarted server, a session it forgot) is treated like a lost session: rebuilt at once
+from the messages under a new session id, and counted (`refusals`, `rebuilt_after_refusal`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from build_engines.data.tokenizer import ChatTokenizer, Message
 from tritonserver_backend.client import TurnRequest
 
 from . import model_ids
-from .errors import APIError, bad_request, session_lost, unknown_model
+from .errors import APIError, bad_request, session_lost, session_refused, unknown_model
 from .prefix_cache import Entry, PrefixCache, prefix_key
 from .schemas import ChatRequest
 from .stop_text import StopText
@@ -42,6 +48,9 @@ class Answer:
     cached_tokens: int
     first: Piece
     rest: AsyncIterator[Piece]
+    namespace: str = ""  # the prefix cache's partition (the API key's digest; "" without keys)
+    session_token: str = field(default="", repr=False)  # the session's token: the one sent, or the one issued now
+    refused: bool = False  # the cached session's token was refused, and this turn rebuilt it
     adapter: str = ""
     finish: str = ""
     completion_tokens: int = 0
@@ -79,6 +88,7 @@ class Answer:
                 self.service.remember(self)
 
     def _take(self, piece: Piece) -> str:
+        self.session_token = piece.session_token or self.session_token
         self.adapter = piece.adapter or self.adapter
         self.finish = piece.finish or self.finish
         if not piece.token_ids:
@@ -114,6 +124,14 @@ class ChatService:
         self._adapters: list[str] = []
         self._adapters_at = 0.0
         self.reused = self.rebuilt = self.started = 0
+        # continuing turns the server refused for their session token, and cached sessions rebuilt because the server
+        # refused their token or had lost them (evicted, ended): what /metrics reports
+        self.refusals = self.rebuilt_after_refusal = self.rebuilt_after_loss = 0
+
+    def session_counts(self) -> dict[str, int]:
+        """What /metrics reports of refused session tokens and rebuilt sessions."""
+        return {"refusals": self.refusals, "rebuilt_after_refusal": self.rebuilt_after_refusal,
+                "rebuilt_after_loss": self.rebuilt_after_loss}
 
     # ------------------------------------------------------------------ models
     async def adapters(self, fresh: bool = False) -> list[str]:
@@ -133,29 +151,41 @@ class ChatService:
             raise unknown_model(request.model, model_ids.served(self._adapters))
 
     # ------------------------------------------------------------------ a completion
-    async def start(self, request: ChatRequest) -> Answer:
+    async def start(self, request: ChatRequest, namespace: str = "") -> Answer:
+        """`namespace`: the prefix cache partition of the request's API key (`prefix_cache.namespace_of`)."""
         await self.check_model(request)
         try:  # counted in the model directory's chat format, the one the server renders the turn in
             prompt_tokens = len(self.tokenizer.chat([Message(r, t) for r, t in request.messages]))
         except ChatFormatError as exc:
             raise bad_request(str(exc), "messages") from None
-        entry = self.cache.take(prefix_key(request.earlier)) if request.earlier else None
+        entry = self.cache.take(prefix_key(request.earlier, namespace)) if request.earlier else None
+        refused = False
         if entry is not None:
             try:
-                return await self._open(request, entry.session_id, False, prompt_tokens, entry.tokens)
+                return await self._open(request, namespace, entry.session_id, False, prompt_tokens, entry.tokens,
+                                        entry.session_token)
             except APIError as exc:
                 if not session_lost(exc):
                     raise
-        return await self._open(request, f"oai-{uuid.uuid4().hex}", True, prompt_tokens, 0)
+                refused = session_refused(exc)
+                self.refusals += refused
+        answer = await self._open(request, namespace, f"oai-{uuid.uuid4().hex}", True, prompt_tokens, 0)
+        answer.refused = refused
+        if entry is not None:
+            self.rebuilt_after_refusal += refused
+            self.rebuilt_after_loss += not refused
+        return answer
 
-    async def _open(self, request: ChatRequest, session_id: str, new: bool, prompt_tokens: int, cached: int) -> Answer:
+    async def _open(self, request: ChatRequest, namespace: str, session_id: str, new: bool, prompt_tokens: int,
+                    cached: int, session_token: str = "") -> Answer:
         history = json.dumps([{"role": r, "content": t} for r, t in request.earlier]) if new and request.earlier else None
         turn = TurnRequest(session_id, request.last, new_session=new, adapter=request.adapter, max_tokens=request.max_tokens,
                            temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                            stop=list(request.stop) or None, frequency_penalty=request.frequency_penalty,
                            presence_penalty=request.presence_penalty, repetition_penalty=request.repetition_penalty,
                            history=history, stream=request.stream, logprobs=request.logprobs,
-                           top_logprobs=request.top_logprobs or None)  # a non-streamed completion: one response, not one per token
+                           top_logprobs=request.top_logprobs or None,  # a non-streamed completion: one response, not one per token
+                           session_token=session_token or None)
         pieces = self.stream.turn(turn)
         try:
             first = await anext(pieces)
@@ -167,7 +197,8 @@ class ChatService:
             self.started += not request.earlier
         else:
             self.reused += 1
-        return Answer(self, request, session_id, not new, prompt_tokens, cached, first, pieces)
+        return Answer(self, request, session_id, not new, prompt_tokens, cached, first, pieces, namespace,
+                      first.session_token or session_token)
 
     def remember(self, answer: Answer) -> None:
         """The session now holds the request's messages and the reply as returned: continuable under that prefix."""
@@ -175,4 +206,4 @@ class ChatService:
             return
         held = answer.request.messages + (("assistant", answer.text),)
         tokens = answer.prompt_tokens + answer.completion_tokens + 1  # + the end-of-turn the server appends
-        self.cache.put(prefix_key(held), Entry(answer.session_id, tokens))
+        self.cache.put(prefix_key(held, answer.namespace), Entry(answer.session_id, tokens, answer.session_token))

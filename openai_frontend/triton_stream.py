@@ -29,6 +29,7 @@ class Piece:
     finish: str  # "" while streaming
     logprobs: tuple[float, ...] = ()  # with logprobs: one per token id
     top: tuple[tuple[tuple[int, float], ...], ...] = ()  # with top_logprobs k: per token id, k (id, log-probability)
+    session_token: str = ""  # issued_session_token: the session's new token on a turn that (re)started it, else ""
 
 
 def _array(spec: c.TensorSpec, value: Any) -> np.ndarray:
@@ -85,8 +86,14 @@ class TritonStream:
 
     async def turn(self, request: TurnRequest) -> AsyncIterator[Piece]:
         """The turn's pieces, the last one with its finish reason; a Triton error raises the matching APIError. If the
-        consumer stops early (the HTTP client left), the turn is cancelled on the server (session_control)."""
+        consumer stops early (the HTTP client left), the turn is cancelled on the server (session_control), with the
+        session's token: the one the request carried, or the one the server issued for this turn.
+
+        A streamed turn that (re)starts a session first gets a response of its own with the issued token and no token
+        ids: it is not a piece (the first piece stays the first token, so an error before it keeps its HTTP status and
+        the adapter is known), but from then on a cancel can name the token; every piece of the turn carries it."""
         done = asyncio.Event()
+        issued = ""  # the token the server issued for this turn (it (re)started the session), else ""
         inputs = self._inputs(request.tensors())
         outputs = [self._aio.InferRequestedOutput(s.name) for s in c.ENSEMBLE_OUTPUTS]
 
@@ -101,12 +108,16 @@ class TritonStream:
                 if error is not None:
                     finished = True  # the server ended the request itself: nothing to cancel
                     raise from_triton(_message(error))
-                token = result.as_numpy(c.TOKEN_ID_OUT.name)
-                if token is None:
+                issued = _text(result, c.ISSUED_SESSION_TOKEN) or issued
+                token_ids = result.as_numpy(c.TOKEN_ID_OUT.name)
+                if token_ids is None:
                     continue
-                ids = tuple(int(t) for t in token.reshape(-1) if t >= 0)
-                piece = Piece(ids, _text(result, c.TEXT_OUTPUT), _text(result, c.ADAPTER_NAME), _text(result, c.FINISH_REASON),
-                              *(_logprobs(result, len(ids)) if request.logprobs else ((), ())))
+                ids = tuple(int(t) for t in token_ids.reshape(-1) if t >= 0)
+                finish = _text(result, c.FINISH_REASON)
+                if not token_ids.size and not finish:
+                    continue  # the issued token's own response (see above): nothing to show yet
+                piece = Piece(ids, _text(result, c.TEXT_OUTPUT), _text(result, c.ADAPTER_NAME), finish,
+                              *(_logprobs(result, len(ids)) if request.logprobs else ((), ())), session_token=issued)
                 finished = bool(piece.finish)
                 yield piece
                 if finished:
@@ -118,11 +129,11 @@ class TritonStream:
             done.set()
             if not finished:
                 stream.cancel()
-                await asyncio.shield(self._cancel_quietly(request.session_id))
+                await asyncio.shield(self._cancel_quietly(request.session_id, issued or request.session_token))
 
-    async def _cancel_quietly(self, session_id: str) -> None:
+    async def _cancel_quietly(self, session_id: str, session_token: str | None) -> None:
         try:
-            await self.cancel(session_id)
+            await self.cancel(session_id, session_token)
         except Exception:  # noqa: BLE001 - best effort: the turn may have ended meanwhile, or the server be gone
             pass
 
@@ -151,8 +162,12 @@ class TritonStream:
         parameters = {ADMIN_KEY_PARAMETER: admin_key} if admin_key else None
         return json.loads(await self._infer(c.ADMIN.name, tensors, c.RESULT, parameters))
 
-    async def cancel(self, session_id: str) -> dict:
-        return json.loads(await self._infer(c.SESSION_CONTROL.name, {c.SESSION_ID: session_id, c.CONTROL_ACTION: "cancel"}, c.RESULT))
+    async def cancel(self, session_id: str, session_token: str | None = None) -> dict:
+        """Stop the session's turn in flight (`session_control` cancel), with its token (needed with session_auth on)."""
+        tensors: dict[c.TensorSpec, Any] = {c.SESSION_ID: session_id, c.CONTROL_ACTION: "cancel"}
+        if session_token:
+            tensors[c.CONTROL_TOKEN] = session_token
+        return json.loads(await self._infer(c.SESSION_CONTROL.name, tensors, c.RESULT))
 
     async def ready(self) -> bool:
         try:

@@ -2,8 +2,10 @@
 
   .venv/bin/python scripts/dynamo_up.py start --encoders 2 --decoders 2 --port 18080   # returns once it serves
   curl -s 127.0.0.1:18080/v1/chat/completions -H 'x-dynamo-session-id: s1' -H 'content-type: application/json' \\
-       -d '{"model": "mol2-small", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 24}'
-  .venv/bin/python scripts/dynamo_up.py status      # routing counters (written/read/applied) and transfers per worker
+       -d '{"model": "mol2-small", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 24,
+            "nvext": {"extra_fields": ["engine_data"]}}'   # -> nvext.engine_data.mol2_session_token: later turns of s1
+                                                           #    send "annotations": ["mol2-session-token:<token>"] in nvext
+  .venv/bin/python scripts/dynamo_up.py status      # routing counters, transfers, refused session checks per worker
   .venv/bin/python scripts/dynamo_up.py stop
 
 Discovery is Dynamo's file backend under --run-dir (no etcd, no NATS); the workers run in .venv-dynamo
@@ -21,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynamo_deploy.launcher import Deployment, read_stats, stop_recorded  # noqa: E402
+from tritonserver_backend.counters import TOKEN_REFUSALS  # noqa: E402
 
 DEFAULT_RUN_DIR = ROOT / "artifacts" / "dynamo"
 
@@ -38,13 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--nixl-threshold-bytes", type=int, default=0,
                    help="hand-overs from this size move through NIXL (e.g. 4194304); 0 (default): NIXL off, all inline")
+    p.add_argument("--no-session-auth", dest="session_auth", action="store_false",
+                   help="no session tokens: any client that sends a session id continues that conversation (a trusted "
+                        "single-tenant deployment only; the workers' calls to each other stay signed)")
     a = p.parse_args(argv)
     if a.command == "start":
         if (a.run_dir / "deployment.json").exists():
             print(f"a deployment is already recorded in {a.run_dir}; stop it first", file=sys.stderr)
             return 1
         d = Deployment(a.run_dir, a.model_dir, a.engine_dir, a.encoders, a.decoders, a.port, a.backend, a.max_context,
-                       nixl_threshold_bytes=a.nixl_threshold_bytes)
+                       nixl_threshold_bytes=a.nixl_threshold_bytes, session_auth=a.session_auth)
         t0 = time.monotonic()
         print(f"starting {a.encoders} encoder + {a.decoders} decoder workers and the frontend (logs in {a.run_dir / 'logs'}) ...", flush=True)
         try:
@@ -62,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
                 if k.startswith("routing_decisions"):
                     show[k.split("/")[0].replace("routing_decisions_", "")] += v
             f = w["figures"]
+            refused = {k.split("/", 1)[1]: v for k, v in sorted(c.items()) if k.startswith(TOKEN_REFUSALS + "/")}
             print(f"{name:10s} instance {w['instance_id']} pid {w['pid']}: turns {int(f.get('turns', 0))}, routing {show}, "
                   f"hand-over {int(f.get('handover_turn_bytes', 0))} B in {int(f.get('handover_turns', 0))} turns "
                   f"(inline {int(f.get('sent_inline_bytes', 0) + f.get('received_inline_bytes', 0))} B, "
                   f"NIXL {int(f.get('sent_nixl_bytes', 0) + f.get('received_nixl_bytes', 0))} B), "
-                  f"steps {int(f.get('step_calls', 0))} ({int(f.get('step_bytes', 0))} B), rebuilds {int(f.get('rebuilds', 0))}")
+                  f"steps {int(f.get('step_calls', 0))} ({int(f.get('step_bytes', 0))} B), rebuilds {int(f.get('rebuilds', 0))}, "
+                  f"refused session checks {refused}")
         return 0
     stopped = stop_recorded(a.run_dir)
     print(f"stopped {', '.join(stopped) if stopped else 'nothing (no deployment recorded)'}")

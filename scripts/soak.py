@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from build_engines.build.cli import main as build_engines  # noqa: E402
 from build_engines.committed import refuse_to_overwrite  # noqa: E402
-from tritonserver_backend.client import GrpcChat, TurnRequest, cancel_turn, raw_stream_error  # noqa: E402
+from tritonserver_backend.client import GrpcChat, SessionTokens, TurnRequest, cancel_turn, raw_stream_error  # noqa: E402
 from tritonserver_backend.launcher import TritonServer  # noqa: E402
 from tritonserver_backend.repository import build_repository  # noqa: E402
 
@@ -46,7 +46,7 @@ TEXTS = ["Hi there, how are you?", "def add(a, b):\n    return a + b", "Center a
          "What should I cook tonight?", "ls -la | grep conf", "import json\nprint(json.dumps({'a': 1}))", ".nav a:hover { color: teal; }"]
 ADAPTERS = [None, None, None, "L0_chat", "L1_agent", "L2_code", "L3_design", "base"]
 CONTROL = [("Hello! What's new?", None), ("import os\nprint(os.getcwd())", None), ("Thanks a lot.", "L0_chat")]
-EXPECTED = ("server busy", "unknown adapter", "unknown session", "was ended", "context limit", "max_tokens must lie in",
+EXPECTED = ("server busy", "unknown adapter", "unknown session", "no live session", "was ended", "context limit", "max_tokens must lie in",
             "history is not valid JSON", "temperature must lie in", "top_p must lie in", "cancelled before it started",
             "is not loaded", "still answering")
 
@@ -82,7 +82,8 @@ class TimedChat:
 
     def __init__(self, url: str, stats: Stats) -> None:
         self.url, self.stats = url, stats
-        self.chat = GrpcChat(url)
+        self.tokens = SessionTokens()  # kept across reopened streams: the sessions outlive them
+        self.chat = GrpcChat(url, self.tokens)
 
     def turn(self, request: TurnRequest, stop_after: int | None = None):  # type: ignore[no-untyped-def]
         stamps: list[float] = []
@@ -112,7 +113,7 @@ class TimedChat:
             self.chat.close()
         except Exception:  # noqa: BLE001 - the stream is already gone
             pass
-        self.chat = GrpcChat(self.url)
+        self.chat = GrpcChat(self.url, self.tokens)
 
     def close(self) -> None:
         self.reopen()
@@ -150,7 +151,7 @@ def disconnect(chat: TimedChat, sid: str, rng: random.Random, stats: Stats, http
         stats.abrupt += not polite
     if polite:
         try:
-            cancel_turn(http_url, sid)
+            cancel_turn(http_url, sid, chat.tokens.get(sid))
         except RuntimeError as exc:
             stats.error(f"{sid} cancel", str(exc))
 

@@ -65,18 +65,26 @@ def _new_key() -> str:
 
 def ensure_admin_key(path: str | Path) -> str:
     """The key in `path`, created (0600, a fresh random key) when the file does not exist; checked like
-    :func:`read_admin_key`. Safe when two processes race: the file is created exclusively."""
+    :func:`read_admin_key`. Safe when processes race (the models of one server start at once): the key is written to
+    a private temporary file and hard-linked into place, which either creates `path` whole or finds it there, so no
+    process ever reads a created but not yet written file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+    if path.exists():
         return read_admin_key(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, (_new_key() + "\n").encode())
     finally:
         os.close(fd)
+    try:
+        os.link(partial, path)  # atomic, and refuses to replace: the first process to get here wins
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink()
     return read_admin_key(path)
 
 

@@ -1,14 +1,19 @@
 """Chat clients for the `mol2` ensemble: gRPC bidirectional streaming (tritonclient) and HTTP (generate_stream SSE).
 
-Both return the same `Reply`, so tests and the chat script can compare transports token for token.
+Both return the same `Reply`, so tests and the chat script can compare transports token for token. Each client keeps
+the session tokens the server issues (`SessionTokens`: the token of a session's first reply goes with every later
+request of that session), so a caller that only names its session ids carries them without doing anything; pass one
+`SessionTokens` to several clients that take turns on the same sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import json
 import queue
+import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -19,6 +24,7 @@ from . import contract as c
 
 @dataclass
 class Reply:
+    session_token: str = ""  # issued_session_token: set when this turn started (or rebuilt) the session
     token_ids: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     adapter: str = ""
@@ -52,6 +58,7 @@ class TurnRequest:
     stream: bool = True  # False: the whole reply in one response (HttpChat then calls /generate)
     logprobs: bool = False  # each token's log-probability comes back in Reply.logprobs
     top_logprobs: int | None = None  # and the k most likely alternatives at each position
+    session_token: str | None = None  # None: the client's SessionTokens fill in the session's token, if they hold one
 
     def tensors(self) -> dict[c.TensorSpec, Any]:
         values: dict[c.TensorSpec, Any] = {c.SESSION_ID: self.session_id, c.TEXT: self.text}
@@ -71,9 +78,40 @@ class TurnRequest:
             c.STREAM: None if self.stream else False,
             c.LOGPROBS: self.logprobs or None,
             c.TOP_LOGPROBS: self.top_logprobs,
+            c.SESSION_TOKEN: self.session_token,
         }
         values.update({k: v for k, v in optional.items() if v is not None})
         return values
+
+
+class SessionTokens:
+    """The session tokens a client holds, by session id: the issued token of a reply is kept, and sent with every
+    later request of that session that does not name a token itself (after the session ended too: with its token,
+    the server says that it ended rather than refusing a stranger)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def outgoing(self, request: TurnRequest) -> TurnRequest:
+        if request.session_token is not None:
+            return request
+        with self._lock:
+            token = self._tokens.get(request.session_id)
+        return request if token is None else dataclasses.replace(request, session_token=token)
+
+    def learn(self, request: TurnRequest, reply: Reply) -> None:
+        with self._lock:
+            if reply.session_token:
+                self._tokens[request.session_id] = reply.session_token
+
+    def get(self, session_id: str) -> str | None:
+        with self._lock:
+            return self._tokens.get(session_id)
+
+    def __setitem__(self, session_id: str, token: str) -> None:
+        with self._lock:
+            self._tokens[session_id] = token
 
 
 def _numpy(spec: c.TensorSpec, value: Any) -> np.ndarray:
@@ -84,7 +122,7 @@ def _numpy(spec: c.TensorSpec, value: Any) -> np.ndarray:
 
 
 def _add(reply: Reply, tokens: list[int], piece: str, adapter: str, finish: str,
-         logprobs: tuple[Any, Any, Any] | None = None) -> None:
+         logprobs: tuple[Any, Any, Any] | None = None, issued_token: str = "") -> None:
     """One streamed response: its token ids (several when the server groups them, `stream_interval`; [-1] on the final
     response), their text and, when asked for, their log-probabilities (token, top ids, top log-probabilities)."""
     ids = [t for t in tokens if t >= 0]
@@ -100,6 +138,7 @@ def _add(reply: Reply, tokens: list[int], piece: str, adapter: str, finish: str,
             reply.top_logprobs.extend([float(x) for x in row] for row in np.asarray(top_lp, np.float32).reshape(-1, k))
     reply.adapter = adapter or reply.adapter
     reply.finish_reason = finish or reply.finish_reason
+    reply.session_token = issued_token or reply.session_token
 
 
 def _grpc_text(result: Any, spec: c.TensorSpec) -> str:
@@ -131,7 +170,7 @@ def _take(reply: Reply, result: Any, error: Any, on_piece: Callable[[str], None]
         ids, piece = [int(t) for t in token_ids.reshape(-1)], _grpc_text(result, c.TEXT_OUTPUT)
         lp = tuple(result.as_numpy(s.name) for s in c.LOGPROB_OUTPUTS)
         _add(reply, ids, piece, _grpc_text(result, c.ADAPTER_NAME), _grpc_text(result, c.FINISH_REASON),
-             None if any(v is None for v in lp) else lp)
+             None if any(v is None for v in lp) else lp, _grpc_text(result, c.ISSUED_SESSION_TOKEN))
         if on_piece is not None and any(t >= 0 for t in ids):  # token-carrying responses, not the final one
             on_piece(piece)
     return final is not None and final.bool_param
@@ -140,20 +179,24 @@ def _take(reply: Reply, result: Any, error: Any, on_piece: Callable[[str], None]
 class GrpcChat:
     """One gRPC stream; `turn` sends a request and collects its streamed responses until the final one."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, tokens: SessionTokens | None = None) -> None:
         import tritonclient.grpc as grpcclient
 
         self._grpc = grpcclient
+        self.tokens = tokens if tokens is not None else SessionTokens()
         self.client = grpcclient.InferenceServerClient(url)
         self._results: queue.Queue = queue.Queue()
         self.client.start_stream(callback=lambda result, error: self._results.put((result, error)))
 
     def turn(self, request: TurnRequest, timeout: float = 300.0, on_piece: Callable[[str], None] | None = None) -> Reply:
+        request = self.tokens.outgoing(request)
         self.client.async_stream_infer(c.ENSEMBLE_NAME, **_grpc_request(self._grpc, request))
         reply = Reply()
         while True:
             result, error = self._results.get(timeout=timeout)
-            if _take(reply, result, error, on_piece):
+            done = _take(reply, result, error, on_piece)
+            self.tokens.learn(request, reply)  # as soon as the token arrives: the turn can be cancelled meanwhile
+            if done:
                 return reply
 
     def close(self) -> None:
@@ -165,11 +208,12 @@ class AsyncGrpcChat:
     """`GrpcChat` for asyncio (tritonclient.grpc.aio): many conversations share one thread and event loop, which costs a
     load generator about a third less CPU per streamed token than a thread per conversation (docs/load.md)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, tokens: SessionTokens | None = None) -> None:
         import tritonclient.grpc as grpcclient
         import tritonclient.grpc.aio as aioclient
 
         self._grpc = grpcclient
+        self.tokens = tokens if tokens is not None else SessionTokens()
         self.client = aioclient.InferenceServerClient(url)
         self._requests: asyncio.Queue = asyncio.Queue()
         self._responses: Any = None
@@ -181,11 +225,14 @@ class AsyncGrpcChat:
     async def turn(self, request: TurnRequest, on_piece: Callable[[str], None] | None = None) -> Reply:
         if self._responses is None:  # the stream opens with the first turn and carries every later one
             self._responses = self.client.stream_infer(self._request_stream()).__aiter__()
+        request = self.tokens.outgoing(request)
         await self._requests.put({"model_name": c.ENSEMBLE_NAME, **_grpc_request(self._grpc, request)})
         reply = Reply()
         while True:
             result, error = await self._responses.__anext__()
-            if _take(reply, result, error, on_piece):
+            done = _take(reply, result, error, on_piece)
+            self.tokens.learn(request, reply)
+            if done:
                 return reply
 
     async def close(self) -> None:
@@ -197,18 +244,26 @@ class HttpChat:
     """HTTP/1.1 `generate_stream` (server-sent events), one event per streamed response; `generate` (one JSON answer)
     for a request with `stream=False`."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, tokens: SessionTokens | None = None) -> None:
         host, _, port = url.partition(":")
         self.host, self.port = host, int(port or 80)
+        self.tokens = tokens if tokens is not None else SessionTokens()
 
     def turn(self, request: TurnRequest, timeout: float = 300.0, on_piece: Callable[[str], None] | None = None) -> Reply:
+        request = self.tokens.outgoing(request)
+        reply = Reply()
+        try:
+            return self._turn(request, reply, timeout, on_piece)
+        finally:
+            self.tokens.learn(request, reply)
+
+    def _turn(self, request: TurnRequest, reply: Reply, timeout: float, on_piece: Callable[[str], None] | None) -> Reply:
         body = {spec.name: value for spec, value in request.tensors().items()}
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             endpoint = "generate_stream" if request.stream else "generate"
             conn.request("POST", f"/v2/models/{c.ENSEMBLE_NAME}/{endpoint}", body=json.dumps(body), headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            reply = Reply()
             if resp.status != 200:
                 reply.error = _http_error(resp.read())
                 return reply
@@ -227,7 +282,8 @@ class HttpChat:
                     ids = [int(t) for t in (ids if isinstance(ids, list) else [ids])]
                     lp = tuple(event.get(s.name) for s in c.LOGPROB_OUTPUTS)
                     _add(reply, ids, piece, str(_scalar(event.get(c.ADAPTER_NAME.name, ""))), str(_scalar(event.get(c.FINISH_REASON.name, ""))),
-                         None if any(v is None for v in lp) else lp)
+                         None if any(v is None for v in lp) else lp, str(_scalar(event.get(c.ISSUED_SESSION_TOKEN.name, ""))))
+                    self.tokens.learn(request, reply)  # as soon as the token arrives: the turn can be cancelled meanwhile
                     if on_piece is not None and any(t >= 0 for t in ids):
                         on_piece(piece)
             return reply
@@ -250,15 +306,19 @@ def _http_error(raw: bytes) -> str:
         return text
 
 
-def cancel_turn(http_url: str, session_id: str, timeout: float = 30.0) -> dict:
+def cancel_turn(http_url: str, session_id: str, session_token: str | None = None, timeout: float = 30.0) -> dict:
     """Ask the server to stop `session_id`'s turn in flight (the `session_control` model); returns its JSON answer.
+    `session_token`: the session's token (needed with session_auth on; a client's `SessionTokens.get` has it).
 
     Clients that drop a stream should call this: Triton does not pass a cancelled stream on to a running step.
     """
     host, _, port = http_url.partition(":")
     conn = http.client.HTTPConnection(host, int(port or 80), timeout=timeout)
-    body = {"inputs": [{"name": c.SESSION_ID.name, "shape": [1], "datatype": "BYTES", "data": [session_id]},
-                       {"name": c.CONTROL_ACTION.name, "shape": [1], "datatype": "BYTES", "data": ["cancel"]}]}
+    inputs = [{"name": c.SESSION_ID.name, "shape": [1], "datatype": "BYTES", "data": [session_id]},
+              {"name": c.CONTROL_ACTION.name, "shape": [1], "datatype": "BYTES", "data": ["cancel"]}]
+    if session_token is not None:
+        inputs.append({"name": c.CONTROL_TOKEN.name, "shape": [1], "datatype": "BYTES", "data": [session_token]})
+    body = {"inputs": inputs}
     try:
         conn.request("POST", f"/v2/models/{c.SESSION_CONTROL.name}/infer", body=json.dumps(body), headers={"Content-Type": "application/json"})
         resp = conn.getresponse()

@@ -49,6 +49,7 @@ FREQUENCY_PENALTY = TensorSpec("frequency_penalty", "FP32", (1,), True, "[-2, 2]
 PRESENCE_PENALTY = TensorSpec("presence_penalty", "FP32", (1,), True, "[-2, 2]: subtracted from the logit of a token that appeared in the reply (default 0)")
 REPETITION_PENALTY = TensorSpec("repetition_penalty", "FP32", (1,), True, "(0, 10]: divides a positive (multiplies a negative) logit of a token seen in the reply (default 1)")
 PENALTIES = (FREQUENCY_PENALTY, PRESENCE_PENALTY, REPETITION_PENALTY)
+SESSION_TOKEN = TensorSpec("session_token", "BYTES", (1,), True, "the token issued when the session started (issued_session_token of its first reply): needed by every later turn, end_session, cancel, and by new_session or history on a live session (with session_auth on, the default)")
 END_SESSION = TensorSpec("end_session", "BOOL", (1,), True, "true drops the session after this turn")
 STREAM = TensorSpec("stream", "BOOL", (1,), True, "false: the whole reply in one response (what Triton's HTTP /generate needs); default true: a response per token")
 LOGPROBS = TensorSpec("logprobs", "BOOL", (1,), True, "true: each token's log-probability under the model (log-softmax of the engine's logits, before penalties and temperature) comes back in token_logprob")
@@ -58,6 +59,7 @@ TEXT_OUTPUT = TensorSpec("text_output", "BYTES", (1,), doc="one streamed piece o
 TOKEN_ID_OUT = TensorSpec("token_id", "INT32", (-1,), doc="the streamed token ids, one per token of text_output (several with stream_interval > 1); [-1] on the final, empty response; with stream=false every id of the reply")
 ADAPTER_NAME = TensorSpec("adapter_name", "BYTES", (1,), doc='adapter that produced the reply ("base" for none)')
 FINISH_REASON = TensorSpec("finish_reason", "BYTES", (1,), doc='"" while streaming; "stop", "length" or "end_of_turn" on the last response')
+ISSUED_SESSION_TOKEN = TensorSpec("issued_session_token", "BYTES", (1,), doc="on every response of a turn that started (or rebuilt) the session: its new session_token, to send with each later request of the session; empty on continuing turns and with session_auth off. A streamed turn that starts a session sends it first in a response of its own (no token ids), so the turn can be cancelled while it waits")
 TOKEN_LOGPROB_OUT = TensorSpec("token_logprob", "FP32", (-1,), doc="with logprobs: one log-probability per id of token_id; empty without logprobs and on the final, empty response")
 TOP_TOKEN_ID_OUT = TensorSpec("top_token_id", "INT32", (-1, -1), doc="with top_logprobs k: (tokens, k) the most likely ids at each position, most likely first; (tokens, 0) without")
 TOP_LOGPROB_OUT = TensorSpec("top_logprob", "FP32", (-1, -1), doc="with top_logprobs k: (tokens, k) their log-probabilities")
@@ -67,6 +69,10 @@ LOGPROB_OUTPUTS = (TOKEN_LOGPROB_OUT, TOP_TOKEN_ID_OUT, TOP_LOGPROB_OUT)
 TOKEN_IDS = TensorSpec("TOKEN_IDS", "INT64", (-1,), doc="the user turn rendered by the chat template (ends with the assistant prompt); H19 is pooled over it")
 PREFIX_IDS = TensorSpec("PREFIX_IDS", "INT64", (-1,), doc="what precedes TOKEN_IDS when a session (re)starts: <|bos|> and any history turns")
 START = TensorSpec("START", "BOOL", (1,), doc="the client asked for a new session")
+ISSUED_TOKEN = TensorSpec("ISSUED_TOKEN", "BYTES", (1,), doc="the session token the encoder issued for a turn that (re)started the session, else empty")
+GRANT = TensorSpec("GRANT", "BYTES", (1,), doc="the encoder's signature on a turn's hand-over (HMAC under the server's internal key of the session, the first position and when it was issued): the decoder takes hand-over rows only with a fresh one, newer than the session's last")
+INTERNAL_KEY = TensorSpec("INTERNAL_KEY", "BYTES", (1,), True, "the server's internal key, sent by its own models (BLS): with STEP_*, ROLLBACK and DROP_SESSION to the encoder, with CONTROL to the decoder; a client calling those models directly cannot step, roll back, drop or cancel a session")
+CHECK_TOKEN = TensorSpec("CHECK_TOKEN", "BOOL", (1,), True, "sent by session_control (BLS) with session_id and session_token: answer whether the token opens the live session (refusals counted as path=cancel)")
 ARRIVAL_NS = TensorSpec("ARRIVAL_NS", "INT64", (1,), doc="when preprocess took the turn (ns since the epoch): the decoder's time-to-first-token starts here")
 ROLLBACK = TensorSpec("ROLLBACK", "BOOL", (1,), True, "sent by the decoder (BLS) when it rejects a turn: undo the turn's encoding")
 DROP_SESSION = TensorSpec("DROP_SESSION", "BOOL", (1,), True, "sent by the decoder (BLS) after a turn with end_session: drop the encoder state")
@@ -92,6 +98,7 @@ HANDOVER = (HANDOVER_POSITIONS, HANDOVER_STREAMS, HANDOVER_FFN_PRE, HANDOVER_TOP
 # ------------------------------------------------------------------------------------ admin
 ACTION = TensorSpec("action", "BYTES", (1,), doc="load | unload | list")
 CONTROL_ACTION = TensorSpec("action", "BYTES", (1,), doc='"cancel": stop the session\'s turn in flight (its partial reply stays in the history)')
+CONTROL_TOKEN = SESSION_TOKEN.as_optional("the session's session_token (needed with session_auth on)")
 ADAPTER_PATH = TensorSpec("path", "BYTES", (1,), True, "adapter directory (PEFT layout) for load; a new version of a loaded path updates it")
 DESCRIPTION = TensorSpec("description", "BYTES", (1,), True, "what the router reads about the adapter")
 RESULT = TensorSpec("result", "BYTES", (1,), doc="JSON answer")
@@ -113,23 +120,25 @@ class ModelSpec:
 SESSION_ID_IN = SESSION_ID.as_optional("conversation id: required; declared optional to Triton so that preprocess can answer its absence")
 TEXT_IN = TEXT.as_optional("the user turn: required; declared optional to Triton so that preprocess can answer its absence")
 PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, LOGPROBS, TOP_LOGPROBS), (TOKEN_IDS, PREFIX_IDS, START, ARRIVAL_NS))
-ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE), (H19, *HANDOVER))
+ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, SESSION_TOKEN, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE,
+                                INTERNAL_KEY, CHECK_TOKEN),
+                    (H19, *HANDOVER, ISSUED_TOKEN, GRANT))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 # the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two
 # more IPC round trips) per streamed token per session, the largest per-token cost of the batched path (docs/load.md)
 DECODER = ModelSpec(
     "decoder",
     (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM,
-     LOGPROBS, TOP_LOGPROBS, CONTROL, ARRIVAL_NS.as_optional()),
-    (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS),
+     LOGPROBS, TOP_LOGPROBS, CONTROL, ARRIVAL_NS.as_optional(), ISSUED_TOKEN.as_optional(), GRANT.as_optional(), INTERNAL_KEY),
+    (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS, ISSUED_SESSION_TOKEN),
     decoupled=True,
 )
 ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
-SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION), (RESULT,))
+SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION, CONTROL_TOKEN), (RESULT,))
 ENSEMBLE_NAME = "mol2"
 ENSEMBLE_INPUTS = (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM,
-                   LOGPROBS, TOP_LOGPROBS)
-ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS)
+                   LOGPROBS, TOP_LOGPROBS, SESSION_TOKEN)
+ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS, ISSUED_SESSION_TOKEN)
 MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN, SESSION_CONTROL)
 
 

@@ -19,6 +19,10 @@ REPLAY, DECODE = "replay", "decode"
 TURNS_REFUSED = "turns_refused"
 BUSY, CONTEXT_LIMIT = "busy", "context_limit"
 REFUSAL_REASONS = (BUSY, CONTEXT_LIMIT)
+# requests refused for a missing or wrong session token, labelled by the path they came by (session_auth.py)
+TOKEN_REFUSALS = "session_token_refusals"
+PATH_TURN, PATH_CANCEL = "turn", "cancel"
+TOKEN_PATHS = (PATH_TURN, PATH_CANCEL)
 DESCRIPTIONS = {
     WRITTEN: "routing decisions written by the router (explicit overrides included)",
     READ: "routing decisions read by the decoder",
@@ -32,6 +36,8 @@ DESCRIPTIONS = {
     REPLAY_PADDING: "inert front-padding positions added so that replays of different lengths share one call",
     TURNS_REFUSED: "user turns refused before any state changed (reason=busy: too many turns in flight, retry; "
                    "reason=context_limit: the session would pass max_context)",
+    TOKEN_REFUSALS: "requests refused for a missing or wrong session token (path=turn: a turn, end or restart of a live "
+                    "session, or a turn for a session that is not live; path=cancel: session_control's cancel)",
     ENCODED_TOKENS: "tokens run through the encoder (kind=turn: user turns and any rebuilt history; kind=step: generated tokens fed back)",
 }
 

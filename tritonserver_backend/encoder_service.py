@@ -19,7 +19,8 @@ from build_engines.export.rows import HANDOVER_KEYS, EncoderRow, absorb_encoder,
 from . import counters as k
 from .counters import Counters
 from .engines import StepEngine
-from .errors import BadRequest, ServerBusy
+from .errors import BadRequest, ServerBusy, UnknownSession
+from .session_auth import SessionRefused, SessionTokens
 from .session_store import SessionStore
 
 DEFAULT_MAX_CONTEXT = 8192
@@ -31,13 +32,27 @@ Handover = dict[str, np.ndarray]  # rows (S, …) of one session, keyed as HANDO
 @dataclass
 class _InFlight:
     before: EncoderRow | None  # the state before the user turn (None: the turn started the session)
+    token_before: str | None = None  # the session's token digest before the turn (None: it had none)
+
+
+@dataclass(frozen=True)
+class EncodedTurn:
+    """What a user turn's encoding hands on: H19 pooled over the turn, the hand-over rows, and the session token
+    issued when this turn (re)started the session ("" on a continuing turn, or with session tokens off)."""
+
+    h19: np.ndarray
+    handover: Handover
+    issued_token: str = ""
 
 
 class EncoderService:
     def __init__(self, engine: StepEngine, budget_bytes: int = 2 << 30, max_context: int = DEFAULT_MAX_CONTEXT,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0, counters: Counters | None = None) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0, counters: Counters | None = None,
+                 session_auth: bool = True) -> None:
         """`max_turns` bounds the turns in flight (active + queued at the decoder); 0 = no bound. `counters` count the
-        tokens encoded (what shows that a continued conversation encodes only its new turn)."""
+        tokens encoded (what shows that a continued conversation encodes only its new turn). `session_auth`: a
+        session's later turns need the token issued when it started (session_auth.py); off only for a trusted
+        single-tenant deployment."""
         self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
         # opened now, not at the first turn: the token map is a pass over the vocabulary, and a checkpoint without its
         # Engram tables should fail at start-up
@@ -46,6 +61,7 @@ class EncoderService:
         self.sessions: SessionStore[EncoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
         self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked state, kept between its steps
         self._in_flight: dict[str, _InFlight] = {}
+        self.tokens = SessionTokens(session_auth)
         self.counters = counters or Counters()
         self._uncounted_steps = 0  # step tokens encoded since the last flush (see encode_step)
 
@@ -58,11 +74,14 @@ class EncoderService:
 
     # ------------------------------------------------------------------ a user turn
     def encode_turn(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None,
-                    start: bool = False) -> tuple[np.ndarray, Handover]:
-        """Encode a user turn -> (H19 pooled over `token_ids`, hand-over rows of everything encoded).
+                    start: bool = False, session_token: str | None = None) -> EncodedTurn:
+        """Encode a user turn -> H19 pooled over `token_ids`, the hand-over rows of everything encoded, and the session
+        token when the turn (re)started the session.
 
-        A session starts when `start` is set, or is rebuilt when it is unknown and `prefix_ids` carries history (more
-        than the lone <|bos|>); otherwise an unknown session is an error. Nothing is stored on error.
+        A session starts when `start` is set, or is rebuilt when it is not live and `prefix_ids` carries history (more
+        than the lone <|bos|>); otherwise a session that is not live is an error. With session tokens on, a live
+        session (continued, restarted or sent history) needs its `session_token`, checked before anything that could
+        tell a stranger whether the session exists. Nothing is stored on error.
         """
         if not session_id:
             raise BadRequest("session_id must be a non-empty string")
@@ -70,13 +89,18 @@ class EncoderService:
         prefix = check_ids(prefix_ids, self.cfg.vocab_size, "PREFIX_IDS") if prefix_ids is not None else np.zeros(0, np.int64)
         if ids.size == 0:
             raise BadRequest("TOKEN_IDS is empty")
+        existed = self.sessions.contains(session_id)
+        restart = start or (not existed and prefix.size > 1)
+        if existed:
+            self.check_token(session_id, session_token, k.PATH_TURN)
+        elif not restart:
+            self._refuse_missing(session_id, session_token)
         if session_id in self._in_flight:
             raise BadRequest(f"session {session_id!r} is still answering its previous turn; wait for its final response")
         if self.max_turns and len(self._in_flight) >= self.max_turns:
             self.counters.add(k.TURNS_REFUSED, k.BUSY)
             raise ServerBusy(f"server busy: {len(self._in_flight)} turns in flight (limit {self.max_turns}); retry shortly")
-        existed = self.sessions.contains(session_id)
-        if start or (not existed and prefix.size > 1):
+        if restart:
             row, ids_all = EncoderRow.empty(self.layout), np.concatenate([prefix, ids])
         else:
             row, ids_all = self.sessions.get(session_id).clone(), ids
@@ -88,11 +112,30 @@ class EncoderService:
         parts = [self._prefill(row, ids_all[i:i + self.prefill_chunk]) for i in range(0, ids_all.size, self.prefill_chunk)]
         handover = {k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)}
         handover["positions"] = np.arange(first, row.position, dtype=np.int64)
-        self._in_flight[session_id] = _InFlight(self.sessions.get(session_id) if existed else None)
-        self.sessions.put(session_id, row)
+        self._in_flight[session_id] = _InFlight(self.sessions.get(session_id) if existed else None, self.tokens.digest(session_id))
+        for evicted in self.sessions.put(session_id, row):
+            self.tokens.forget(evicted)
+        issued = self.tokens.issue(session_id) if restart else ""
         self.counters.add(k.ENCODED_TOKENS, k.TURN, int(ids_all.size))
         h19 = handover.pop("h19")[-ids.size:].mean(0)
-        return h19.astype(np.float32), handover
+        return EncodedTurn(h19.astype(np.float32), handover, issued)
+
+    def _refuse_missing(self, session_id: str, token: str | None) -> None:
+        """A turn for a session that is not live: its owner learns why (evicted, ended), anyone else is refused."""
+        try:
+            self.sessions.get(session_id)
+        except UnknownSession as reason:
+            try:
+                self.tokens.check_gone(session_id, token, reason)
+            except SessionRefused:
+                self.counters.add(k.TOKEN_REFUSALS, k.PATH_TURN)
+                raise
+
+    def check_token(self, session_id: str, token: str | None, path: str) -> None:
+        """Refuse (the one message, counted under `path`) unless `token` opens this live session."""
+        if not self.tokens.matches(session_id, token):
+            self.counters.add(k.TOKEN_REFUSALS, path)
+            self.tokens.check(session_id, token)
 
     def _prefill(self, row: EncoderRow, ids: np.ndarray) -> Handover:
         out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None], engram=self.engram))
@@ -139,10 +182,13 @@ class EncoderService:
         if flight.before is None:
             self.sessions.end(session_id)
         else:
-            self.sessions.put(session_id, flight.before)
+            for evicted in self.sessions.put(session_id, flight.before):
+                self.tokens.forget(evicted)
+        self.tokens.restore(session_id, flight.token_before)
 
     def end(self, session_id: str) -> bool:
         self._in_flight.pop(session_id, None)
+        self.tokens.forget(session_id)
         return self.sessions.end(session_id)
 
 

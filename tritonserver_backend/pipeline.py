@@ -31,6 +31,7 @@ class TurnResult:
     finish_reason: str
     pieces: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs: one per token id
+    session_token: str = ""  # issued when this turn (re)started the session (later turns of it must present it)
 
 
 class DirectEncoderPort:
@@ -51,26 +52,29 @@ class DirectEncoderPort:
 
 class InProcessPipeline:
     def __init__(self, model_dir: str | Path, registry_root: str | Path, max_context: int = 8192, backend: str = "torch",
-                 engine_dir: str | Path | None = None) -> None:
+                 engine_dir: str | Path | None = None, session_auth: bool = False) -> None:
+        """`session_auth` off by default: the in-process pipeline has one caller (the server's models default to on)."""
         self.counters = Counters()
         self.registry = Registry(registry_root)
         self.engine = open_engine(backend, model_dir, engine_dir)
         self.text = TextService(model_dir)
-        self.encoder = EncoderService(self.engine, max_context=max_context)
+        self.encoder = EncoderService(self.engine, max_context=max_context, session_auth=session_auth)
         self.router = RouterService(model_dir, Registry(registry_root), self.counters, self.engine)
         self.decoder = DecoderService(self.engine, Registry(registry_root), self.text.tokenizer, self.counters, max_context=max_context)
 
     def chat(self, session_id: str, text: str, adapter: str | None = None, new_session: bool = False, history: str | None = None,
-             params: SamplingParams | None = None, end_session: bool = False) -> TurnResult:
+             params: SamplingParams | None = None, end_session: bool = False, session_token: str | None = None) -> TurnResult:
         params = params or SamplingParams()
         self.registry.check_explicit(adapter)  # fail before anything is encoded
         ids, prefix, start = self.text.preprocess(text, new_session, history)
-        h19, handover = self.encoder.encode_turn(session_id, ids, prefix, start)
-        routed = self.router.route([h19], [adapter])[0]
+        encoded = self.encoder.encode_turn(session_id, ids, prefix, start, session_token)
+        routed = self.router.route([encoded.h19], [adapter])[0]
         if isinstance(routed, Exception):
             self.encoder.rollback(session_id)
             raise routed
-        return self.answer(TurnRequest(session_id, handover, int(routed), params, end_session))
+        result = self.answer(TurnRequest(session_id, encoded.handover, int(routed), params, end_session))
+        result.session_token = encoded.issued_token
+        return result
 
     def answer(self, request: TurnRequest) -> TurnResult:
         """Run one turn through the decoder's scheduler alone (the path the server batches)."""

@@ -25,6 +25,9 @@ DEFAULT_PARAMETERS = {
     "decode_lanes": "1",  # 2: one lane's encoder step overlaps the other's decoder step (docs/load.md); 1: one batch
     "prefill_chunk": "256",
     "torch_threads": "1",
+    # sessions (docs/serving.md, "Session tokens")
+    "session_auth": "true",  # false: no session tokens (a trusted single-tenant deployment only; the log says so)
+    "internal_key_file": "",  # empty: <registry_root>/internal.key (0600, created at the first start): signs calls between the models
     # adapter_admin (docs/admin.md)
     "admin_enabled": "true",  # false: every action except list is refused
     "admin_key_file": "",  # empty: <registry_root>/admin.key, created 0600 at the first start
@@ -36,11 +39,13 @@ DEFAULT_PARAMETERS = {
 ENGINE = ("engine_backend", "engine_dir", "torch_threads")
 PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
-    "encoder": ("model_dir", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk"),
+    "encoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk",
+                "session_auth", "internal_key_file"),
     "router": ("model_dir", "registry_root", *ENGINE),
-    "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes", "stream_interval"),
+    "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes", "stream_interval",
+                "internal_key_file"),
     "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters", "max_adapter_rank", "max_adapter_bytes"),
-    "session_control": (),
+    "session_control": ("registry_root", "internal_key_file"),
 }
 
 
@@ -106,7 +111,7 @@ def contract_markdown() -> str:
     return "\n".join(out)
 
 
-PATH_PARAMETERS = ("model_dir", "registry_root", "engine_dir", "admin_key_file")  # resolved against the project root
+PATH_PARAMETERS = ("model_dir", "registry_root", "engine_dir", "admin_key_file", "internal_key_file")  # resolved against the project root
 PROJECT_ROOT = SOURCE_REPOSITORY.parent
 
 

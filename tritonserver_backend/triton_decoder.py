@@ -24,6 +24,7 @@ from .encoder_service import Handover
 from .errors import BadRequest
 from .handover_codec import rows_from_arrays
 from .scheduler import TurnRequest, TurnScheduler
+from .session_auth import GrantLedger, InternalKey
 from .text_service import TextService
 
 LOG = logging.getLogger("mol2")
@@ -31,10 +32,14 @@ EMPTY = np.zeros(0, np.int64)
 
 
 class BlsEncoderPort:
-    """The scheduler's encoder port: one BLS request to the `encoder` model per call, whatever the batch size."""
+    """The scheduler's encoder port: one BLS request to the `encoder` model per call, whatever the batch size; each
+    carries the server's internal key (the encoder takes steps, rollbacks and drops from this model only)."""
+
+    def __init__(self, key: InternalKey) -> None:
+        self.key = key
 
     def _call(self, session_id: str, extra: dict[c.TensorSpec, Any], outputs: list[c.TensorSpec]) -> dict[str, np.ndarray]:
-        inputs = {c.SESSION_ID: session_id, c.TOKEN_IDS: EMPTY, c.PREFIX_IDS: EMPTY, c.START: False, **extra}
+        inputs = {c.SESSION_ID: session_id, c.TOKEN_IDS: EMPTY, c.PREFIX_IDS: EMPTY, c.START: False, c.INTERNAL_KEY: self.key.value, **extra}
         return glue.bls("encoder", inputs, outputs)
 
     def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
@@ -70,6 +75,23 @@ class Client:
     sender: Any
     stream: bool = True
     clock: StreamClock = field(default_factory=lambda: StreamClock(time.time_ns()))
+    issued_token: str = ""  # the session token the encoder issued when this turn (re)started the session
+
+
+class HandoverGuard:
+    """The decoder's side of session_auth.py: hand-over rows are taken only under a fresh grant of this server's
+    encoder, newer than the session's last, and CONTROL only with the server's internal key. So a client that calls
+    the `decoder` model directly can neither overwrite a session's decoder state nor cancel its turn."""
+
+    def __init__(self, key: InternalKey) -> None:
+        self.key, self.ledger = key, GrantLedger()
+
+    def admit(self, session_id: str, grant: str | None, first_position: int) -> None:
+        self.ledger.take(session_id, self.key.verify(grant, session_id, first_position))
+
+    def check_control(self, presented: str | None) -> None:
+        if not self.key.matches(presented):
+            raise BadRequest(f"{c.CONTROL.name} is sent by session_control only (model {c.SESSION_CONTROL.name!r})")
 
 
 class LatencyRecorder(Protocol):
@@ -78,16 +100,20 @@ class LatencyRecorder(Protocol):
     def inter_token(self, seconds: float) -> None: ...
 
 
-def read_turn(request: Any) -> TurnRequest:
-    """The decoder's inputs as a TurnRequest; the response sender rides along as its context."""
+def read_turn(request: Any, guard: HandoverGuard) -> TurnRequest:
+    """The decoder's inputs as a TurnRequest (its hand-over checked by `guard`); the response sender rides along as
+    its context."""
     sender = request.get_response_sender()
     context = Client(request, sender)  # until `stream` is read, so that a bad value is answered too
     try:
-        arrival = glue.read(request, c.ARRIVAL_NS, None)
+        arrival = glue.read(request, c.ARRIVAL_NS.as_optional(), None)
         clock = StreamClock(int(arrival) if arrival is not None else time.time_ns())
-        context = Client(request, sender, bool(glue.read(request, c.STREAM, True)), clock)
+        context = Client(request, sender, bool(glue.read(request, c.STREAM, True)), clock, glue.read(request, c.ISSUED_TOKEN.as_optional(), ""))
         handover = rows_from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})[0]
-        return TurnRequest(glue.read(request, c.SESSION_ID), handover, int(glue.read(request, c.ADAPTER_HASH)),
+        session_id = glue.read(request, c.SESSION_ID)
+        positions = handover["positions"]
+        guard.admit(session_id, glue.read(request, c.GRANT.as_optional(), None), int(positions[0]) if positions.size else -1)
+        return TurnRequest(session_id, handover, int(glue.read(request, c.ADAPTER_HASH)),
                            glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context)
     except Exception as exc:
         exc.context = context  # type: ignore[attr-defined]
@@ -137,7 +163,7 @@ class Emitter:
             self._flush(turn, sender, "", 0)
         if token < 0:
             outputs = {c.TEXT_OUTPUT: "", c.TOKEN_ID_OUT: -1, c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish,
-                       **logprob_outputs(turn, [])}
+                       **logprob_outputs(turn, []), c.ISSUED_SESSION_TOKEN: client.issued_token}
             sender.send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             clock = client.clock
             if self.latency is not None and clock.first_ns is not None and clock.last_ns is not None and clock.tokens > 1:
@@ -148,11 +174,12 @@ class Emitter:
         """One response with the turn's unsent token ids and their text."""
         ids, turn.unsent = turn.unsent, []
         first = len(turn.generated) - len(ids)  # the unsent ids are the last of the reply
+        client: Client = turn.context  # type: ignore[assignment]
         outputs = {c.TEXT_OUTPUT: "".join(self.text.piece(t) for t in ids), c.TOKEN_ID_OUT: ids,
                    c.ADAPTER_NAME: turn.adapter_name, c.FINISH_REASON: finish,
-                   **logprob_outputs(turn, turn.logprobs[first:] if turn.params.logprobs else [])}
+                   **logprob_outputs(turn, turn.logprobs[first:] if turn.params.logprobs else []),
+                   c.ISSUED_SESSION_TOKEN: client.issued_token}
         sender.send(glue.response(outputs), flags=flags)
-        client: Client = turn.context  # type: ignore[assignment]
         if client.stream:
             clock, now = client.clock, time.time_ns()
             if clock.first_ns is None:
@@ -176,19 +203,33 @@ def fail(item: TurnRequest | Turn, exc: BaseException) -> None:
     sender.send(glue.error_response(exc), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-def handle_requests(scheduler: TurnScheduler, requests: list[Any]) -> None:
+def handle_requests(scheduler: TurnScheduler, guard: HandoverGuard, requests: list[Any]) -> None:
     """On the scheduler thread: read each request and queue its turn (or carry out its control action); a malformed
-    one is answered at once."""
+    or unauthorised one is answered at once."""
     for request in requests:
         try:
             action = glue.read(request, c.CONTROL, None)
             if action is not None:
+                guard.check_control(glue.read(request, c.INTERNAL_KEY, None))
                 _control(scheduler, request, action)
                 continue
-            scheduler.submit(read_turn(request))
+            turn = read_turn(request, guard)
+            scheduler.submit(turn)
+            _announce_token(turn.context)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - this request fails alone
             sender = exc.context.sender if hasattr(exc, "context") else request.get_response_sender()
             sender.send(glue.error_response(exc), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _announce_token(client: Client) -> None:
+    """A streamed turn that (re)started its session gets the session's token at once, in a response without token ids:
+    its client can then cancel the turn while it still waits for a row (the token otherwise arrives with the first
+    token). A whole-reply client (stream=false) gets it with its one response."""
+    if client.stream and client.issued_token:
+        outputs = {c.TEXT_OUTPUT: "", c.TOKEN_ID_OUT: np.zeros(0, np.int32), c.ADAPTER_NAME: "", c.FINISH_REASON: "",
+                   c.TOKEN_LOGPROB_OUT: np.zeros(0, np.float32), c.TOP_TOKEN_ID_OUT: np.zeros((0, 0), np.int32),
+                   c.TOP_LOGPROB_OUT: np.zeros((0, 0), np.float32), c.ISSUED_SESSION_TOKEN: client.issued_token}
+        client.sender.send(glue.response(outputs), flags=0)
 
 
 def _control(scheduler: TurnScheduler, request: Any, action: str) -> None:
@@ -200,4 +241,4 @@ def _control(scheduler: TurnScheduler, request: Any, action: str) -> None:
     request.get_response_sender().send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-__all__ = ["BlsEncoderPort", "Client", "Emitter", "fail", "handle_requests"]
+__all__ = ["BlsEncoderPort", "Client", "Emitter", "HandoverGuard", "fail", "handle_requests"]

@@ -24,6 +24,7 @@ from .errors import BadRequest, ServingError
 if TYPE_CHECKING:
     from .registry import Registry
     from .sampling_params import SamplingParams
+    from .session_auth import InternalKey
 
 LOG = logging.getLogger("mol2")
 
@@ -163,6 +164,18 @@ def error_response(exc: BaseException) -> Any:
     return pb().InferenceResponse(output_tensors=[], error=pb().TritonError(message))
 
 
+def announce_session_auth(model: str, enabled: bool) -> None:
+    """Say at start-up, in the server log, whether sessions need their tokens: off is for a trusted single-tenant
+    deployment only, and an operator reading the log must see that it is off."""
+    if enabled:
+        pb().Logger.log_info(f"mol2 {model}: session_auth on: a session's later turns, cancel and end need its session_token")
+    else:
+        message = (f"mol2 {model}: session_auth is OFF: any client that knows or guesses a session id can read, continue, "
+                   "cancel or end that conversation; use this only for a trusted single-tenant deployment")
+        LOG.warning(message)
+        pb().Logger.log_warn(message)
+
+
 # ---------------------------------------------------------------------------------------------- BLS
 def bls(model: str, inputs: dict[c.TensorSpec, Any], outputs: list[c.TensorSpec]) -> dict[str, np.ndarray]:
     request = pb().InferenceRequest(model_name=model, inputs=[tensor(s, v) for s, v in inputs.items()], requested_output_names=[o.name for o in outputs])
@@ -172,10 +185,18 @@ def bls(model: str, inputs: dict[c.TensorSpec, Any], outputs: list[c.TensorSpec]
     return {o.name: pb().get_output_tensor_by_name(resp, o.name).as_numpy() for o in outputs}
 
 
-def bls_control(session_id: str, action: str) -> str:
-    """A control action for the decoder (decoupled: its one response carries the outcome as JSON text)."""
-    request = pb().InferenceRequest(model_name="decoder", inputs=[tensor(c.SESSION_ID, session_id), tensor(c.CONTROL, action)],
-                                    requested_output_names=[c.TEXT_OUTPUT.name])
+def bls_check_token(session_id: str, session_token: str | None) -> None:
+    """Have the encoder (which issued it) check a session's token; its refusal comes back as this call's error."""
+    empty = np.zeros(0, np.int64)
+    inputs = {c.SESSION_ID: session_id, c.TOKEN_IDS: empty, c.PREFIX_IDS: empty, c.START: False, c.CHECK_TOKEN: True}
+    bls("encoder", inputs if session_token is None else {**inputs, c.SESSION_TOKEN: session_token}, [])
+
+
+def bls_control(session_id: str, action: str, key: "InternalKey") -> str:
+    """A control action for the decoder (decoupled: its one response carries the outcome as JSON text), under the
+    server's internal key (the decoder takes CONTROL from session_control only)."""
+    inputs = [tensor(c.SESSION_ID, session_id), tensor(c.CONTROL, action), tensor(c.INTERNAL_KEY, key.value)]
+    request = pb().InferenceRequest(model_name="decoder", inputs=inputs, requested_output_names=[c.TEXT_OUTPUT.name])
     for resp in request.exec(decoupled=True):
         if resp.has_error():
             raise BadRequest(resp.error().message())

@@ -16,7 +16,6 @@ from dynamo_deploy.model_ids import model_id
 from tests.conftest import EMBEDDED
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry import Registry
-from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -43,13 +42,6 @@ def _deploy(tmp: Path, engines: Path, encoders: int, decoders: int, **options: i
         d.stop()
         raise
     return d
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, default_engines) -> InProcessPipeline:  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("reference_registry")
-    ensure_registry(root, EMBEDDED)
-    return InProcessPipeline(EMBEDDED, root, max_context=2048, backend="onnx", engine_dir=default_engines)
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,24 @@ def frontend(triton, tmp_path_factory):  # type: ignore[no-untyped-def]
         proc.stop()
 
 
+TENANT_KEYS = ("sk-tenant-a", "sk-tenant-b")
+
+
+@pytest.fixture(scope="session")
+def keyed_frontend(triton, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A second frontend on the same server with two API keys (two tenants): each key has its own cache partition."""
+    from openai_frontend.process import FrontendProcess
+
+    log = tmp_path_factory.mktemp("openai-frontend-keyed") / "frontend.log"
+    args = [arg for key in TENANT_KEYS for arg in ("--api-key", key)]
+    proc = FrontendProcess(triton.grpc_url, EMBEDDED, log_file=log, extra_args=args).start()
+    try:
+        proc.wait_ready(60)
+        yield proc
+    finally:
+        proc.stop()
+
+
 @pytest.fixture
 def client(frontend):  # type: ignore[no-untyped-def]
     c = openai.OpenAI(base_url=frontend.base_url, api_key="unused", max_retries=0, timeout=120)
@@ -55,8 +73,18 @@ def client(frontend):  # type: ignore[no-untyped-def]
     c.close()
 
 
+def server_counter(triton, name: str, label: str, value: str) -> int:  # type: ignore[no-untyped-def]
+    """A server counter `mol2_<name>{label="value"}` from the metrics port (0 before its first increment)."""
+    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
+    m = re.search(rf'^mol2_{name}{{{label}="{value}"}} (\S+)$', text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
 def encoded_tokens(triton, kind: str = "turn") -> int:  # type: ignore[no-untyped-def]
     """The encoder's `mol2_encoded_tokens{kind=...}` counter from the metrics port (0 before its first increment)."""
-    text = urllib.request.urlopen(triton.metrics_url, timeout=10).read().decode()
-    m = re.search(rf'^mol2_encoded_tokens{{kind="{kind}"}} (\S+)$', text, re.M)
-    return int(float(m.group(1))) if m else 0
+    return server_counter(triton, "encoded_tokens", "kind", kind)
+
+
+def token_refusals(triton, path: str = "turn") -> int:  # type: ignore[no-untyped-def]
+    """The server's `mol2_session_token_refusals{path=...}` (turn: turns, ends, restarts; cancel: session_control)."""
+    return server_counter(triton, "session_token_refusals", "path", path)

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from build_engines.data.tokenizer import ChatTokenizer, Message
-from tests.openai_frontend.conftest import EMBEDDED, encoded_tokens
+from tests.openai_frontend.conftest import EMBEDDED, TENANT_KEYS, encoded_tokens, token_refusals
 from tests.waiting import holds_for, wait_until
 from tritonserver_backend.client import GrpcChat, TurnRequest
 
@@ -39,7 +39,11 @@ def test_models_list_routing_base_and_every_loaded_adapter(client) -> None:  # t
 
 
 def test_resent_conversation_reuses_its_session_and_equals_the_tensor_api(client, triton, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """With session tokens on (the server's default): the frontend keeps the token the first reply issued and sends it
+    with every continuing turn, so the server never refuses one and each later turn encodes only its new message."""
     want = _tensor_api(triton, "tensor-conv", TURNS)
+    assert want[0].session_token and not want[1].session_token, "the server issues a token on a session's first turn"
+    refused = token_refusals(triton)
     messages: list[dict] = []
     for i, (text, ref) in enumerate(zip(TURNS, want)):
         messages.append({"role": "user", "content": text})
@@ -60,6 +64,7 @@ def test_resent_conversation_reuses_its_session_and_equals_the_tensor_api(client
             assert raw.headers["x-mol2-session-reused"] == "true"
             assert done.usage.prompt_tokens_details.cached_tokens > 0
         messages.append({"role": "assistant", "content": reply})
+    assert token_refusals(triton) == refused, "every continuing turn presented its session's token"
 
 
 def test_switching_model_id_mid_conversation_keeps_the_session(client, triton, tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -208,14 +213,12 @@ def test_busy_server_answers_429_and_recovers(client) -> None:  # type: ignore[n
     assert done.usage.completion_tokens >= 1
 
 
-def test_client_that_leaves_mid_stream_cancels_its_turn(client, triton) -> None:  # type: ignore[no-untyped-def]
-    """Closing the SSE stream cancels the turn on the server: its per-token encoder steps stop far short of max_tokens
-    and the test server's one admission slot is free again for the next request."""
-    long, story = 120, [{"role": "user", "content": "Tell me a long story."}]
-    whole = client.chat.completions.create(model="mol2", messages=story, max_tokens=long)
-    assert whole.usage.completion_tokens == long, "left alone, this turn runs to max_tokens (else the test proves nothing)"
+def _leave_after_three_chunks(client, triton, messages: list[dict], long: int) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """Stream a turn of up to `long` tokens, close the stream after three chunks, wait until the server ended the
+    turn; the steps it encoded and whether it continued a session (the x-mol2-session-reused header)."""
     steps_before = encoded_tokens(triton, "step")
-    stream = client.chat.completions.create(model="mol2", messages=story, max_tokens=long, stream=True)
+    raw = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=long, stream=True)
+    stream = raw.parse()
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
@@ -228,8 +231,30 @@ def test_client_that_leaves_mid_stream_cancels_its_turn(client, triton) -> None:
 
     settled = wait_until(ended, 60, "the abandoned turn to end (its steps counted)")
     holds_for(lambda: encoded_tokens(triton, "step") == settled, 1.0, "no step encoded after the abandoned turn ended")
+    return settled - steps_before, raw.headers["x-mol2-session-reused"]
+
+
+def test_client_that_leaves_mid_stream_cancels_its_turn(client, triton) -> None:  # type: ignore[no-untyped-def]
+    """Closing the SSE stream cancels the turn on the server: its per-token encoder steps stop far short of max_tokens
+    and the test server's one admission slot is free again for the next request. Both for a turn that starts its
+    session (the cancel names the token the server issued for it) and for a continuing one (the cached token)."""
+    long, story, more = 120, [{"role": "user", "content": "Tell me a long story."}], "Go on, and make it longer."
+    whole = client.chat.completions.create(model="mol2", messages=story, max_tokens=long)
+    assert whole.usage.completion_tokens == long, "left alone, this turn runs to max_tokens (else the test proves nothing)"
+    chat = GrpcChat(triton.grpc_url)
+    try:
+        ref = [chat.turn(TurnRequest("tensor-long", t, new_session=i == 0, max_tokens=long)) for i, t in enumerate([story[0]["content"], more])]
+    finally:
+        chat.close()
+    assert ref[0].text == whole.choices[0].message.content and len(ref[1].token_ids) == long, "the continued turn runs long too"
+    cancel_refusals = token_refusals(triton, "cancel")
     # the encoder counts a turn's steps when the turn ends: counted at all means the abandoned turn has ended
-    assert 3 <= settled - steps_before < long // 2, f"the abandoned turn ran on or never ended: {settled - steps_before} steps"
+    steps, reused = _leave_after_three_chunks(client, triton, story, long)
+    assert 3 <= steps < long // 2 and reused == "false", f"the abandoned turn ran on or never ended: {steps} steps"
+    continued = [*story, {"role": "assistant", "content": whole.choices[0].message.content}, {"role": "user", "content": more}]
+    steps, reused = _leave_after_three_chunks(client, triton, continued, long)
+    assert 3 <= steps < long // 2 and reused == "true", f"the abandoned continued turn ran on or never ended: {steps} steps"
+    assert token_refusals(triton, "cancel") == cancel_refusals, "each cancel carried its session's token"
     done = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
     assert done.usage.completion_tokens >= 1, "the slot of the abandoned turn was freed"
 
@@ -359,3 +384,86 @@ def test_logprobs_are_the_samplers_and_top_1_is_the_greedy_token(client, triton)
     assert [e.logprob for e in content] == pytest.approx(ref.logprobs, abs=1e-6)
     plain = client.chat.completions.create(model="mol2:L2_code", messages=messages, max_tokens=TOKENS, temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == done.choices[0].message.content
+
+
+def test_a_refused_session_token_rebuilds_the_conversation(triton, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The frontend's service in process on the real server: a cached session whose token the server refuses (here a
+    forged one; in practice a restarted server) is rebuilt from the messages under a new session id, with the reply
+    a rebuilt conversation gets on the tensor API; the server counted the refusal, the service the rebuild."""
+    import asyncio
+    import dataclasses
+
+    from openai_frontend.prefix_cache import PrefixCache, prefix_key
+    from openai_frontend.schemas import ChatRequest
+    from openai_frontend.service import ChatService
+    from openai_frontend.session_cost import SessionCost
+    from openai_frontend.triton_stream import TritonStream
+
+    first = [{"role": "user", "content": TURNS[0]}]
+
+    async def run() -> tuple[str, str, str, str, ChatService]:
+        service = ChatService(TritonStream(triton.grpc_url), tokenizer, PrefixCache(10**12, SessionCost.of_model(EMBEDDED)))
+        try:
+            body = {"model": "mol2", "messages": first, "max_tokens": TOKENS}
+            answer = await service.start(ChatRequest.parse(json.dumps(body).encode()))
+            reply = await answer.collect()
+            assert answer.session_token, "the first response carried the issued token, and the service kept it"
+            held = (("user", TURNS[0]), ("assistant", reply))
+            entry = service.cache.take(prefix_key(held))
+            assert entry is not None and entry.session_token == answer.session_token
+            service.cache.put(prefix_key(held), dataclasses.replace(entry, session_token="forged-" + entry.session_token))
+            body["messages"] = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": TURNS[1]}]
+            again = await service.start(ChatRequest.parse(json.dumps(body).encode()))
+            text = await again.collect()
+            assert again.refused and not again.reused and again.session_id != entry.session_id
+            return reply, text, entry.session_id, again.session_token, service
+        finally:
+            await service.stream.close()
+
+    before = token_refusals(triton)
+    reply, text, _, new_token, service = asyncio.run(run())
+    assert token_refusals(triton) == before + 1, "the server refused the forged token (path=turn)"
+    assert service.refusals == service.rebuilt_after_refusal == 1 and new_token
+    chat = GrpcChat(triton.grpc_url)
+    try:
+        earlier = json.dumps([{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": reply}])
+        ref = chat.turn(TurnRequest("tensor-refused-rebuild", TURNS[1], new_session=True, history=earlier, max_tokens=TOKENS))
+    finally:
+        chat.close()
+    assert text == ref.text
+
+
+def test_two_api_keys_never_share_a_conversation(keyed_frontend, triton, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Tenant B sending exactly tenant A's conversation starts a session of its own (the whole prompt encoded); A's
+    next turn still continues A's session (only its new message encoded) and equals an undisturbed conversation."""
+    import openai
+
+    key_a, key_b = TENANT_KEYS
+    a, b = (openai.OpenAI(base_url=keyed_frontend.base_url, api_key=k, max_retries=0, timeout=120) for k in (key_a, key_b))
+    want = _tensor_api(triton, "tensor-tenants", TURNS)
+    refused = token_refusals(triton)
+    try:
+        messages: list[dict] = []
+        for i, (text, ref) in enumerate(zip(TURNS, want)):
+            messages.append({"role": "user", "content": text})
+            if i == len(TURNS) - 1:  # B resends A's conversation, word for word, just before A's last turn
+                before = encoded_tokens(triton)
+                raw = b.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=TOKENS)
+                raw.parse()
+                assert raw.headers["x-mol2-session-reused"] == "false", "B continued A's session"
+                whole = tokenizer.chat([Message(m["role"], m["content"]) for m in messages])
+                assert encoded_tokens(triton) - before == len(whole), "B's request rebuilt its own session"
+            before = encoded_tokens(triton)
+            raw = a.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=TOKENS)
+            done = raw.parse()
+            assert done.choices[0].message.content == ref.text and done.usage.completion_tokens == len(ref.token_ids), i
+            assert raw.headers["x-mol2-session-reused"] == ("true" if i else "false"), i
+            if i:
+                assert encoded_tokens(triton) - before == len(tokenizer.turn(Message("user", text), generation_prompt=True)), i
+            messages.append({"role": "assistant", "content": done.choices[0].message.content})
+        assert token_refusals(triton) == refused, "no tenant ever presented another's session"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed_frontend.base_url, api_key="sk-tenant-c", max_retries=0, timeout=30).models.list()
+    finally:
+        a.close()
+        b.close()

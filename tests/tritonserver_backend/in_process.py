@@ -22,6 +22,7 @@ def onnx_pipeline(tmp_path_factory: Any, engine_dir: Any) -> InProcessPipeline:
 def routed_request(pipeline: InProcessPipeline, session: str, text: str, max_tokens: int) -> TurnRequest:
     """The turn's encoding (the session's next user turn) and the router's adapter, as the decoder receives them."""
     ids, prefix, start = pipeline.text.preprocess(text, True, None)
-    h19, handover = pipeline.encoder.encode_turn(session, ids, prefix, start)
+    encoded = pipeline.encoder.encode_turn(session, ids, prefix, start)
+    h19, handover = encoded.h19, encoded.handover
     adapter = pipeline.router.route([h19], [None])[0]
     return TurnRequest(session, handover, int(adapter), SamplingParams(max_tokens=max_tokens))

@@ -217,7 +217,8 @@ def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # typ
     pipeline.chat("race", "Hello there.", new_session=True, params=params)
     before = (pipeline.encoder.sessions.get("race").position, pipeline.decoder.sessions.get("race").position)
     ids, prefix, start = pipeline.text.preprocess("Style this button.", False, None)
-    h19, handover = pipeline.encoder.encode_turn("race", ids, prefix, start)
+    encoded = pipeline.encoder.encode_turn("race", ids, prefix, start)
+    h19, handover = encoded.h19, encoded.handover
     decided = pipeline.router.route([h19], ["L3_design"])[0]
     entry = pipeline.registry.by_name("L3_design")
     pipeline.registry.remove("L3_design")

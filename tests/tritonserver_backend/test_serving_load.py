@@ -16,7 +16,7 @@ import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken i
 from tests.conftest import EMBEDDED
 from tests.tritonserver_backend.streams import start_server
 from tests.waiting import wait_until
-from tritonserver_backend.client import GrpcChat, TurnRequest, cancel_turn
+from tritonserver_backend.client import GrpcChat, SessionTokens, TurnRequest, cancel_turn
 from tritonserver_backend.pipeline import InProcessPipeline
 from tritonserver_backend.registry_init import ensure_registry
 from tritonserver_backend.sampling import SamplingParams
@@ -79,7 +79,9 @@ def test_beyond_the_bounds_a_turn_gets_server_busy_at_once(small_server) -> None
     waited = time.perf_counter() - started
     assert reply.error is not None and "server busy" in reply.error and "retry" in reply.error, reply
     assert waited < 0.1, f"the busy error took {waited * 1000:.0f} ms"
-    outcomes = [cancel_turn(small_server.http_url, f"busy{i}")["outcome"] for i in range(3)]
+    # each turn started its session: its token came first, before any token (a queued turn's too), so its owner cancels
+    wait_until(lambda: all(chats[i].tokens.get(f"busy{i}") for i in range(3)), 60, "every session's token at its client")
+    outcomes = [cancel_turn(small_server.http_url, f"busy{i}", chats[i].tokens.get(f"busy{i}"))["outcome"] for i in range(3)]
     for t in threads:
         t.join(timeout=120)
     for outcome, reply in zip(outcomes, replies):
@@ -96,7 +98,7 @@ def test_beyond_the_bounds_a_turn_gets_server_busy_at_once(small_server) -> None
 def test_a_cancelled_turn_frees_its_row_and_keeps_its_partial_reply(small_server, reference) -> None:  # type: ignore[no-untyped-def]
     threads, replies, chats, pieces = _long_turns(small_server, 2, "cut")
     wait_until(lambda: pieces[0], 120, "cut0 to stream its first piece (active, with a partial reply to keep)")
-    outcome = cancel_turn(small_server.http_url, "cut0")
+    outcome = cancel_turn(small_server.http_url, "cut0", chats[0].tokens.get("cut0"))
     assert "partial reply stays" in outcome["outcome"], outcome
     threads[0].join(timeout=60)
     cut = replies[0]
@@ -108,12 +110,12 @@ def test_a_cancelled_turn_frees_its_row_and_keeps_its_partial_reply(small_server
     assert time.perf_counter() - started < 5.0
     # the session goes on, with the partial reply in its history: the same next reply as a session whose first turn
     # stopped after exactly those tokens
-    nxt = chat.turn(TurnRequest("cut0", "And then what happened?", max_tokens=8))
+    nxt = chat.turn(TurnRequest("cut0", "And then what happened?", max_tokens=8, session_token=chats[0].tokens.get("cut0")))
     reference.chat("ref-cut", "Tell me a very long story about ships.", new_session=True, params=SamplingParams(max_tokens=len(cut.token_ids)))
     want = reference.chat("ref-cut", "And then what happened?", params=SamplingParams(max_tokens=8))
     assert nxt.error is None and nxt.token_ids == want.token_ids
-    assert cancel_turn(small_server.http_url, "nobody")["outcome"] == "no turn in flight"
-    cancel_turn(small_server.http_url, "cut1")
+    assert cancel_turn(small_server.http_url, "cut0", chats[0].tokens.get("cut0"))["outcome"] == "no turn in flight"
+    cancel_turn(small_server.http_url, "cut1", chats[1].tokens.get("cut1"))
     threads[1].join(timeout=60)
     for c in chats + [chat]:
         c.close()
@@ -131,8 +133,9 @@ def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_pa
     work = tmp_path / "crash"
     server = start_server(work, default_engines)
     sessions = {f"crash{i}": [] for i in range(3)}
+    tokens = SessionTokens()  # the clients keep their sessions' tokens across the server's death
     for sid, history in sessions.items():
-        chat = GrpcChat(server.grpc_url)
+        chat = GrpcChat(server.grpc_url, tokens)
         for turn, text in enumerate(CONVERSATION[:2]):
             reply = chat.turn(TurnRequest(sid, text, new_session=turn == 0, max_tokens=12))
             assert reply.error is None
@@ -152,9 +155,10 @@ def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_pa
         assert not [p for p in group_members(old_pid)], "stubs of the killed server are gone"
         assert not [r for r in old_regions if r.exists()], "its shared-memory regions are gone"
         for sid, history in sessions.items():
-            chat = GrpcChat(restarted.grpc_url)
+            chat = GrpcChat(restarted.grpc_url, tokens)
             lost = chat.turn(TurnRequest(sid, CONVERSATION[2], max_tokens=12))
-            assert lost.error is not None and f"unknown session {sid!r}" in lost.error
+            # the restarted server knows neither the session nor its token: the one refusal, and history rebuilds it
+            assert lost.error is not None and f"no live session {sid!r}" in lost.error
             resumed = chat.turn(TurnRequest(sid, CONVERSATION[2], history=json.dumps(history), max_tokens=12))
             for turn, text in enumerate(CONVERSATION[:2]):  # the undisturbed conversation, in process
                 reference.chat(f"ref-{sid}", text, new_session=turn == 0, params=SamplingParams(max_tokens=12))

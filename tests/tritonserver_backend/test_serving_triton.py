@@ -251,7 +251,7 @@ def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, r
     assert chat.turn(keep).token_ids == _reference(reference, keep).token_ids
     cases = [
         (TurnRequest("intact", "x", adapter="L9_nope", max_tokens=3), "unknown adapter 'L9_nope'"),
-        (TurnRequest("nobody", "x", max_tokens=3), "unknown session 'nobody'"),
+        (TurnRequest("nobody", "x", max_tokens=3), "no live session 'nobody' with this session_token"),
         (TurnRequest("intact", "word " * 2100, max_tokens=3), "context limit"),
         (TurnRequest("intact", "x", max_tokens=0), "max_tokens must lie in"),
         (TurnRequest("intact", "x", history="{not json", max_tokens=3), "history is not valid JSON"),
@@ -279,7 +279,7 @@ def test_stubs_that_need_no_torch_do_not_load_it(server, backend) -> None:  # ty
     assert reply.error is None, reply.error
     assert chat.turn(TurnRequest("light", "x", adapter="L9_nope", max_tokens=3)).error is not None
     chat.close()
-    cancel_turn(server.http_url, "light")
+    cancel_turn(server.http_url, "light", chat.tokens.get("light"))
     seen: dict[str, bool] = {}
     for stub in server.snapshot().stubs:
         model = next((m for m in light if f"/{m}/" in (stub.model or "")), None)

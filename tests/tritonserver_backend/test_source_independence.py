@@ -90,7 +90,8 @@ def _request(pipeline: InProcessPipeline, sid: str, text: str, adapter: str | No
              params: SamplingParams) -> TurnRequest:
     """A turn encoded and routed the way the ensemble does before the decoder sees it."""
     ids, prefix, start = pipeline.text.preprocess(text, new, history)
-    h19, handover = pipeline.encoder.encode_turn(sid, ids, prefix, start)
+    encoded = pipeline.encoder.encode_turn(sid, ids, prefix, start)
+    h19, handover = encoded.h19, encoded.handover
     routed = pipeline.router.route([h19], [adapter])[0]
     assert not isinstance(routed, Exception), routed
     return TurnRequest(sid, handover, int(routed), params)

@@ -12,6 +12,7 @@ from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.counters import Counters
 from tritonserver_backend.decoder_service import DecoderService
 from tritonserver_backend.scheduler import TurnScheduler
+from tritonserver_backend.session_auth import InternalKey, internal_key_path
 from tritonserver_backend.text_service import TextService
 from tritonserver_backend.turn_worker import TurnWorker
 
@@ -26,7 +27,9 @@ class TritonPythonModel:
         service = DecoderService(glue.engine(args, params, model_dir), registry, text.tokenizer, counters,
                                  int(params["session_budget_bytes"]), int(params["max_context"]))
         emitter = triton_decoder.Emitter(text, int(params.get("stream_interval", "1")), glue.LatencyHistograms())
-        scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(), emitter, triton_decoder.fail,
+        key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]), params.get("internal_key_file") or None))
+        guard = triton_decoder.HandoverGuard(key)
+        scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(key), emitter, triton_decoder.fail,
                                   int(params["max_active_turns"]), int(params.get("decode_lanes", "1")))
         self.scheduler = scheduler
         gauges = glue.SessionGauges("decoder", service.sessions)
@@ -35,7 +38,7 @@ class TritonPythonModel:
             scheduler.iterate()
             gauges.update()  # on the worker thread, which owns every pb_utils object of this stub
 
-        self.worker = TurnWorker(lambda requests: triton_decoder.handle_requests(scheduler, requests), iterate,
+        self.worker = TurnWorker(lambda requests: triton_decoder.handle_requests(scheduler, guard, requests), iterate,
                                  lambda: scheduler.idle)
 
     def execute(self, requests):

@@ -7,7 +7,9 @@ from tritonserver_backend import counters as k
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.counters import Counters
 from tritonserver_backend.encoder_service import EncoderService
+from tritonserver_backend.errors import BadRequest
 from tritonserver_backend.handover_codec import to_arrays
+from tritonserver_backend.session_auth import InternalKey, internal_key_path, parse_switch
 
 
 class TritonPythonModel:
@@ -17,8 +19,12 @@ class TritonPythonModel:
         counters = Counters()
         glue.export_counters(counters, [k.ENCODED_TOKENS], label="kind")
         glue.export_counters(counters, [k.TURNS_REFUSED], label="reason", known=k.REFUSAL_REASONS)
+        glue.export_counters(counters, [k.TOKEN_REFUSALS], label="path", known=k.TOKEN_PATHS)
+        session_auth = parse_switch(params.get("session_auth", "true"))
+        glue.announce_session_auth("encoder", session_auth)
+        self.key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]), params.get("internal_key_file") or None))
         self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]), int(params["max_context"]),
-                                      int(params["prefill_chunk"]), max_turns, counters)
+                                      int(params["prefill_chunk"]), max_turns, counters, session_auth)
         self.gauges = glue.SessionGauges("encoder", self.service.sessions)
 
     def execute(self, requests):
@@ -33,6 +39,12 @@ class TritonPythonModel:
 
     def _serve(self, request):
         session = glue.read(request, c.SESSION_ID)
+        internal = glue.read(request, c.ROLLBACK, False) or glue.read(request, c.DROP_SESSION, False) or glue.read(request, c.STEP_SESSION_IDS, None) is not None
+        if internal and not self.key.matches(glue.read(request, c.INTERNAL_KEY, None)):
+            raise BadRequest(f"{c.ROLLBACK.name}, {c.DROP_SESSION.name} and {c.STEP_SESSION_IDS.name} are sent by the decoder only")
+        if glue.read(request, c.CHECK_TOKEN, False):  # session_control's cancel: the token first
+            self.service.check_token(session, glue.read(request, c.SESSION_TOKEN, None), k.PATH_CANCEL)
+            return {}
         if glue.read(request, c.ROLLBACK, False):
             self.service.rollback(session)
             return {}
@@ -42,6 +54,9 @@ class TritonPythonModel:
         step_sessions = glue.read(request, c.STEP_SESSION_IDS, None)
         if step_sessions is not None:  # the decoder's batched step: every active session's next tokens
             rows = self.service.encode_step(step_sessions, glue.read(request, c.STEP_TOKEN_IDS), bool(glue.read(request, c.TURN_DONE, False)))
-            return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows))}
-        h19, rows = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS), bool(glue.read(request, c.START)))
-        return {c.H19: h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([rows]))}
+            return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows)), c.ISSUED_TOKEN: "", c.GRANT: ""}
+        turn = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS), bool(glue.read(request, c.START)),
+                                        glue.read(request, c.SESSION_TOKEN, None))
+        grant = self.key.grant(session, int(turn.handover["positions"][0]))
+        return {c.H19: turn.h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([turn.handover])),
+                c.ISSUED_TOKEN: turn.issued_token, c.GRANT: grant}

@@ -291,11 +291,11 @@ def test_the_encoder_service_carries_each_session_s_history_across_turns_and_reb
     service = EncoderService(open_engine("torch", exported["model_dir"]))
     rng = np.random.default_rng(int(np.random.randint(1 << 30)))
     first, second = (rng.integers(1, layout.cfg.vocab_size, n) for n in (23, 9))
-    service.encode_turn("kept", first, start=True)
+    token = service.encode_turn("kept", first, start=True).issued_token
     service.encode_step(["kept"], first[-1:].reshape(1, 1), turn_done=True)
-    _, kept = service.encode_turn("kept", second)
-    _, rebuilt = service.encode_turn("rebuilt", second, prefix_ids=np.concatenate([first, first[-1:]]))
-    _, fresh = service.encode_turn("fresh", second, start=True)
+    kept = service.encode_turn("kept", second, session_token=token).handover
+    rebuilt = service.encode_turn("rebuilt", second, prefix_ids=np.concatenate([first, first[-1:]])).handover
+    fresh = service.encode_turn("fresh", second, start=True).handover
     # the torch engine's CPU GEMMs pick kernels by row count (9 rows here, 33 there): equal up to rounding
     difference = max_difference(kept, {k: rebuilt[k][-second.size:] for k in kept})
     assert difference["topk"] == difference["candidates"] == 0.0 and max(difference.values()) < 1e-5, difference
