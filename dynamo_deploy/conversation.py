@@ -1,7 +1,9 @@
 """Which part of a stateless OpenAI prompt is new for a session, and the key a session is found under.
 
-Dynamo's frontend sends the whole conversation as token ids each turn (`<|bos|>` then `<|role|> text <|end|>` per
-message, then `<|assistant|>`). A session holds what its encoder has absorbed; it continues only when the prompt
+Dynamo's frontend sends the whole conversation as token ids each turn, rendered by the model's own chat format (the
+default's: `<|bos|>` then `<|role|> text <|end|>` per message, then `<|assistant|>`; a release's: DeepSeek-V4.1's
+markers). Where a user turn starts and how a reply is resent are read off that format (`TurnMarkers`), so any model
+directory we serve splits its prompts the way its format writes them. A session holds what its encoder has absorbed; it continues only when the prompt
 starts with the conversation as the client will resend it (`expected`: the earlier prompts plus each reply as the
 template tokenizes its text). Anything else, an edited history, another worker's session, a lost one, is rebuilt
 from the prompt: never continued from a state that does not match.
@@ -9,11 +11,13 @@ from the prompt: never continued from a state that does not match.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from build_engines.data.tokenizer import USER, ChatTokenizer
+from build_engines.data.tokenizer import ChatTokenizer
+from build_engines.data.turn_markers import TurnMarkers
 
 
 @dataclass
@@ -26,15 +30,21 @@ class SessionRecord:
     turns: int = 0
 
 
+@functools.lru_cache(maxsize=8)
+def markers(tokenizer: ChatTokenizer) -> TurnMarkers:
+    """The tokenizer's chat format's turn markers (probed once per tokenizer)."""
+    return TurnMarkers.of(tokenizer.chat_format)
+
+
 def split_turn(tokenizer: ChatTokenizer, prompt: Sequence[int]) -> tuple[list[int], list[int]]:
-    """prompt -> (history: <|bos|> + earlier messages, turn: the last user message + <|assistant|>), the split the
+    """prompt -> (history: <|bos|> + earlier messages, turn: the last user message + the assistant prompt), the split the
     single-server path uses (its H19 is pooled over the turn only)."""
-    user = tokenizer.special_ids[USER]
-    ids = list(prompt)
-    starts = [i for i, t in enumerate(ids) if t == user]
-    if not starts or ids[-1] != tokenizer.special_ids["<|assistant|>"]:
-        raise ValueError("the prompt must end with a user message and the assistant prompt")
-    return ids[:starts[-1]], ids[starts[-1]:]
+    return markers(tokenizer).split(prompt)
+
+
+def is_chat_prompt(tokenizer: ChatTokenizer, prompt: Sequence[int]) -> bool:
+    """Whether `prompt` ends with the format's assistant prompt (a chat request, not a partial reply)."""
+    return markers(tokenizer).ends_with_generation_prompt(prompt)
 
 
 def continuation(record: SessionRecord | None, prompt: Sequence[int]) -> list[int] | None:
@@ -47,8 +57,10 @@ def continuation(record: SessionRecord | None, prompt: Sequence[int]) -> list[in
 
 
 def reply_ids(tokenizer: ChatTokenizer, generated: Sequence[int]) -> list[int]:
-    """A finished reply as the client resends it: its text through the template (then <|end|>)."""
-    return [*tokenizer.encode(tokenizer.decode(list(generated), skip_special=True)), tokenizer.end_of_turn_id]
+    """A finished reply as the client resends it: its text through the chat format (the default's: the text, then
+    <|end|>)."""
+    text = tokenizer.decode(list(generated), skip_special=True)
+    return markers(tokenizer).reply(tokenizer.chat_format.text.encode(text))
 
 
 def fingerprint(prompt: Sequence[int], end_of_turn: int) -> str:

@@ -44,7 +44,7 @@ from tritonserver_backend.registry import Registry
 from tritonserver_backend.router_service import RouterService
 from tritonserver_backend.session_auth import SessionRefused, SessionTokens, refusal
 
-from .conversation import SessionRecord, continuation, fingerprint, reply_ids, split_turn
+from .conversation import SessionRecord, continuation, fingerprint, is_chat_prompt, reply_ids, split_turn
 from .model_ids import explicit_adapter, explicit_ids
 from .requests import openai_finish, params_to_json, sampling_params
 from .session_guard import (
@@ -127,7 +127,7 @@ class EncoderWorker:
     # ------------------------------------------------------------------ the frontend's endpoint
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         prompt = [int(t) for t in request["token_ids"]]
-        if not prompt or prompt[-1] != self.tokenizer.special_ids["<|assistant|>"]:
+        if not is_chat_prompt(self.tokenizer, prompt):
             # e.g. a request Dynamo migrated mid-reply (prompt + partial reply): continuing it would encode the partial
             # reply as a user turn, silently wrong; the client retries the turn instead
             raise ValueError("the prompt must end with the assistant prompt (a chat request, not a partial reply)")

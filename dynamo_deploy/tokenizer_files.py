@@ -4,8 +4,10 @@ from the model directory's own files, so the frontend's chat template yields exa
 The chat template is the model directory's (its tokenizer_config.json, `build_engines.data.chat_format`), copied, not
 written here: the frontend renders it and tokenizes the text with the HF tokenizer, where the role markers are added
 tokens and text between them is byte-level BPE as in `ChatTokenizer.encode`, so both give the same ids for ordinary
-text. A directory whose format is one of our built-in renderers (no Jinja template) cannot be served this way: the
-frontend runs templates only, so it is refused rather than given another format.
+text. A directory whose format is our built-in DeepSeek-V4.1 renderer (the release ships Python rules, no template)
+gets `DEEPSEEK_V41_CHAT_TEMPLATE`, the same rules as a template for chat without tools and with thinking off (it
+refuses the rest with a message; a test checks it equals the renderer). Another built-in format without a template
+would be refused rather than given another format.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import json
 import shutil
 from pathlib import Path
 
-from build_engines.data.chat_format import ChatFormatError, read_tokenizer_config
+from build_engines.data.chat_format import DEEPSEEK_V41, ChatFormatError, read_tokenizer_config
+from build_engines.data.deepseek_template import DEEPSEEK_V41_CHAT_TEMPLATE
 from build_engines.data.tokenizer import ChatTokenizer
+
+BUILTIN_AS_TEMPLATE = {DEEPSEEK_V41: DEEPSEEK_V41_CHAT_TEMPLATE}  # what a template-only frontend gets for a built-in format
 
 
 def write_model_folder(model_dir: str | Path, out: str | Path, served_name: str, max_context: int) -> Path:
@@ -23,7 +28,8 @@ def write_model_folder(model_dir: str | Path, out: str | Path, served_name: str,
     model_dir, out = Path(model_dir), Path(out)
     tok = ChatTokenizer.load(model_dir)
     fmt = tok.chat_format
-    if fmt.template is None:
+    template = fmt.template if fmt.template is not None else BUILTIN_AS_TEMPLATE.get(fmt.name)
+    if template is None:
         raise ChatFormatError(f"{model_dir}: its chat format is the built-in {fmt.name!r}, not a Jinja chat template; Dynamo's "
                               "frontend renders templates only")
     out.mkdir(parents=True, exist_ok=True)
@@ -31,7 +37,7 @@ def write_model_folder(model_dir: str | Path, out: str | Path, served_name: str,
     cfg = json.loads((model_dir / "config.json").read_text())
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
                         "clean_up_tokenization_spaces": False, **read_tokenizer_config(model_dir),
-                        "model_max_length": max_context, "chat_template": fmt.template}
+                        "model_max_length": max_context, "chat_template": template}
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1, ensure_ascii=False))
     (out / "config.json").write_text(json.dumps({
         "model_type": "mol2-ced", "architectures": ["CEDNetwork"], "_name_or_path": served_name,
