@@ -48,6 +48,8 @@ class Mutation:
 
 
 SI = "tests/tritonserver_backend/test_source_independence.py"
+TOKENS_UNIT = "tests/tritonserver_backend/test_session_auth.py"
+TOKENS_SERVED = "tests/tritonserver_backend/test_serving_session_tokens.py"
 EX = "tests/tritonserver_backend/test_serving_exactness.py"
 MUTATIONS = (
     Mutation("M1", "source independence: a turn is replayed under its own adapter",
@@ -134,6 +136,30 @@ MUTATIONS = (
              ("tests/build_engines/quantize/test_quant_engines.py::test_lora_inputs_stay_in_high_precision[int8]",
               "tests/build_engines/quantize/test_quant_engines.py::test_perplexity_stays_within_the_bound_of_the_fp32_engine[int8]"),
              True),
+    Mutation("M14", "session tokens: a live session opens with its own token only",
+             "the token check accepts any token (or none) for a live session",
+             "tritonserver_backend/session_auth.py",
+             '        return held is not None and hmac.compare_digest(held, token_digest(token) or "-")',
+             "        return held is not None",
+             (TOKENS_UNIT, f"{TOKENS_SERVED}::test_a_stranger_is_refused_everything_and_the_owner_continues_undisturbed"), True),
+    Mutation("M15", "session tokens: a live session cannot be restarted by a stranger",
+             "new_session (or history) on a live id skips the token check",
+             "tritonserver_backend/encoder_service.py",
+             "        if existed:\n",
+             "        if existed and not restart:\n",
+             (TOKENS_UNIT, f"{TOKENS_SERVED}::test_a_stranger_is_refused_everything_and_the_owner_continues_undisturbed"), True),
+    Mutation("M16", "internal calls: only the decoder steps, rolls back or drops an encoder session",
+             "the encoder takes STEP / ROLLBACK / DROP_SESSION without the server's internal key",
+             "model_repository/encoder/1/model.py",
+             "        if internal and not self.key.matches(glue.read(request, c.INTERNAL_KEY, None)):",
+             "        if False and internal and not self.key.matches(glue.read(request, c.INTERNAL_KEY, None)):",
+             (f"{TOKENS_SERVED}::test_direct_calls_to_the_internal_models_cannot_touch_a_session",)),
+    Mutation("M17", "internal calls: a hand-over grant is taken once",
+             "the decoder takes a grant again (the ledger accepts a grant as new as the session's last)",
+             "tritonserver_backend/session_auth.py",
+             "            if issued_ns <= self._last.get(session_id, 0):",
+             "            if issued_ns < self._last.get(session_id, 0):",
+             (TOKENS_UNIT, f"{TOKENS_SERVED}::test_direct_calls_to_the_internal_models_cannot_touch_a_session"), True),
 )
 
 
@@ -190,6 +216,23 @@ def run_tests(dest: Path, tests: tuple[str, ...], log: Path, stop_first: bool = 
     return rc, failed, time.perf_counter() - t0
 
 
+def write_doc(rows: list[str], keys: list[str], header: list[str], control: bool) -> None:
+    """The result table in docs/testing.md: the rows of this run replace those of the same mutations, the others stay
+    (with the run that measured them named in a note), so a run of some mutations does not erase the rest."""
+    text = DOC.read_text()
+    old = re.search(re.escape(BEGIN) + "(.*?)" + re.escape(END), text, flags=re.S)
+    kept = [line for line in (old.group(1) if old else "").splitlines() if re.match(r"\| M\d+ \|", line)]
+    by_key = {line.split("|")[1].strip(): line for line in kept}
+    by_key.update(dict(zip(keys, rows)))
+    ordered = [by_key[k] for k in sorted(by_key, key=lambda k: int(k[1:]))]
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    how = f"`scripts/mutation_check.py{' --control' if control else ''} --only {' '.join(keys)} --write-doc`"
+    note = f"Rows {', '.join(keys)}: run {stamp} on this machine ({how}); the other rows are from the earlier run named above them."
+    previous = next((line for line in (old.group(1) if old else "").splitlines() if line.startswith("Run ")), "")
+    block = "\n".join([BEGIN, previous, note, "", *header, *ordered, END])
+    DOC.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", help="mutation keys (M1 M2 ...); default: all")
@@ -228,14 +271,11 @@ def main() -> int:
         rows.append(f"| {m.key} | {m.claim} | {m.bug} (`{m.path}`) | {verdict} | {'<br>'.join(f'`{f}`' for f in failed) or '-'} |")
         if not args.keep:
             shutil.rmtree(dest)
-    table = "\n".join(["| | claim | planted bug | result | failing tests (all of them for M1, M2, M13; else pytest -x: the first) |", "|---|---|---|---|---|", *rows])
-    print(table)
+    every = ", ".join(m.key for m in MUTATIONS if m.every_test)
+    header = [f"| | claim | planted bug | result | failing tests (all of them for {every}; else pytest -x: the first) |", "|---|---|---|---|---|"]
+    print("\n".join(header + rows))
     if args.write_doc:
-        stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        control = " after a clean control run of the same tests" if args.control else ""
-        block = f"{BEGIN}\nRun {stamp} on this machine{control} (`scripts/mutation_check.py{' --control' if args.control else ''} --write-doc`):\n\n{table}\n{END}"
-        text = DOC.read_text()
-        DOC.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S))
+        write_doc(rows, [m.key for m in chosen], header, args.control)
     print(f"logs: {work}" if args.keep else "")
     return 0 if ok else 1
 
