@@ -35,7 +35,7 @@ RENAMED = {
 }
 # keys whose value is the only one the network implements
 FIXED: dict[str, Any] = {"score_func": "sqrtsoftplus", "gate_temp": 1.0, "norm_topk_prob": True}
-# described parts this implementation loads nothing of (their tensors are never read)
+# described parts the backbone roles load nothing of (DSpark: `model/dspark.py` builds its drafter from these keys)
 NOT_RUN = (
     "n_mtp_layers", "dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank",
     "dspark_n_routed_experts", "dspark_n_activated_experts", "vision_n_layers", "vision_dim", "vision_n_heads",

@@ -75,6 +75,9 @@ class StepOutput:
     logits: torch.Tensor  # (B, S, vocab) fp32
     state: SessionState
     hidden: list[torch.Tensor] | None = None  # per layer: streams (B, S, hc, dim) after the block, when traced
+    # DSpark's input, when `targets` is given: (B, S, len(targets) * dim), per target layer (ascending) the streams
+    # entering its block (after Engram) averaged over the hc copies, concatenated (build_engines/model/dspark.py)
+    target_hidden: torch.Tensor | None = None
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
@@ -188,10 +191,17 @@ class CEDNetwork(_EngramOwner, nn.Module):
         sources = new_sources(self.cfg, self.cfg.kv_source_layers, batch, self.device, dtype)
         return SessionState(0, windows, sources, self._new_history(batch, self.device))
 
-    def forward(self, tokens: torch.Tensor, state: SessionState | None = None, trace: bool = False) -> StepOutput:
-        """Process a chunk (B, S) after `state` (a fresh state when None): prefill, decode and training alike."""
+    def forward(self, tokens: torch.Tensor, state: SessionState | None = None, trace: bool = False,
+                targets: Iterable[int] = ()) -> StepOutput:
+        """Process a chunk (B, S) after `state` (a fresh state when None): prefill, decode and training alike.
+        `targets` (layer ids) also returns those layers' inputs for the DSpark drafter (`StepOutput.target_hidden`);
+        reading them changes nothing else."""
         state = self.new_state(tokens.shape[0]) if state is None else state
         _check_tokens(tokens, self.cfg, state)
+        targets = set(targets)
+        if not targets <= set(range(self.cfg.n_layers)):
+            raise ValueError(f"target layers {sorted(targets)} must lie in 0..{self.cfg.n_layers - 1}")
+        taken: list[torch.Tensor] = []
         ctx = StepContext(_positions(state, tokens.shape[1], self.device), dict(state.sources))
         hash_ids, history = self.engram_hashes(tokens, state)
         X, pre = initial_streams(self.embed, tokens, self.cfg.hc_mult)
@@ -200,12 +210,15 @@ class CEDNetwork(_EngramOwner, nn.Module):
         for l in range(self.cfg.n_layers):
             block = self.layers[str(l)]
             X = _apply_engram(block, X, hash_ids)
+            if l in targets:
+                taken.append(X.mean(2))
             X, attn_pre, windows[l] = block.attn_sublayer(X, pre, ctx, windows[l])
             X, pre = block.ffn_sublayer(X, attn_pre)
             if hidden is not None:
                 hidden.append(X)
         logits = _final_logits(self.norm, self.head, X, pre)
-        return StepOutput(logits, SessionState(state.position + tokens.shape[1], windows, ctx.sources, history), hidden)
+        return StepOutput(logits, SessionState(state.position + tokens.shape[1], windows, ctx.sources, history), hidden,
+                          torch.cat(taken, -1) if taken else None)
 
     def split(self) -> tuple["EncoderEngine", "DecoderEngine"]:
         """Two engine components holding copies of this network's weights (and Engram token map), split at layer 20's
