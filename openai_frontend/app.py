@@ -29,6 +29,7 @@ from .metrics import CONTENT_TYPE, FrontendMetrics
 from .prefix_cache import namespace_of
 from .schemas import ChatRequest, TokenizeRequest, detokenize_request, lora_request
 from .service import Answer, ChatService
+from .tool_calls import stream_deltas
 
 ADAPTER_HEADER = "x-mol2-adapter"
 OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key
@@ -168,6 +169,10 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
     async def chat_completions(request: Request) -> Response:
         received = time.perf_counter()
         chat = ChatRequest.parse(await request.body())
+        if chat.n > 1:  # n choices from one prefill: forks of the prompt's session (chat_choices.py)
+            from .chat_choices import respond as choices
+
+            return await choices(service, chat, getattr(request.state, "cache_namespace", ""), _safe, _headers)
         answer = await _safe(service.start(chat, getattr(request.state, "cache_namespace", "")))
         first = time.perf_counter()
         metrics.ttft.observe(first - received)
@@ -182,10 +187,17 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
             text = await _safe(answer.collect())
             completed()
             use = r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
-            return JSONResponse(r.completion(cid, created, chat.model, text, r.finish_reason(answer.finish), answer.adapter, use,
-                                             answer.logprobs if chat.logprobs else None), headers=_headers(answer))
+            return JSONResponse(r.completion(cid, created, chat.model, text, answer.finish_reason(), answer.adapter, use,
+                                             answer.logprobs if chat.logprobs else None, answer.tool_calls), headers=_headers(answer))
         return StreamingResponse(_events(chat, answer, cid, created, metrics, completed), media_type="text/event-stream",
                                  headers=_headers(answer))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        """Raw-text completions, echo with prompt log-probabilities, n choices from one prefill (completions.py)."""
+        from .completions import respond
+
+        return await respond(service, await request.body(), _safe)
 
     return app
 
@@ -195,14 +207,18 @@ async def _events(chat: ChatRequest, answer: Answer, cid: str, created: int, met
     yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"role": "assistant", "content": ""}))
     try:
         async for text, entries in answer.deltas():
-            yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"content": text}, None,
-                               entries if chat.logprobs else None))
+            if text or entries:
+                yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"content": text}, None,
+                                   entries if chat.logprobs else None))
+            for index, call_id, call in answer.tools.take() if answer.tools is not None else ():
+                for delta in stream_deltas(index, call_id, call):  # tool_calls.py: id, type and name, then the arguments
+                    yield _sse(r.chunk(cid, created, chat.model, answer.adapter, delta))
     except APIError as exc:
         metrics.errors.labels(exc.type, exc.code or "").inc()
         yield _sse(exc.body())
         return
     completed()
-    yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {}, r.finish_reason(answer.finish)))
+    yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {}, answer.finish_reason()))
     if chat.include_usage:
         yield _sse(r.usage_chunk(cid, created, chat.model, answer.adapter, r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)))
     yield b"data: [DONE]\n\n"

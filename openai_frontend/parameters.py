@@ -2,8 +2,8 @@
 
 Why a table: OpenAI-compatible servers differ most in what they quietly ignore. A client that asked for JSON
 (`response_format`), for `top_k` or for a `logit_bias` and got a plain reply cannot tell; so a parameter the server
-does not honour is refused with a 400 that names it, unless its value asks for nothing (`n: 1`, `logit_bias: {}`,
-`tools: []`, `response_format: {"type": "text"}`, `top_k: -1`, ...), which is what the server does anyway. A key in no
+does not honour is refused with a 400 that names it, unless its value asks for nothing (`best_of: 1`,
+`functions: []`, `bad_words: []`, ...), which is what the server does anyway. A key in no
 list (a typo, a parameter of another server) is refused too, as OpenAI's own API refuses it. `null` means absent.
 `docs/openai.md` shows this table; a test keeps the two the same.
 """
@@ -17,7 +17,7 @@ from .errors import bad_request
 
 HONOURED = {
     "model": "'mol2' routes with MoL2, 'mol2:base' and 'mol2:<adapter>' choose",
-    "messages": "system, developer (as system), user, assistant; text content parts",
+    "messages": "system, developer (as system), user, assistant (with tool_calls), tool; text content parts",
     "stream": "server-sent chunks ending with [DONE]",
     "stream_options": "include_usage",
     "max_tokens": "1 to the server's limit",
@@ -28,19 +28,33 @@ HONOURED = {
     "stop": "up to 4 strings, cut from the reply",
     "frequency_penalty": "OpenAI's definition, in the decoder's sampler",
     "presence_penalty": "OpenAI's definition, in the decoder's sampler",
-    "n": "1 only (more is refused)",
+    "n": "1 to 16 choices from one prefill (forks of the prompt's session; not with tools)",
     "logprobs": "each generated token's log-probability under the model (before penalties and temperature)",
     "top_logprobs": "0 to 20 alternatives per token (needs logprobs)",
+    "tools": "functions, rendered into the prompt by the model's chat format; calls parsed back into tool_calls",
+    "tool_choice": "none, auto, required or a named function; required and named force one call (grammar from its schema)",
+    "parallel_tool_calls": "false keeps only the first call of an auto reply (a forced reply holds one call)",
+    "logit_bias": "token id (a string) -> bias in [-100, 100], added to the logits before sampling (greedy too)",
+    "response_format": "text, json_object, json_schema (its schema; strict or not): the decoder samples only what the grammar allows (xgrammar), compact JSON",
 }
 EXTENSIONS = {
     "repetition_penalty": "vLLM / TensorRT-LLM's multiplicative penalty",
+    "top_k": "vLLM's: sample among the k most likely tokens (0 or -1: all)",
+    "min_p": "vLLM's: drop tokens less likely than min_p x the most likely one",
+    "stop_token_ids": "vLLM's: sampling one ends the reply (finish_reason stop; the token is not in the reply)",
+    "min_tokens": "vLLM's: end-of-turn and stop_token_ids masked until this many tokens (not with a grammar)",
+    "ignore_eos": "vLLM's: end-of-turn never sampled, the reply runs to max_tokens (not with a grammar)",
+    "guided_json": "vLLM's: a JSON schema (object or string) the reply follows, as response_format json_schema",
+    "guided_regex": "vLLM's: a regular expression the whole reply matches",
+    "guided_grammar": "vLLM's: an EBNF grammar (xgrammar's, root rule `root`) the reply follows",
+    "guided_choice": "vLLM's: the reply is exactly one of these strings",
+    "structured_outputs": "vLLM's: one of json, regex, grammar, choice, json_object",
 }
 NO_EFFECT = {  # accepted and recorded nowhere: they never change a reply
     "user": "an end-user id for abuse monitoring",
     "safety_identifier": "user's successor",
     "metadata": "stored-completion tags; nothing is stored",
     "prompt_cache_key": "the prefix cache keys on the messages themselves",
-    "parallel_tool_calls": "meaningful only with tools, which are refused",
 }
 
 
@@ -54,10 +68,6 @@ def _empty(value: Any) -> bool:
 
 # refused unless the value asks for nothing; the predicate says which values those are
 REFUSED: dict[str, Callable[[Any], bool]] = {
-    "logit_bias": _empty,
-    "response_format": lambda v: v == {"type": "text"},
-    "tools": _empty,
-    "tool_choice": _is("none"),
     "functions": _empty,
     "function_call": _is("none"),
     "audio": lambda v: False,
@@ -69,22 +79,12 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "service_tier": _is("auto", "default"),
     "store": _is(False),
     # other servers' extensions (vLLM, SGLang)
-    "top_k": _is(-1, 0),
-    "min_p": _is(0, 0.0),
-    "stop_token_ids": _empty,
-    "min_tokens": _is(0),
-    "ignore_eos": _is(False),
     "best_of": _is(1),
     "use_beam_search": _is(False),
     "length_penalty": _is(1, 1.0),
     "echo": _is(False),
     "prompt_logprobs": _is(0),
-    "guided_json": lambda v: False,
-    "guided_regex": lambda v: False,
-    "guided_choice": lambda v: False,
-    "guided_grammar": lambda v: False,
-    "guided_decoding_backend": lambda v: False,
-    "structured_outputs": lambda v: False,
+    "guided_decoding_backend": _is("xgrammar", "auto"),  # what the server uses anyway
     "bad_words": _empty,
     "allowed_token_ids": lambda v: False,
     "logits_processors": _empty,
@@ -98,11 +98,8 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "priority": _is(0),
 }
 REFUSED_WHY = {
-    "response_format": "structured outputs are not implemented yet",
-    "tools": "tool calling is not implemented yet",
-    "tool_choice": "tool calling is not implemented yet",
-    "functions": "function calling is not implemented",
-    "function_call": "function calling is not implemented",
+    "functions": "the deprecated function calling: send tools",
+    "function_call": "the deprecated function calling: send tool_choice",
 }
 
 

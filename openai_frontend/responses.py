@@ -33,10 +33,13 @@ def logprobs(entries: list[dict] | None) -> dict | None:
 
 
 def completion(cid: str, created: int, model: str, text: str, finish: str, adapter: str, use: dict,
-               entries: list[dict] | None = None) -> dict:
+               entries: list[dict] | None = None, tool_calls: list[dict] | None = None) -> dict:
+    """`tool_calls`: the reply's calls (then `content` is None when the reply had no text besides them)."""
+    message: dict = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
     return {"id": cid, "object": "chat.completion", "created": created, "model": model, "adapter": adapter,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs(entries),
-                         "finish_reason": finish}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs(entries), "finish_reason": finish}],
             "usage": use}
 
 

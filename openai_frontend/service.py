@@ -15,6 +15,7 @@ from the messages under a new session id, and counted (`refusals`, `rebuilt_afte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from build_engines.data.chat_format import ChatFormatError
-from build_engines.data.tokenizer import ChatTokenizer, Message
+from build_engines.data.tokenizer import ChatTokenizer
 from tritonserver_backend.client import TurnRequest
 
-from . import model_ids
+from . import model_ids, responses, tool_calls
 from .errors import APIError, bad_request, session_lost, session_refused, unknown_model
 from .prefix_cache import Entry, PrefixCache, prefix_key
 from .schemas import ChatRequest
@@ -56,6 +57,7 @@ class Answer:
     completion_tokens: int = 0
     text: str = ""
     logprobs: list[dict] = field(default_factory=list)  # with logprobs: OpenAI's entry per generated token, so far
+    tools: tool_calls.ToolReply | None = None  # with tools rendered: the reply's text through the tool-call parser (tool_calls.py)
     _stop: StopText = field(init=False)
 
     def __post_init__(self) -> None:
@@ -71,14 +73,14 @@ class Answer:
             while True:
                 out = self._take(piece)
                 entries = self._entries(piece)
-                if out or entries:
+                if out or entries or self._calls_waiting():
                     yield out, entries
                 if piece.finish:
                     break
                 piece = await anext(self.rest)
-            tail = self._stop.flush()
-            self.text = self._stop.emitted
-            if tail:
+            tail = self._tool_text(self._stop.flush(), final=True)
+            self.text = self.tools.content if self.tools is not None else self._stop.emitted
+            if tail or self._calls_waiting():
                 yield tail, []
             complete = True
         finally:
@@ -94,7 +96,23 @@ class Answer:
         if not piece.token_ids:
             return ""
         self.completion_tokens += len(piece.token_ids)
-        return self._stop.feed(piece.text)
+        return self._tool_text(self._stop.feed(piece.text))
+
+    def _tool_text(self, text: str, final: bool = False) -> str:
+        """The reply's content: with tools, what is left of the text once the calls in it are taken out."""
+        return text if self.tools is None else self.tools.feed(text, final)
+
+    def _calls_waiting(self) -> bool:
+        return self.tools is not None and self.tools.waiting
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        """The reply's tool calls as OpenAI's message shows them ([] without)."""
+        return self.tools.message_calls() if self.tools is not None else []
+
+    def finish_reason(self) -> str:
+        """OpenAI's finish_reason: "tool_calls" when the reply made calls, else the server's reason mapped."""
+        return "tool_calls" if self.tool_calls else responses.finish_reason(self.finish)
 
     def _entries(self, piece: Piece) -> list[dict]:
         """OpenAI's `logprobs.content` entries for the piece's tokens (empty unless the request asked for them)."""
@@ -154,10 +172,22 @@ class ChatService:
     async def start(self, request: ChatRequest, namespace: str = "") -> Answer:
         """`namespace`: the prefix cache partition of the request's API key (`prefix_cache.namespace_of`)."""
         await self.check_model(request)
+        tools = request.tools
+        syntax = tool_calls.syntax_for(self.tokenizer.chat_format) if tools.rendered else None
+        if syntax is not None and tools.forced:
+            request = dataclasses.replace(request, grammar=tools.grammar(syntax))
+        namespace = tools.namespace(namespace)  # a session holds the tools' text: the cache keys on the tools too
         try:  # counted in the model directory's chat format, the one the server renders the turn in
-            prompt_tokens = len(self.tokenizer.chat([Message(r, t) for r, t in request.messages]))
+            prompt_tokens = len(self.tokenizer.chat_format.encode([tool_calls.wire(m) for m in request.messages],
+                                                                  tools=list(tools.definitions) if tools.rendered else None))
         except ChatFormatError as exc:
             raise bad_request(str(exc), "messages") from None
+        answer = await self._answer(request, namespace, prompt_tokens)
+        if syntax is not None:
+            answer.tools = tool_calls.ToolReply(syntax, tools.parallel and not tools.forced)
+        return answer
+
+    async def _answer(self, request: ChatRequest, namespace: str, prompt_tokens: int) -> Answer:
         entry = self.cache.take(prefix_key(request.earlier, namespace)) if request.earlier else None
         refused = False
         if entry is not None:
@@ -178,14 +208,19 @@ class ChatService:
 
     async def _open(self, request: ChatRequest, namespace: str, session_id: str, new: bool, prompt_tokens: int,
                     cached: int, session_token: str = "") -> Answer:
-        history = json.dumps([{"role": r, "content": t} for r, t in request.earlier]) if new and request.earlier else None
-        turn = TurnRequest(session_id, request.last, new_session=new, adapter=request.adapter, max_tokens=request.max_tokens,
+        history = json.dumps([tool_calls.wire(m) for m in request.earlier], ensure_ascii=False) if new and request.earlier else None
+        plain = len(request.turn) == 1 and request.turn[0][0] == "user"  # the tensor API's text; else turn_messages
+        turn_messages = None if plain else json.dumps([tool_calls.wire(m) for m in request.turn], ensure_ascii=False)
+        turn = TurnRequest(session_id, request.last if plain else "", new_session=new, adapter=request.adapter, max_tokens=request.max_tokens,
                            temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                            stop=list(request.stop) or None, frequency_penalty=request.frequency_penalty,
                            presence_penalty=request.presence_penalty, repetition_penalty=request.repetition_penalty,
                            history=history, stream=request.stream, logprobs=request.logprobs,
                            top_logprobs=request.top_logprobs or None,  # a non-streamed completion: one response, not one per token
-                           session_token=session_token or None)
+                           session_token=session_token or None, top_k=request.top_k, min_p=request.min_p,
+                           logit_bias=request.logit_bias, stop_token_ids=list(request.stop_token_ids) or None,
+                           min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, grammar=request.grammar,
+                           tools=request.tools.json(), turn_messages=turn_messages)
         pieces = self.stream.turn(turn)
         try:
             first = await anext(pieces)
@@ -204,6 +239,7 @@ class ChatService:
         """The session now holds the request's messages and the reply as returned: continuable under that prefix."""
         if answer.finish == "cancelled":
             return
-        held = answer.request.messages + (("assistant", answer.text),)
+        reply = ("assistant", answer.text, answer.tools.extra()) if answer.tool_calls else ("assistant", answer.text)
+        held = answer.request.messages + (reply,)
         tokens = answer.prompt_tokens + answer.completion_tokens + 1  # + the end-of-turn the server appends
         self.cache.put(prefix_key(held, answer.namespace), Entry(answer.session_id, tokens, answer.session_token))

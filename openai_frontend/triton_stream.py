@@ -36,6 +36,8 @@ def _array(spec: c.TensorSpec, value: Any) -> np.ndarray:
     if spec.dtype == "BYTES":
         items = value if isinstance(value, list) else [value]
         return np.array([v.encode("utf-8") for v in items], dtype=np.object_)
+    if isinstance(value, (list, tuple)):  # a [-1] input (stop_token_ids)
+        return np.asarray(value, dtype=spec.numpy_dtype).reshape(-1)
     return np.asarray([value], dtype=spec.numpy_dtype)
 
 
@@ -165,6 +167,13 @@ class TritonStream:
     async def cancel(self, session_id: str, session_token: str | None = None) -> dict:
         """Stop the session's turn in flight (`session_control` cancel), with its token (needed with session_auth on)."""
         tensors: dict[c.TensorSpec, Any] = {c.SESSION_ID: session_id, c.CONTROL_ACTION: "cancel"}
+        if session_token:
+            tensors[c.CONTROL_TOKEN] = session_token
+        return json.loads(await self._infer(c.SESSION_CONTROL.name, tensors, c.RESULT))
+
+    async def end(self, session_id: str, session_token: str | None = None) -> dict:
+        """Drop an idle session on the server without a turn (`session_control` "end"), with its token."""
+        tensors: dict[c.TensorSpec, Any] = {c.SESSION_ID: session_id, c.CONTROL_ACTION: "end"}
         if session_token:
             tensors[c.CONTROL_TOKEN] = session_token
         return json.loads(await self._infer(c.SESSION_CONTROL.name, tensors, c.RESULT))

@@ -161,7 +161,7 @@ def bad_request(chat: TimedChat, rng: random.Random, stats: Stats, server: Trito
         TurnRequest("soak-missing-session", "hello", max_tokens=4),
         TurnRequest(f"bad-{rng.random()}", "hello", new_session=True, adapter="no_such_adapter", max_tokens=4),
         TurnRequest(f"bad-{rng.random()}", "word " * 5000, new_session=True, max_tokens=4),
-        TurnRequest(f"bad-{rng.random()}", "hello", new_session=True, max_tokens=0),
+        TurnRequest(f"bad-{rng.random()}", "hello", new_session=True, max_tokens=-1),
         TurnRequest(f"bad-{rng.random()}", "hello", new_session=True, temperature=-2.0),
         TurnRequest(f"bad-{rng.random()}", "hello", history="[oops", max_tokens=4),
     ]

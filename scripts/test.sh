@@ -36,6 +36,7 @@ in_background() {  # NAME COMMAND...: run COMMAND with its output in $LOGS/NAME.
 }
 in_background dynamo-venv bash scripts/setup_dynamo.sh
 in_background quant-venv bash scripts/setup_quant.sh
+in_background eval-venv bash scripts/setup_eval.sh  # lm-evaluation-harness (tests/scripts/test_eval_harness.py)
 in_background default-engines .venv/bin/python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
 in_background corpora .venv/bin/python -m tests.real_data
 failed=0

@@ -59,6 +59,20 @@ class TurnRequest:
     logprobs: bool = False  # each token's log-probability comes back in Reply.logprobs
     top_logprobs: int | None = None  # and the k most likely alternatives at each position
     session_token: str | None = None  # None: the client's SessionTokens fill in the session's token, if they hold one
+    top_k: int | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's shape) -> bias; sent as JSON
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    grammar: dict | None = None  # {"type": "json_object" | "json_schema" | "regex" | "ebnf", ...}; sent as JSON
+
+    raw: bool = False  # completions: text tokenized as it is (no chat template), no end-of-turn after the reply
+    forced_ids: list[int] | None = None  # teacher forcing: emitted first, with their log-probabilities
+    fork_from: str | None = None  # with new_session: start as a copy of this live, idle session
+    fork_token: str | None = None  # that session's token (None: the client's SessionTokens fill it in)
+    tools: str | None = None  # JSON list of OpenAI tool definitions, rendered by the chat format (every turn of a session)
+    turn_messages: str | None = None  # JSON list of the messages this turn adds (tool results, user) instead of text
 
     def tensors(self) -> dict[c.TensorSpec, Any]:
         values: dict[c.TensorSpec, Any] = {c.SESSION_ID: self.session_id, c.TEXT: self.text}
@@ -79,6 +93,19 @@ class TurnRequest:
             c.LOGPROBS: self.logprobs or None,
             c.TOP_LOGPROBS: self.top_logprobs,
             c.SESSION_TOKEN: self.session_token,
+            c.TOP_K: self.top_k,
+            c.MIN_P: self.min_p,
+            c.LOGIT_BIAS: None if self.logit_bias is None else json.dumps({str(k): v for k, v in self.logit_bias.items()}),
+            c.STOP_TOKEN_IDS: self.stop_token_ids or None,
+            c.MIN_TOKENS: self.min_tokens,
+            c.IGNORE_EOS: self.ignore_eos or None,
+            c.GRAMMAR: None if self.grammar is None else json.dumps(self.grammar),
+            c.RAW: self.raw or None,
+            c.FORCED_IDS: list(self.forced_ids) if self.forced_ids is not None else None,
+            c.FORK_FROM: self.fork_from,
+            c.FORK_TOKEN: self.fork_token,
+            c.TOOLS: self.tools,
+            c.TURN_MESSAGES: self.turn_messages,
         }
         values.update({k: v for k, v in optional.items() if v is not None})
         return values
@@ -94,6 +121,11 @@ class SessionTokens:
         self._lock = threading.Lock()
 
     def outgoing(self, request: TurnRequest) -> TurnRequest:
+        if request.fork_from is not None and request.fork_token is None:
+            with self._lock:
+                fork_token = self._tokens.get(request.fork_from)
+            if fork_token is not None:
+                request = dataclasses.replace(request, fork_token=fork_token)
         if request.session_token is not None:
             return request
         with self._lock:
@@ -118,6 +150,8 @@ def _numpy(spec: c.TensorSpec, value: Any) -> np.ndarray:
     if spec.dtype == "BYTES":
         items = value if isinstance(value, list) else [value]
         return np.array([v.encode("utf-8") for v in items], dtype=np.object_)
+    if isinstance(value, (list, tuple)):  # a [-1] input (stop_token_ids)
+        return np.asarray(value, dtype=spec.numpy_dtype).reshape(-1)
     return np.asarray([value], dtype=spec.numpy_dtype)
 
 
@@ -306,7 +340,8 @@ def _http_error(raw: bytes) -> str:
         return text
 
 
-def cancel_turn(http_url: str, session_id: str, session_token: str | None = None, timeout: float = 30.0) -> dict:
+def cancel_turn(http_url: str, session_id: str, session_token: str | None = None, timeout: float = 30.0,
+                action: str = "cancel") -> dict:
     """Ask the server to stop `session_id`'s turn in flight (the `session_control` model); returns its JSON answer.
     `session_token`: the session's token (needed with session_auth on; a client's `SessionTokens.get` has it).
 
@@ -315,7 +350,7 @@ def cancel_turn(http_url: str, session_id: str, session_token: str | None = None
     host, _, port = http_url.partition(":")
     conn = http.client.HTTPConnection(host, int(port or 80), timeout=timeout)
     inputs = [{"name": c.SESSION_ID.name, "shape": [1], "datatype": "BYTES", "data": [session_id]},
-              {"name": c.CONTROL_ACTION.name, "shape": [1], "datatype": "BYTES", "data": ["cancel"]}]
+              {"name": c.CONTROL_ACTION.name, "shape": [1], "datatype": "BYTES", "data": [action]}]  # or "end": drop an idle session
     if session_token is not None:
         inputs.append({"name": c.CONTROL_TOKEN.name, "shape": [1], "datatype": "BYTES", "data": [session_token]})
     body = {"inputs": inputs}

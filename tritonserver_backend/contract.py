@@ -40,7 +40,7 @@ TEXT = TensorSpec("text", "BYTES", (1,), doc="the user turn")
 NEW_SESSION = TensorSpec("new_session", "BOOL", (1,), True, "true starts (or restarts) the session with this turn")
 HISTORY = TensorSpec("history", "BYTES", (1,), True, 'JSON list of earlier {"role","content"} messages: rebuilds a lost or evicted session')
 ADAPTER = TensorSpec("adapter", "BYTES", (1,), True, 'explicit adapter name (always wins over the router); "base" = no adapter; empty = route')
-MAX_TOKENS = TensorSpec("max_tokens", "INT32", (1,), True, "reply length limit (default 64)")
+MAX_TOKENS = TensorSpec("max_tokens", "INT32", (1,), True, "reply length limit (default 64); 0: prefill only (the turn is encoded and stored up to the assistant prompt, nothing generated, no end-of-turn): a session to fork")
 TEMPERATURE = TensorSpec("temperature", "FP32", (1,), True, "0 = greedy (default)")
 TOP_P = TensorSpec("top_p", "FP32", (1,), True, "nucleus sampling mass (default 1.0)")
 SEED = TensorSpec("seed", "INT64", (1,), True, "sampling seed (default 0): same seed, same reply")
@@ -49,6 +49,15 @@ FREQUENCY_PENALTY = TensorSpec("frequency_penalty", "FP32", (1,), True, "[-2, 2]
 PRESENCE_PENALTY = TensorSpec("presence_penalty", "FP32", (1,), True, "[-2, 2]: subtracted from the logit of a token that appeared in the reply (default 0)")
 REPETITION_PENALTY = TensorSpec("repetition_penalty", "FP32", (1,), True, "(0, 10]: divides a positive (multiplies a negative) logit of a token seen in the reply (default 1)")
 PENALTIES = (FREQUENCY_PENALTY, PRESENCE_PENALTY, REPETITION_PENALTY)
+# sampling and structured outputs (issue 32)
+TOP_K = TensorSpec("top_k", "INT32", (1,), True, "sample among the k most likely tokens (default 0 = all; -1 = all too)")
+MIN_P = TensorSpec("min_p", "FP32", (1,), True, "[0, 1]: drop tokens less likely than min_p x the most likely one (default 0 = off)")
+LOGIT_BIAS = TensorSpec("logit_bias", "BYTES", (1,), True, 'JSON object token id -> bias in [-100, 100], added to the logits before sampling (greedy too), e.g. {"42": -100}')
+STOP_TOKEN_IDS = TensorSpec("stop_token_ids", "INT32", (-1,), True, 'sampling one of these ids ends the turn with finish_reason "stop" (the id is not part of the reply)')
+MIN_TOKENS = TensorSpec("min_tokens", "INT32", (1,), True, "0..max_tokens: end-of-turn and stop_token_ids are masked (and stop strings not checked) until the reply has this many tokens (default 0)")
+IGNORE_EOS = TensorSpec("ignore_eos", "BOOL", (1,), True, "true: end-of-turn is never sampled; the reply runs to max_tokens, a stop string or a stop token id")
+GRAMMAR = TensorSpec("grammar", "BYTES", (1,), True, 'structured output, JSON: {"type":"json_object"} | {"type":"json_schema","schema":{...}} | {"type":"regex","pattern":"..."} | {"type":"ebnf","grammar":"root ::= ..."}; the decoder samples only tokens the grammar allows (xgrammar) and the reply ends where the grammar completes; one that does not compile is refused. Not with ignore_eos or min_tokens')
+SAMPLING_INPUTS = (TOP_K, MIN_P, LOGIT_BIAS, STOP_TOKEN_IDS, MIN_TOKENS, IGNORE_EOS, GRAMMAR)
 SESSION_TOKEN = TensorSpec("session_token", "BYTES", (1,), True, "the token issued when the session started (issued_session_token of its first reply): needed by every later turn, end_session, cancel, and by new_session or history on a live session (with session_auth on, the default)")
 END_SESSION = TensorSpec("end_session", "BOOL", (1,), True, "true drops the session after this turn")
 STREAM = TensorSpec("stream", "BOOL", (1,), True, "false: the whole reply in one response (what Triton's HTTP /generate needs); default true: a response per token")
@@ -64,6 +73,16 @@ TOKEN_LOGPROB_OUT = TensorSpec("token_logprob", "FP32", (-1,), doc="with logprob
 TOP_TOKEN_ID_OUT = TensorSpec("top_token_id", "INT32", (-1, -1), doc="with top_logprobs k: (tokens, k) the most likely ids at each position, most likely first; (tokens, 0) without")
 TOP_LOGPROB_OUT = TensorSpec("top_logprob", "FP32", (-1, -1), doc="with top_logprobs k: (tokens, k) their log-probabilities")
 LOGPROB_OUTPUTS = (TOKEN_LOGPROB_OUT, TOP_TOKEN_ID_OUT, TOP_LOGPROB_OUT)
+# tools (issue 32): tool definitions and tool results, rendered by the model directory's chat format
+TOOLS = TensorSpec("tools", "BYTES", (1,), True, 'JSON list of OpenAI tool definitions ({"type":"function","function":{"name","description","parameters"}}): the chat format renders them into the prompt where it puts tools (the default: a system message after <|bos|>; deepseek-v4.1: the first system turn); send the same list with every turn of a session')
+TURN_MESSAGES = TensorSpec("turn_messages", "BYTES", (1,), True, 'JSON list of the messages this turn adds, instead of text\'s one user message (send text ""): tool results {"role":"tool","tool_call_id","content"} and user messages; earlier assistant tool calls go in history as {"role":"assistant","content","tool_calls":[...]}')
+TOOL_INPUTS = (TOOLS, TURN_MESSAGES)
+# completions (issue 32): raw text, teacher forcing, forking a session after its prompt
+RAW = TensorSpec("raw", "BOOL", (1,), True, "true: text is plain text, tokenized as it is (no chat template, no assistant prompt, and no end-of-turn appended after the reply): the completions API's sessions. A session it starts begins with <|bos|>; with empty text, <|bos|> alone")
+FORCED_IDS = TensorSpec("forced_ids", "INT32", (-1,), True, "teacher forcing: the decoder emits exactly these token ids first (in token_id, with their log-probabilities under the model when logprobs is on) instead of sampling them, then samples up to max_tokens more (0 allowed)")
+FORK_FROM = TensorSpec("fork_from", "BYTES", (1,), True, "with new_session: the new session starts as a copy of this live, idle session (its encoder state, its decoder's global-KV mirror and replay window); nothing is re-encoded, text may be empty; needs that session's token in fork_token")
+FORK_TOKEN = TensorSpec("fork_token", "BYTES", (1,), True, "the session token of the fork_from session")
+COMPLETION_INPUTS = (RAW, FORCED_IDS, FORK_FROM, FORK_TOKEN)
 
 # ------------------------------------------------------------------------------------ between models
 TOKEN_IDS = TensorSpec("TOKEN_IDS", "INT64", (-1,), doc="the user turn rendered by the chat template (ends with the assistant prompt); H19 is pooled over it")
@@ -97,7 +116,7 @@ HANDOVER = (HANDOVER_POSITIONS, HANDOVER_STREAMS, HANDOVER_FFN_PRE, HANDOVER_TOP
 
 # ------------------------------------------------------------------------------------ admin
 ACTION = TensorSpec("action", "BYTES", (1,), doc="load | unload | list")
-CONTROL_ACTION = TensorSpec("action", "BYTES", (1,), doc='"cancel": stop the session\'s turn in flight (its partial reply stays in the history)')
+CONTROL_ACTION = TensorSpec("action", "BYTES", (1,), doc='"cancel": stop the session\'s turn in flight (its partial reply stays in the history); "end": drop an idle session on both sides')
 CONTROL_TOKEN = SESSION_TOKEN.as_optional("the session's session_token (needed with session_auth on)")
 ADAPTER_PATH = TensorSpec("path", "BYTES", (1,), True, "adapter directory (PEFT layout) for load; a new version of a loaded path updates it")
 DESCRIPTION = TensorSpec("description", "BYTES", (1,), True, "what the router reads about the adapter")
@@ -119,25 +138,26 @@ class ModelSpec:
 # optional and preprocess, its first step, refuses a request without them with a clear error.
 SESSION_ID_IN = SESSION_ID.as_optional("conversation id: required; declared optional to Triton so that preprocess can answer its absence")
 TEXT_IN = TEXT.as_optional("the user turn: required; declared optional to Triton so that preprocess can answer its absence")
-PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, LOGPROBS, TOP_LOGPROBS), (TOKEN_IDS, PREFIX_IDS, START, ARRIVAL_NS))
+PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, *TOOL_INPUTS, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, *SAMPLING_INPUTS, LOGPROBS, TOP_LOGPROBS, RAW, FORCED_IDS, FORK_FROM), (TOKEN_IDS, PREFIX_IDS, START, ARRIVAL_NS))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, SESSION_TOKEN, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE,
-                                INTERNAL_KEY, CHECK_TOKEN),
+                                INTERNAL_KEY, CHECK_TOKEN, FORK_FROM, FORK_TOKEN),
                     (H19, *HANDOVER, ISSUED_TOKEN, GRANT))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 # the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two
 # more IPC round trips) per streamed token per session, the largest per-token cost of the batched path (docs/load.md)
 DECODER = ModelSpec(
     "decoder",
-    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM,
-     LOGPROBS, TOP_LOGPROBS, CONTROL, ARRIVAL_NS.as_optional(), ISSUED_TOKEN.as_optional(), GRANT.as_optional(), INTERNAL_KEY),
+    (SESSION_ID, ADAPTER_HASH.as_optional(), *(h.as_optional() for h in HANDOVER), MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, *SAMPLING_INPUTS, END_SESSION, STREAM,
+     LOGPROBS, TOP_LOGPROBS, CONTROL, ARRIVAL_NS.as_optional(), ISSUED_TOKEN.as_optional(), GRANT.as_optional(), INTERNAL_KEY,
+     RAW, FORCED_IDS, FORK_FROM),
     (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS, ISSUED_SESSION_TOKEN),
     decoupled=True,
 )
 ADMIN = ModelSpec("adapter_admin", (ACTION, ADAPTER_PATH, ADAPTER, DESCRIPTION), (RESULT,))
 SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION, CONTROL_TOKEN), (RESULT,))
 ENSEMBLE_NAME = "mol2"
-ENSEMBLE_INPUTS = (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, END_SESSION, STREAM,
-                   LOGPROBS, TOP_LOGPROBS, SESSION_TOKEN)
+ENSEMBLE_INPUTS = (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, *TOOL_INPUTS, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, *SAMPLING_INPUTS, END_SESSION, STREAM,
+                   LOGPROBS, TOP_LOGPROBS, SESSION_TOKEN, *COMPLETION_INPUTS)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS, ISSUED_SESSION_TOKEN)
 MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN, SESSION_CONTROL)
 

@@ -25,6 +25,7 @@ from .counters import Counters
 from .encoder_service import MAX_DECODE_LANES, Handover
 from .engines import StepEngine
 from .errors import BadRequest, ServingError, TurnRejected
+from .grammar import GrammarCache, allowed_tokens
 from .registry import BASE_NAME, Registry
 from .sampling import Sampler, SamplingParams
 from .session_store import SessionStore
@@ -70,6 +71,8 @@ class Turn:
     context: object = None  # what the caller needs to answer (a response sender)
     unsent: list[int] = field(default_factory=list)  # sampled tokens not streamed yet (a stream interval above 1)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs: one per generated token
+    matcher: object = None  # with params.grammar: the turn's state in its grammar (an xgrammar GrammarMatcher)
+    allowed: torch.Tensor | None = None  # the grammar's allowed next tokens (vocab,) bool, filled each step
 
     @property
     def adapter_name(self) -> str:
@@ -94,32 +97,61 @@ class DecoderService:
         self.sessions: SessionStore[DecoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
         self.busy: set[str] = set()
         self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked rings and mirror, kept between its steps
+        self.grammars = GrammarCache(tokenizer, self.cfg.vocab_size)  # compiled grammars by spec (grammar.py)
 
     # ------------------------------------------------------------------ a turn starts: absorb + bounded replay
-    def prepare(self, session_id: str, handover: Handover, adapter_hash: int, params: SamplingParams) -> Turn:
+    def prepare(self, session_id: str, handover: Handover, adapter_hash: int, params: SamplingParams, fork_from: str = "") -> Turn:
         """Check everything and absorb the turn's rows into a copy of the session (errors: TurnRejected, the encoder
-        then rolls the turn back; the stored session is untouched either way). The replay comes next (`replay`)."""
+        then rolls the turn back; the stored session is untouched either way). The replay comes next (`replay`).
+        `fork_from`: a new session that starts as a copy of that stored session (contract.FORK_FROM)."""
         try:
             positions = handover["positions"]
-            if positions.size == 0:
+            if positions.size == 0 and not fork_from:
                 raise BadRequest("the hand-over has no rows")
             self._check_rows(handover)
             if session_id in self.busy:
                 raise BadRequest(f"session {session_id!r} is still answering its previous turn")
-            first = int(positions[0])
-            if first == 0:
+            first = int(positions[0]) if positions.size else -1
+            if fork_from:
+                row = self._fork(fork_from, first)
+            elif first == 0:
                 row = DecoderRow.empty(self.layout)
             else:
                 row = self.sessions.get(session_id).clone()
                 if row.position != first:
                     raise BadRequest(f"session {session_id!r}: the hand-over starts at position {first} but the decoder is at {row.position}")
+            params.check_vocab(self.cfg.vocab_size)
+            matcher = self.grammars.matcher(params.grammar) if params.grammar else None
+            limit = self._limit(params, self.max_context - row.position - int(positions.size) - 2)  # room for the last token and end-of-turn
             slot, adapter = self.slots.acquire(int(adapter_hash))
         except ServingError as exc:
             raise TurnRejected(str(exc)) from None
-        row.absorb(self.layout, handover)
-        room = self.max_context - row.position - 2  # keep room for the last token and the end-of-turn
+        if positions.size:
+            row.absorb(self.layout, handover)
         self.busy.add(session_id)
-        return Turn(session_id, row, slot, adapter, params, Sampler(params), max(1, min(params.max_tokens, room)))
+        turn = Turn(session_id, row, slot, adapter, params, Sampler(params, self.tokenizer.end_of_turn_id), limit)
+        turn.matcher = matcher
+        return turn
+
+    def _fork(self, source: str, first: int) -> DecoderRow:
+        """A copy of `source`'s stored state (global-KV mirror, replay window): the start of a forked session."""
+        if source in self.busy:
+            raise BadRequest(f"session {source!r} is answering a turn; fork it once that turn has ended")
+        row = self.sessions.get(source).clone()
+        if first >= 0 and row.position != first:
+            raise BadRequest(f"fork of {source!r}: the hand-over starts at position {first} but the source is at {row.position}")
+        return row
+
+    def _limit(self, params: SamplingParams, room: int) -> int:
+        """Tokens the turn may emit: its forced ids, then max_tokens sampled ones (within the context); 0 = a turn that
+        only encodes (prefill only: the session then holds the prompt up to the assistant prompt, no reply and no
+        end-of-turn, ready to be forked, or continued by a raw turn)."""
+        forced = params.forced_ids
+        if forced and (len(forced) > room or max(forced) >= self.cfg.vocab_size):
+            raise BadRequest(f"forced_ids: {len(forced)} ids must fit the context ({room} positions left) and the vocabulary")
+        if params.raw or params.max_tokens == 0:
+            return min(len(forced) + params.max_tokens, room)
+        return max(1, min(len(forced) + params.max_tokens, room))
 
     def replay(self, turns: list[Turn]) -> None:
         """Bounded replay of every starting turn in one batch: each row's last W rows under its adapter, rings afresh."""
@@ -161,23 +193,55 @@ class DecoderService:
             if handover[key].shape[1:] != inner:
                 raise BadRequest(f"hand-over {key} has rows of shape {handover[key].shape[1:]}, this model needs {inner}")
         positions = handover["positions"]
-        if not np.array_equal(positions, np.arange(positions[0], positions[0] + positions.size)) or positions[0] < 0:
+        if positions.size and (not np.array_equal(positions, np.arange(positions[0], positions[0] + positions.size)) or positions[0] < 0):
             raise BadRequest("hand-over positions must be consecutive and non-negative")
 
     # ------------------------------------------------------------------ sampling and stopping
+    def constrain(self, turns: list[Turn]) -> None:
+        """Before a step's tokens are chosen: one batched bitmask fill for every turn with a grammar."""
+        grammar = [t for t in turns if t.matcher is not None and not t.finish]
+        if not grammar:
+            return
+        masks = allowed_tokens([t.matcher for t in grammar], self.cfg.vocab_size)
+        for turn, mask in zip(grammar, masks):
+            turn.allowed = mask
+
     def choose(self, turn: Turn) -> int | None:
-        """Sample the turn's next token; None when the turn ends here (end-of-turn sampled)."""
+        """Sample the turn's next token; None when the turn ends here (end-of-turn or one of stop_token_ids sampled:
+        neither is part of the reply)."""
         assert turn.logits is not None
-        token = turn.sampler(torch.from_numpy(turn.logits), turn.generated)
+        if len(turn.generated) < len(turn.params.forced_ids):
+            return self._force(turn)
+        if turn.matcher is not None and turn.allowed is None:  # a caller that skipped `constrain`
+            self.constrain([turn])
+        token = turn.sampler(torch.from_numpy(turn.logits), turn.generated, turn.allowed)
+        turn.allowed = None
+        if turn.matcher is not None and not turn.matcher.accept_token(token):  # type: ignore[attr-defined]
+            raise ServingError(f"the grammar refused token {token}, which its own mask allowed")
         if token == self.tokenizer.end_of_turn_id:
             turn.finish = FINISH_EOT
+            return None
+        if token in turn.params.stop_token_ids:
+            turn.finish = FINISH_STOP
             return None
         turn.generated.append(token)
         if turn.params.logprobs:
             turn.logprobs.append(token_logprobs(turn.logits, token, turn.params.top_logprobs))
-        if turn.params.stop and any(s in self.tokenizer.decode(turn.generated) for s in turn.params.stop):
+        if turn.params.stop and len(turn.generated) >= turn.params.min_tokens and any(s in self.tokenizer.decode(turn.generated) for s in turn.params.stop):
             turn.finish = FINISH_STOP
         elif len(turn.generated) >= turn.limit:
+            turn.finish = FINISH_LENGTH
+        return token
+
+    def _force(self, turn: Turn) -> int:
+        """Teacher forcing (contract.FORCED_IDS): the next forced id is emitted as if sampled, with its log-probability."""
+        assert turn.logits is not None
+        token = turn.params.forced_ids[len(turn.generated)]
+        turn.generated.append(token)
+        turn.allowed = None
+        if turn.params.logprobs:
+            turn.logprobs.append(token_logprobs(turn.logits, token, turn.params.top_logprobs))
+        if len(turn.generated) >= turn.limit:
             turn.finish = FINISH_LENGTH
         return token
 

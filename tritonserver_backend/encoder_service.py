@@ -33,6 +33,7 @@ Handover = dict[str, np.ndarray]  # rows (S, …) of one session, keyed as HANDO
 class _InFlight:
     before: EncoderRow | None  # the state before the user turn (None: the turn started the session)
     token_before: str | None = None  # the session's token digest before the turn (None: it had none)
+    h19_before: np.ndarray | None = None  # the session's last turn's H19 before the turn (what a fork routes on)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class EncoderService:
         self.tokens = SessionTokens(session_auth)
         self.counters = counters or Counters()
         self._uncounted_steps = 0  # step tokens encoded since the last flush (see encode_step)
+        self._h19: dict[str, np.ndarray] = {}  # each live session's last turn's H19 (what a fork without new tokens routes on)
 
     def flush_counts(self) -> None:
         """Add the step tokens encoded since the last flush to the counters. Called at every turn's end, so the
@@ -74,7 +76,8 @@ class EncoderService:
 
     # ------------------------------------------------------------------ a user turn
     def encode_turn(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None,
-                    start: bool = False, session_token: str | None = None) -> EncodedTurn:
+                    start: bool = False, session_token: str | None = None, fork_from: str | None = None,
+                    fork_token: str | None = None) -> EncodedTurn:
         """Encode a user turn -> H19 pooled over `token_ids`, the hand-over rows of everything encoded, and the session
         token when the turn (re)started the session.
 
@@ -82,12 +85,19 @@ class EncoderService:
         than the lone <|bos|>); otherwise a session that is not live is an error. With session tokens on, a live
         session (continued, restarted or sent history) needs its `session_token`, checked before anything that could
         tell a stranger whether the session exists. Nothing is stored on error.
+
+        `fork_from` (with `start`): the session starts as a copy of that live, idle session's state (its token in
+        `fork_token`), and `token_ids` (maybe none) are encoded after it: n completions of one prompt share its
+        prefill this way. With no new tokens the hand-over is empty and H19 is the source's last turn's.
         """
         if not session_id:
             raise BadRequest("session_id must be a non-empty string")
         ids = check_ids(token_ids, self.cfg.vocab_size, "TOKEN_IDS")
         prefix = check_ids(prefix_ids, self.cfg.vocab_size, "PREFIX_IDS") if prefix_ids is not None else np.zeros(0, np.int64)
-        if ids.size == 0:
+        source = None
+        if fork_from is not None:
+            source = self._fork_source(fork_from, fork_token, start)
+        elif ids.size == 0:
             raise BadRequest("TOKEN_IDS is empty")
         existed = self.sessions.contains(session_id)
         restart = start or (not existed and prefix.size > 1)
@@ -100,7 +110,9 @@ class EncoderService:
         if self.max_turns and len(self._in_flight) >= self.max_turns:
             self.counters.add(k.TURNS_REFUSED, k.BUSY)
             raise ServerBusy(f"server busy: {len(self._in_flight)} turns in flight (limit {self.max_turns}); retry shortly")
-        if restart:
+        if source is not None:
+            row, ids_all = source.clone(), ids
+        elif restart:
             row, ids_all = EncoderRow.empty(self.layout), np.concatenate([prefix, ids])
         else:
             row, ids_all = self.sessions.get(session_id).clone(), ids
@@ -110,15 +122,41 @@ class EncoderService:
                              f"{self.max_context}-token context limit")
         first = row.position
         parts = [self._prefill(row, ids_all[i:i + self.prefill_chunk]) for i in range(0, ids_all.size, self.prefill_chunk)]
-        handover = {k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)}
+        handover = {k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)} if parts else self._empty_rows()
         handover["positions"] = np.arange(first, row.position, dtype=np.int64)
-        self._in_flight[session_id] = _InFlight(self.sessions.get(session_id) if existed else None, self.tokens.digest(session_id))
+        self._in_flight[session_id] = _InFlight(self.sessions.get(session_id) if existed else None, self.tokens.digest(session_id),
+                                                self._h19.get(session_id))
         for evicted in self.sessions.put(session_id, row):
             self.tokens.forget(evicted)
+            self._h19.pop(evicted, None)
         issued = self.tokens.issue(session_id) if restart else ""
-        self.counters.add(k.ENCODED_TOKENS, k.TURN, int(ids_all.size))
-        h19 = handover.pop("h19")[-ids.size:].mean(0)
-        return EncodedTurn(h19.astype(np.float32), handover, issued)
+        if ids_all.size:
+            self.counters.add(k.ENCODED_TOKENS, k.TURN, int(ids_all.size))
+        rows_h19 = handover.pop("h19")
+        h19 = rows_h19[-ids.size:].mean(0).astype(np.float32) if ids.size else \
+            self._h19.get(fork_from or "", np.zeros(self.cfg.dim, np.float32))
+        self._h19[session_id] = h19
+        return EncodedTurn(h19, handover, issued)
+
+    def _fork_source(self, fork_from: str, fork_token: str | None, start: bool) -> EncoderRow:
+        """The live, idle session a fork copies (its token checked like a turn's)."""
+        if not start:
+            raise BadRequest("fork_from starts a session: send it with new_session")
+        if not self.sessions.contains(fork_from):
+            self._refuse_missing(fork_from, fork_token)
+        self.check_token(fork_from, fork_token, k.PATH_TURN)
+        if fork_from in self._in_flight:
+            raise BadRequest(f"session {fork_from!r} is answering a turn; fork it once that turn has ended")
+        return self.sessions.get(fork_from)
+
+    def _empty_rows(self) -> Handover:
+        """A hand-over of no rows (a fork that adds no tokens), shaped like the engine's."""
+        cfg = self.cfg
+        inner = {"streams": ((cfg.hc_mult, cfg.dim), np.float32), "ffn_pre": ((cfg.hc_mult,), np.float32),
+                 "topk": ((cfg.index_topk,), np.int64), "candidates": ((cfg.candidate_topk_blocks,), np.int64),
+                 "global_kv": ((cfg.head_dim,), np.float32), "index_k": ((cfg.index_head_dim,), np.float32),
+                 "h19": ((cfg.dim,), np.float32)}
+        return {key: np.zeros((0, *shape), dtype) for key, (shape, dtype) in inner.items()}
 
     def _refuse_missing(self, session_id: str, token: str | None) -> None:
         """A turn for a session that is not live: its owner learns why (evicted, ended), anyone else is refused."""
@@ -156,6 +194,13 @@ class EncoderService:
             raise BadRequest("a session appears twice in one step")
         check_ids(tokens.reshape(-1), self.cfg.vocab_size, "STEP_TOKEN_IDS")
         rows = [self.sessions.get(s) for s in session_ids]
+        if tokens.shape[1] == 0:  # a turn that ends with nothing left to encode (a prefill-only or raw turn)
+            if turn_done:
+                for s in session_ids:
+                    self._in_flight.pop(s, None)
+                self.flush_counts()
+            empty = {key: a for key, a in self._empty_rows().items() if key != "h19"}
+            return [{**empty, "positions": np.zeros(0, np.int64)} for _ in session_ids]
         over = [s for s, r in zip(session_ids, rows) if r.position + tokens.shape[1] > self.max_context]
         if over:
             raise BadRequest(f"sessions {over} would pass the {self.max_context}-token context limit")
@@ -179,6 +224,10 @@ class EncoderService:
         flight = self._in_flight.pop(session_id, None)
         if flight is None:
             return
+        if flight.h19_before is None:
+            self._h19.pop(session_id, None)
+        else:
+            self._h19[session_id] = flight.h19_before
         if flight.before is None:
             self.sessions.end(session_id)
         else:
@@ -188,6 +237,7 @@ class EncoderService:
 
     def end(self, session_id: str) -> bool:
         self._in_flight.pop(session_id, None)
+        self._h19.pop(session_id, None)
         self.tokens.forget(session_id)
         return self.sessions.end(session_id)
 

@@ -63,18 +63,25 @@ class InProcessPipeline:
         self.decoder = DecoderService(self.engine, Registry(registry_root), self.text.tokenizer, self.counters, max_context=max_context)
 
     def chat(self, session_id: str, text: str, adapter: str | None = None, new_session: bool = False, history: str | None = None,
-             params: SamplingParams | None = None, end_session: bool = False, session_token: str | None = None) -> TurnResult:
+             params: SamplingParams | None = None, end_session: bool = False, session_token: str | None = None,
+             fork_from: str | None = None, fork_token: str | None = None) -> TurnResult:
+        """`params.raw` / `params.forced_ids`, `fork_from` / `fork_token`: the completions inputs (contract.RAW, ...)."""
         params = params or SamplingParams()
         self.registry.check_explicit(adapter)  # fail before anything is encoded
-        ids, prefix, start = self.text.preprocess(text, new_session, history)
-        encoded = self.encoder.encode_turn(session_id, ids, prefix, start, session_token)
+        ids, prefix, start = self.text.render(text, new_session, history, params.raw, fork_from is not None)
+        encoded = self.encoder.encode_turn(session_id, ids, prefix, start, session_token, fork_from, fork_token)
         routed = self.router.route([encoded.h19], [adapter])[0]
         if isinstance(routed, Exception):
             self.encoder.rollback(session_id)
             raise routed
-        result = self.answer(TurnRequest(session_id, encoded.handover, int(routed), params, end_session))
+        result = self.answer(TurnRequest(session_id, encoded.handover, int(routed), params, end_session, fork_from=fork_from or ""))
         result.session_token = encoded.issued_token
         return result
+
+    def end(self, session_id: str) -> None:
+        """Drop an idle session on both sides (session_control's "end")."""
+        self.decoder.end(session_id)
+        self.encoder.end(session_id)
 
     def answer(self, request: TurnRequest) -> TurnResult:
         """Run one turn through the decoder's scheduler alone (the path the server batches)."""

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from . import counters as k
-from .decoder_service import FINISH_CANCELLED, DecoderService, Turn
+from .decoder_service import FINISH_CANCELLED, FINISH_LENGTH, DecoderService, Turn
 from .encoder_service import MAX_DECODE_LANES, Handover
 from .errors import ServingError, TurnCancelled, TurnFailed, TurnRejected
 from .sampling import SamplingParams
@@ -48,6 +48,7 @@ class TurnRequest:
     params: SamplingParams
     end_session: bool = False
     context: object = None
+    fork_from: str = ""  # contract.FORK_FROM: the session this new one starts as a copy of
 
 
 REPLAY_BATCH = 8  # starting turns per batched replay (up to 8 x 128 rows through the decoder in one call)
@@ -97,6 +98,15 @@ class TurnScheduler:
                 turn.finish = FINISH_CANCELLED
                 return "cancelled; the partial reply stays in the history"
         return "no turn in flight"
+
+    def end_idle(self, session_id: str) -> str:
+        """session_control's "end": drop an idle session on both sides without a turn (a completions prompt whose
+        forks have all started). A session with a turn waiting or in flight is left alone."""
+        if any(r.session_id == session_id for r in self.waiting) or any(t.session_id == session_id for t in self.active):
+            return "not ended: a turn of the session is in flight"
+        self.decoder.end(session_id)
+        self._quietly(self.encoder.drop, session_id)
+        return "ended"
 
     def close(self) -> None:
         self._encoder_calls.shutdown(wait=True)
@@ -172,6 +182,7 @@ class TurnScheduler:
         turns = self.lanes[lane]
         going: list[Turn] = []
         chosen: list[tuple[Turn, int]] = []
+        self.decoder.constrain([t for t in turns if not t.finish])  # the grammar rows' bitmask, one fill for the batch
         for turn in turns:
             if turn.finish == "error":
                 continue
@@ -217,7 +228,7 @@ class TurnScheduler:
         while self.waiting and len(self.active) + len(starting) < self.max_active:
             request = self.waiting.popleft()
             try:
-                turn = self.decoder.prepare(request.session_id, request.handover, request.adapter_hash, request.params)
+                turn = self.decoder.prepare(request.session_id, request.handover, request.adapter_hash, request.params, request.fork_from)
             except TurnRejected as exc:  # nothing was absorbed: undo the turn's encoding so the session loses nothing
                 self._refuse(request, exc)
                 continue
@@ -226,6 +237,10 @@ class TurnScheduler:
                 self._refuse(request, self._failure(exc))
                 continue
             turn.end_session, turn.context = request.end_session, request.context
+            if turn.limit == 0:  # a prefill-only turn (max_tokens 0): nothing to generate, so no replay; stored at once
+                turn.finish = FINISH_LENGTH
+                self._end(turn)
+                continue
             starting.append(turn)
         if not starting:
             return
@@ -298,7 +313,9 @@ class TurnScheduler:
         """Trailing tokens through the encoder (which marks the turn done), store the session, send the final response."""
         try:
             eot = self.decoder.tokenizer.end_of_turn_id
-            trailing = self.encoder.step([turn.session_id], np.asarray([turn.trailing(eot)], np.int64), True)[0]
+            # a raw session has no end-of-turn, nor has a prefill-only turn (it stops at the assistant prompt, to be forked)
+            tail = turn.trailing(eot)[:-1] if turn.params.raw or turn.limit == 0 else turn.trailing(eot)
+            trailing = self.encoder.step([turn.session_id], np.asarray([tail], np.int64).reshape(1, len(tail)), True)[0]
             self.decoder.finish(turn, trailing)
         except Exception as exc:  # noqa: BLE001
             self._abort(turn, exc)

@@ -216,5 +216,16 @@ class GrantLedger:
                 self._last.popitem(last=False)
 
 
+def grant_subject(session_id: str, fork_from: str | None = None) -> str:
+    """What a hand-over's grant signs as its session: the session, and for a fork (contract.FORK_FROM) the source too,
+    so that a grant the encoder gave for one fork cannot copy another session's decoder state."""
+    return session_id if fork_from is None else f"{session_id}\x00fork\x00{fork_from}"
+
+
+def first_position(positions) -> int:  # type: ignore[no-untyped-def]
+    """The position a grant signs: the hand-over's first row, -1 for none (a fork that adds no tokens)."""
+    return int(positions[0]) if len(positions) else -1
+
+
 def internal_key_path(registry_root: str | Path, key_file: str | Path | None = None) -> Path:
     return Path(key_file) if key_file else Path(registry_root) / INTERNAL_KEY_FILE

@@ -24,7 +24,7 @@ from .encoder_service import Handover
 from .errors import BadRequest
 from .handover_codec import rows_from_arrays
 from .scheduler import TurnRequest, TurnScheduler
-from .session_auth import GrantLedger, InternalKey
+from .session_auth import GrantLedger, InternalKey, first_position, grant_subject
 from .text_service import TextService
 
 LOG = logging.getLogger("mol2")
@@ -86,8 +86,8 @@ class HandoverGuard:
     def __init__(self, key: InternalKey) -> None:
         self.key, self.ledger = key, GrantLedger()
 
-    def admit(self, session_id: str, grant: str | None, first_position: int) -> None:
-        self.ledger.take(session_id, self.key.verify(grant, session_id, first_position))
+    def admit(self, session_id: str, grant: str | None, first_position: int, fork_from: str | None = None) -> None:
+        self.ledger.take(session_id, self.key.verify(grant, grant_subject(session_id, fork_from), first_position))
 
     def check_control(self, presented: str | None) -> None:
         if not self.key.matches(presented):
@@ -111,10 +111,10 @@ def read_turn(request: Any, guard: HandoverGuard) -> TurnRequest:
         context = Client(request, sender, bool(glue.read(request, c.STREAM, True)), clock, glue.read(request, c.ISSUED_TOKEN.as_optional(), ""))
         handover = rows_from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})[0]
         session_id = glue.read(request, c.SESSION_ID)
-        positions = handover["positions"]
-        guard.admit(session_id, glue.read(request, c.GRANT.as_optional(), None), int(positions[0]) if positions.size else -1)
+        fork = glue.read(request, c.FORK_FROM, None)
+        guard.admit(session_id, glue.read(request, c.GRANT.as_optional(), None), first_position(handover["positions"]), fork)
         return TurnRequest(session_id, handover, int(glue.read(request, c.ADAPTER_HASH)),
-                           glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context)
+                           glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context, fork or "")
     except Exception as exc:
         exc.context = context  # type: ignore[attr-defined]
         raise
@@ -233,10 +233,11 @@ def _announce_token(client: Client) -> None:
 
 
 def _control(scheduler: TurnScheduler, request: Any, action: str) -> None:
-    if action != "cancel":
-        raise BadRequest(f"unknown control action {action!r}; expected 'cancel'")
+    if action not in ("cancel", "end"):
+        raise BadRequest(f"unknown control action {action!r}; expected 'cancel' or 'end'")
     session = glue.read(request, c.SESSION_ID)
-    outcome = json.dumps({"session_id": session, "action": action, "outcome": scheduler.cancel(session)})
+    result = scheduler.cancel(session) if action == "cancel" else scheduler.end_idle(session)
+    outcome = json.dumps({"session_id": session, "action": action, "outcome": result})
     outputs = {c.TEXT_OUTPUT: outcome, c.TOKEN_ID_OUT: -1, c.ADAPTER_NAME: "", c.FINISH_REASON: ""}
     request.get_response_sender().send(glue.response(outputs), flags=glue.pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 

@@ -112,7 +112,8 @@ def read(request: Any, spec: c.TensorSpec, default: Any = None) -> Any:
 
 def sampling_params(request: Any) -> "SamplingParams":
     """The request's sampling inputs with their defaults (validated: a bad value is a BadRequest)."""
-    from .sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+    from .grammar import canonical
+    from .sampling_params import DEFAULT_MAX_TOKENS, SamplingParams, parse_logit_bias
 
     return SamplingParams(
         max_tokens=int(read(request, c.MAX_TOKENS, DEFAULT_MAX_TOKENS)),
@@ -125,6 +126,15 @@ def sampling_params(request: Any) -> "SamplingParams":
         repetition_penalty=float(read(request, c.REPETITION_PENALTY, 1.0)),
         logprobs=bool(read(request, c.LOGPROBS, False)),
         top_logprobs=int(read(request, c.TOP_LOGPROBS, 0)),
+        top_k=int(read(request, c.TOP_K, 0)),
+        min_p=float(read(request, c.MIN_P, 0.0)),
+        logit_bias=parse_logit_bias(read(request, c.LOGIT_BIAS, "")),
+        stop_token_ids=tuple(int(t) for t in np.asarray(read(request, c.STOP_TOKEN_IDS, np.zeros(0, np.int32))).reshape(-1)),
+        min_tokens=int(read(request, c.MIN_TOKENS, 0)),
+        ignore_eos=bool(read(request, c.IGNORE_EOS, False)),
+        grammar=canonical(read(request, c.GRAMMAR, "")),
+        raw=bool(read(request, c.RAW, False)),
+        forced_ids=tuple(int(t) for t in read(request, c.FORCED_IDS, np.zeros(0, np.int32)).reshape(-1)),
     )
 
 

@@ -267,8 +267,10 @@ class DeepSeekV41Format:
       the preceding assistant's calls; consecutive user/tool messages form one user turn, parts joined by ``\\n\\n``.
 
     Our additions: ``add_generation_prompt=False`` leaves out the assistant header after a final user/system message
-    (the rules always write it), so the text of a history can be a prefix of the next prompt. Left out: tool schemas in
-    the system prompt (``tools``; the release's prompt text), ``response_format``, quick-instruction tasks, images,
+    (the rules always write it), so the text of a history can be a prefix of the next prompt; ``tools`` are written
+    into the first system turn (after the first system message's text and a blank line, or alone), as our own prompt
+    text (`TOOLS_PROMPT`: how to write a DSML call, then each function as JSON on a line of its own; the release's
+    exact text is not reproduced). Left out: ``response_format``, quick-instruction tasks, images,
     tool namespaces, the ``latest_reminder`` and ``developer`` roles: each is refused, never silently dropped.
 
     One open point: sglang's port maps ``low``/``high``/``xhigh``/``max`` to 25/50/75/100 with ``high`` (50) the default,
@@ -287,6 +289,14 @@ class DeepSeekV41Format:
     ROLES = ("assistant", "system", "tool", "user")
     OPTIONS = ("reasoning_effort", "drop_thinking")
     REQUIRED_TOKENS = (BOS, EOS, SYSTEM, USER, ASSISTANT, THINK, END_THINK)
+    # ours, in the shape of the V3.2/V4 releases' tool prompt (their exact text is not reproduced here)
+    TOOLS_PROMPT = ("## Tools\n\nYou can call the tools listed below. To call tools, end your reply with a block like this:\n"
+                    "<{dsml} calls>\n<{dsml} invoke name=\"TOOL_NAME\">\n"
+                    "<{dsml} parameter name=\"PARAMETER_NAME\" string=\"true|false\">VALUE</{dsml} parameter>\n...\n"
+                    "</{dsml} invoke>\n...\n</{dsml} calls>\n\n"
+                    "A string value is written as it is, with string=\"true\"; any other value as JSON, with string=\"false\". "
+                    "Each call's result comes back in the next user turn as <tool_result>...</tool_result>, in the order of the "
+                    "calls.\n\n### Available tools\n\n")
 
     def __init__(self, special_tokens: Mapping[str, str] | None = None) -> None:
         """The format writes its own bos/eos; the directory's pad/unk tokens are kept for the ids callers need."""
@@ -298,9 +308,7 @@ class DeepSeekV41Format:
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             raise ChatFormatError(f"the {self.name} format has no option {unknown}; it takes {list(self.OPTIONS)}")
-        if tools:
-            raise ChatFormatError(f"the built-in {self.name} format does not render tool schemas (the release's tool prompt); "
-                                  "tool calls and tool results in the messages are rendered")
+        tools_text = self._tools(tools) if tools else ""
         think = bool(thinking)
         effort = self._effort(options.get("reasoning_effort")) if think else None
         drop = think and bool(options.get("drop_thinking", True))
@@ -309,15 +317,17 @@ class DeepSeekV41Format:
         out = [self.BOS]
         for i, turn in enumerate(turns):
             role = turn["role"]
-            if i == 0 and (effort is not None or role == "system"):
+            if i == 0 and (effort is not None or role == "system" or tools_text):
                 out.append(self.SYSTEM)
             if i == 0 and effort is not None:
                 out.append(self.EFFORT_LINE.format(effort))
             if role == "system":
                 out.append((self.SYSTEM if i > 0 else "") + turn["content"])
-            elif role == "user":
+            if i == 0 and tools_text:  # after the first system message's text, before the first user turn
+                out.append(("\n\n" if role == "system" and turn["content"] else "") + tools_text)
+            if role == "user":
                 out.append(self.USER + "\n\n".join(turn["parts"]))
-            else:
+            elif role == "assistant":
                 reasoning = think and (not drop or i > last_user)
                 out.append((turn["reasoning"] + self.END_THINK if reasoning else "") + turn["content"] + turn["calls"] + self.EOS)
             following = turns[i + 1]["role"] if i + 1 < len(turns) else None
@@ -325,6 +335,16 @@ class DeepSeekV41Format:
             if asks and (following == "assistant" or (following is None and add_generation_prompt)):
                 out.append(self.ASSISTANT + (self.THINK if think and (not drop or i >= last_user) else self.END_THINK))
         return "".join(out)
+
+    def _tools(self, tools: list) -> str:
+        """The tool schemas' system text: how to call (the DSML syntax `_calls` writes), then each function as JSON."""
+        fns = []
+        for i, tool in enumerate(tools):
+            fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                raise ChatFormatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
+            fns.append(json.dumps(dict(fn), ensure_ascii=False))
+        return self.TOOLS_PROMPT.format(dsml=self.DSML) + "\n".join(fns)
 
     def _effort(self, value: Any) -> int:
         value = self.DEFAULT_EFFORT if value is None else value
@@ -476,10 +496,11 @@ class ChatFormat:
             pos = m.end()
         return ids + self._special_aware(text[pos:], escaper)
 
-    def append(self, history: Sequence[Message | Mapping] | None, message: Message | Mapping, *,
+    def append(self, history: Sequence[Message | Mapping] | None, message: Message | Mapping | Sequence[Message | Mapping], *,
                add_generation_prompt: bool = True, thinking: bool | None = None, tools: list | None = None,
                **options: Any) -> list[int]:
-        """The ids `message` adds after `history` (a turn sent to a session that holds the history).
+        """The ids `message` adds after `history` (a turn sent to a session that holds the history). `message` may be a
+        list of messages that form the turn together (tool results, say).
 
         `history=None`: after an earlier conversation the caller does not hold (a continuing session); the ids are
         taken after a stand-in exchange (`STAND_IN`). Refused when the format renders the history differently once
@@ -488,7 +509,8 @@ class ChatFormat:
         earlier = list(STAND_IN if history is None else history)
         kw = dict(thinking=thinking, tools=tools, **options)
         before = self.encode(earlier, add_generation_prompt=False, **kw)
-        after = self.encode([*earlier, message], add_generation_prompt=add_generation_prompt, **kw)
+        added = list(message) if isinstance(message, (list, tuple)) else [message]
+        after = self.encode([*earlier, *added], add_generation_prompt=add_generation_prompt, **kw)
         if after[:len(before)] != before:
             raise ChatFormatError(f"the {self.name} format renders the earlier conversation differently once this message "
                                   "follows it, so the message cannot be encoded as a turn of its own; send the whole "

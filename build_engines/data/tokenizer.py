@@ -28,12 +28,30 @@ TOKENIZER_FILE = "tokenizer.json"
 # The default's chat format, written into tokenizer_config.json next to every tokenizer `train_tokenizer` makes (and
 # shipped in embedded/mol2-small): <|bos|>, then <|role|> content <|end|> per message, then <|assistant|> when a reply
 # is wanted. One line without whitespace between tags, so it renders the same with or without HF's trim_blocks.
+# Tools (ours: the default had no tool syntax, and its vocabulary has no tool tokens, so the tags are plain text):
+# `tools` become a system message right after <|bos|> (TOOL_PROMPT, then each function's JSON on a line of its own);
+# an assistant's tool calls follow its text as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call> each (ARGS the
+# arguments as sent: a JSON string as is, an object as JSON); a tool result is a user turn of its own,
+# <|user|><tool_result>TEXT</tool_result><|end|> (one per result, so a session can take results one turn at a time).
+# What is parsed back out of a reply: build_engines.data.tool_parsers.JsonTagSyntax.
+TOOL_PROMPT = ("You can call the tools below. To call one, reply with <tool_call>{\"name\": NAME, \"arguments\": "
+               "{...}}</tool_call>; its result comes back as <tool_result>...</tool_result>. Tools:")
 MOL2_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception(\"unknown chat role '\" ~ message['role'] ~ \"'; expected one of ['assistant', 'system', 'user']\") }}"
-    "{% elif message['content'] is not string %}{{ raise_exception('message content must be a string') }}{% endif %}"
-    "{{ '<|' ~ message['role'] ~ '|>' ~ message['content'] ~ '" + END_OF_TURN + "' }}{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}{{ '" + SYSTEM + TOOL_PROMPT.replace("\\", "\\\\").replace("'", "\\'") + "' }}"
+    "{% for tool in tools %}{{ '\\n' ~ ((tool['function'] if tool['function'] is defined else tool) | tojson) }}{% endfor %}"
+    "{{ '" + END_OF_TURN + "' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception(\"unknown chat role '\" ~ message['role'] ~ \"'; expected one of ['assistant', 'system', 'tool', 'user']\") }}"
+    "{% elif message['content'] is not string and not (message['role'] == 'assistant' and message['tool_calls'] "
+    "and message['content'] is none) %}{{ raise_exception('message content must be a string') }}{% endif %}"
+    "{% if message['role'] == 'tool' %}{{ '" + USER + "<tool_result>' ~ message['content'] ~ '</tool_result>" + END_OF_TURN + "' }}"
+    "{% else %}{{ '<|' ~ message['role'] ~ '|>' ~ (message['content'] if message['content'] is string else '') }}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>{\"name\": ' ~ (call['function']['name'] | tojson) ~ ', \"arguments\": ' ~ "
+    "(call['function']['arguments'] if call['function']['arguments'] is string else (call['function']['arguments'] | tojson)) ~ '}</tool_call>' }}"
+    "{% endfor %}{% endif %}{{ '" + END_OF_TURN + "' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
 )
 

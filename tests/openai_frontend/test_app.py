@@ -172,16 +172,16 @@ def test_bad_requests_get_openai_errors_and_lose_nothing(client, frontend) -> No
     cases = [
         (dict(model="gpt-4o", messages=user), openai.NotFoundError, "model_not_found"),
         (dict(model="mol2:L9_missing", messages=user), openai.NotFoundError, "model_not_found"),
-        (dict(model="mol2", messages=user, n=2), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, n=17), openai.BadRequestError, None),
         (dict(model="mol2", messages=user, temperature=5.0), openai.BadRequestError, None),
         (dict(model="mol2", messages=user, max_tokens=0), openai.BadRequestError, None),
         (dict(model="mol2", messages=[{"role": "assistant", "content": "hello"}]), openai.BadRequestError, None),
         (dict(model="mol2", messages=[]), openai.BadRequestError, None),
         (dict(model="mol2", messages=[{"role": "tool", "content": "x"}]), openai.BadRequestError, None),
         # parameters the server does not honour are refused by name, never silently dropped
-        (dict(model="mol2", messages=user, response_format={"type": "json_object"}), openai.BadRequestError, None),
-        (dict(model="mol2", messages=user, logit_bias={"5": 10}), openai.BadRequestError, None),
-        (dict(model="mol2", messages=user, extra_body={"top_k": 4, "min_p": 0.1}), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, response_format={"type": "xml"}), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, logit_bias={"5": 500}), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, extra_body={"best_of": 2, "use_beam_search": True}), openai.BadRequestError, None),
     ]
     for kwargs, error, code in cases:
         with pytest.raises(error) as info:
@@ -336,7 +336,7 @@ def test_frontend_metrics_count_what_the_clients_were_told(client, frontend) -> 
     chunks = list(stream)
     usage = [c.usage for c in chunks if c.usage][0]
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="mol2", messages=messages, extra_body={"top_k": 3})
+        client.chat.completions.create(model="mol2", messages=messages, extra_body={"use_beam_search": True})  # refused by name
     after = _scrape(frontend)
 
     def grew(name: str) -> float:

@@ -21,17 +21,24 @@ def _parse(**body) -> ChatRequest:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("body,param", [
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}), "response_format"),
-    (dict(logit_bias={"42": 5}), "logit_bias"),
-    (dict(top_k=5), "top_k"),
-    (dict(min_p=0.1), "min_p"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(response_format={"type": "xml"}), "response_format"),
+    (dict(response_format={"type": "json_object"}, guided_regex="a+"), "guided_regex"),  # one structured output at a time
+    (dict(guided_json={"type": "object"}, ignore_eos=True), "guided_json"),  # a grammar decides where the reply ends
+    (dict(logit_bias={"x": 5}), "logit_bias"),
+    (dict(logit_bias={"42": 101}), "logit_bias"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(structured_outputs={"structural_tag": "x"}), "structured_outputs"),
+    (dict(guided_decoding_backend="outlines"), "guided_decoding_backend"),
+    (dict(best_of=2), "best_of"),
+    (dict(tools=[{"type": "function", "function": {"nom": "f"}}]), "tools"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}),
+     "tool_choice"),  # a named function must be one of the tools
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required", response_format={"type": "json_object"}),
+     "tool_choice"),  # a forced call is a grammar of its own
     (dict(tool_choice="required"), "tool_choice"),
-    (dict(guided_json={"type": "object"}), "guided_json"),
-    (dict(stop_token_ids=[3]), "stop_token_ids"),
-    (dict(ignore_eos=True), "ignore_eos"),
-    (dict(min_tokens=4), "min_tokens"),
+    (dict(stop_token_ids="a"), "stop_token_ids"),
+    (dict(min_tokens=-1), "min_tokens"),
     (dict(store=True), "store"),
     (dict(reasoning_effort="high"), "reasoning_effort"),
     (dict(foo_bar=1), "foo_bar"),
@@ -45,16 +52,25 @@ def test_a_parameter_the_server_would_drop_is_a_400_naming_it(body: dict, param:
 
 def test_every_offender_is_named_at_once() -> None:
     with pytest.raises(APIError) as info:
-        _parse(top_k=5, min_p=0.2, response_format={"type": "json_object"})
-    assert all(p in info.value.message for p in ("top_k", "min_p", "response_format"))
+        _parse(best_of=2, use_beam_search=True, store=True)
+    assert all(p in info.value.message for p in ("best_of", "use_beam_search", "store"))
 
 
 @pytest.mark.parametrize("body", [
     dict(n=1, logprobs=False, top_logprobs=0, logit_bias={}, tools=[], tool_choice="none", response_format={"type": "text"},
          top_k=-1, min_p=0, stop_token_ids=[], ignore_eos=False, min_tokens=0, store=False, echo=False),
     dict(user="u-1", metadata={"k": "v"}, safety_identifier="s", prompt_cache_key="c", parallel_tool_calls=True),
+    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], tool_choice="auto"),
+    dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "f"}}),
     dict(top_k=None, response_format=None, logprobs=None, tools=None),
     dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5, seed=1, top_p=0.9, temperature=0.7),
+    dict(top_k=5, min_p=0.1, logit_bias={"42": 5, "7": -100}, stop_token_ids=[3], min_tokens=2, ignore_eos=True),
+    dict(response_format={"type": "json_object"}, guided_decoding_backend="xgrammar"),
+    dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}),
+    dict(guided_json='{"type": "object"}'), dict(guided_regex="[a-z]+"), dict(guided_grammar='root ::= "a"'),
+    dict(guided_choice=["yes", "no"]), dict(structured_outputs={"json": {"type": "object"}}),
+    dict(structured_outputs={"regex": "a+"}), dict(structured_outputs={"grammar": 'root ::= "a"'}),
+    dict(structured_outputs={"choice": ["x"]}), dict(structured_outputs={"json_object": True}),
 ])
 def test_values_that_ask_for_nothing_and_no_effect_fields_are_accepted(body: dict) -> None:
     assert _parse(**body).last == "hi"
@@ -77,3 +93,24 @@ def test_the_docs_table_lists_every_parameter_with_its_status() -> None:
     rows = _doc_rows()
     want = {name: status for name, status, _ in parameters.table_rows()}
     assert rows == want, {k: (rows.get(k), want.get(k)) for k in set(rows) | set(want) if rows.get(k) != want.get(k)}
+
+
+@pytest.mark.parametrize("body,grammar", [
+    (dict(response_format={"type": "text"}), None),
+    (dict(response_format={"type": "json_object"}), {"type": "json_object"}),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}, "strict": True}}),
+     {"type": "json_schema", "schema": {"type": "object"}}),
+    (dict(guided_json='{"type": "integer"}'), {"type": "json_schema", "schema": {"type": "integer"}}),
+    (dict(structured_outputs={"json": {"type": "integer"}}), {"type": "json_schema", "schema": {"type": "integer"}}),
+    (dict(guided_regex="a+"), {"type": "regex", "pattern": "a+"}),
+    (dict(structured_outputs={"grammar": 'root ::= "a"'}), {"type": "ebnf", "grammar": 'root ::= "a"'}),
+    (dict(guided_choice=["yes", 'say "no"']), {"type": "ebnf", "grammar": 'root ::= "yes" | "say \\"no\\""'}),
+])
+def test_structured_outputs_become_the_tensor_apis_grammar(body: dict, grammar: dict | None) -> None:
+    assert _parse(**body).grammar == grammar
+
+
+def test_logit_bias_and_vllm_sampling_options_pass_through() -> None:
+    request = _parse(logit_bias={"42": 5, "0007": -100}, top_k=3, min_p=0.05, stop_token_ids=[6, 9], min_tokens=2, ignore_eos=True)
+    assert request.logit_bias == {"42": 5.0, "7": -100.0}
+    assert (request.top_k, request.min_p, request.stop_token_ids, request.min_tokens, request.ignore_eos) == (3, 0.05, (6, 9), 2, True)

@@ -26,7 +26,7 @@ def test_fields_map_onto_the_tensor_api() -> None:
 
 @pytest.mark.parametrize("body,status,param", [
     (dict(model="gpt-4o"), 404, "model"),
-    (dict(n=3), 400, "n"),
+    (dict(n=17), 400, "n"),
     (dict(temperature=2.5), 400, "temperature"),
     (dict(top_p=0), 400, "top_p"),
     (dict(max_tokens=0), 400, "max_tokens"),

@@ -48,7 +48,7 @@ def test_sampling_is_greedy_at_zero_temperature_and_seeded_otherwise() -> None:
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [(dict(max_tokens=0), "max_tokens must lie in"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(stop=("",)), "stop strings")],
+    [(dict(max_tokens=-1), "max_tokens must lie in"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(stop=("",)), "stop strings")],
 )
 def test_bad_sampling_parameters(kwargs: dict, message: str) -> None:
     with pytest.raises(BadRequest, match=message):

@@ -253,7 +253,7 @@ def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, r
         (TurnRequest("intact", "x", adapter="L9_nope", max_tokens=3), "unknown adapter 'L9_nope'"),
         (TurnRequest("nobody", "x", max_tokens=3), "no live session 'nobody' with this session_token"),
         (TurnRequest("intact", "word " * 2100, max_tokens=3), "context limit"),
-        (TurnRequest("intact", "x", max_tokens=0), "max_tokens must lie in"),
+        (TurnRequest("intact", "x", max_tokens=-1), "max_tokens must lie in"),
         (TurnRequest("intact", "x", history="{not json", max_tokens=3), "history is not valid JSON"),
     ]
     for req, message in cases:

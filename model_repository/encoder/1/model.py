@@ -9,7 +9,13 @@ from tritonserver_backend.counters import Counters
 from tritonserver_backend.encoder_service import EncoderService
 from tritonserver_backend.errors import BadRequest
 from tritonserver_backend.handover_codec import to_arrays
-from tritonserver_backend.session_auth import InternalKey, internal_key_path, parse_switch
+from tritonserver_backend.session_auth import (
+    InternalKey,
+    first_position,
+    grant_subject,
+    internal_key_path,
+    parse_switch,
+)
 
 
 class TritonPythonModel:
@@ -55,8 +61,9 @@ class TritonPythonModel:
         if step_sessions is not None:  # the decoder's batched step: every active session's next tokens
             rows = self.service.encode_step(step_sessions, glue.read(request, c.STEP_TOKEN_IDS), bool(glue.read(request, c.TURN_DONE, False)))
             return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows)), c.ISSUED_TOKEN: "", c.GRANT: ""}
+        fork = glue.read(request, c.FORK_FROM, None)
         turn = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS), bool(glue.read(request, c.START)),
-                                        glue.read(request, c.SESSION_TOKEN, None))
-        grant = self.key.grant(session, int(turn.handover["positions"][0]))
+                                        glue.read(request, c.SESSION_TOKEN, None), fork, glue.read(request, c.FORK_TOKEN, None))
+        grant = self.key.grant(grant_subject(session, fork), first_position(turn.handover["positions"]))
         return {c.H19: turn.h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([turn.handover])),
                 c.ISSUED_TOKEN: turn.issued_token, c.GRANT: grant}

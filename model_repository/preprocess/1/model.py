@@ -7,6 +7,7 @@ import triton_python_backend_utils as pb_utils  # noqa: F401  (the stub provides
 from tritonserver_backend import contract as c
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.errors import BadRequest
+from tritonserver_backend.grammar import GrammarCache
 from tritonserver_backend.text_service import TextService
 
 
@@ -14,6 +15,7 @@ class TritonPythonModel:
     def initialize(self, args):
         _, model_dir, self.registry = glue.setup(args)
         self.text = TextService(model_dir)
+        self.grammars = GrammarCache(self.text.tokenizer)  # xgrammar is imported at the first grammar
 
     def execute(self, requests):
         arrival = time.time_ns()  # the turns' time-to-first-token starts here (the decoder observes it)
@@ -25,8 +27,14 @@ class TritonPythonModel:
                         raise BadRequest(f"missing required input {required.name!r}: every request to {c.ENSEMBLE_NAME!r} carries "
                                          f"{c.SESSION_ID.name!r} and {c.TEXT.name!r}")
                 self.registry.check_explicit(glue.read(request, c.ADAPTER, ""))
-                glue.sampling_params(request)  # bad sampling parameters fail here, before the turn is encoded
-                ids, prefix, start = self.text.preprocess(glue.read(request, c.TEXT_IN), bool(glue.read(request, c.NEW_SESSION, False)), glue.read(request, c.HISTORY, None))
+                params = glue.sampling_params(request)  # bad sampling parameters fail here, before the turn is encoded
+                params.check_vocab(self.text.tokenizer.vocab_size)
+                if params.grammar:
+                    self.grammars.compile(params.grammar)  # and a grammar that does not compile (cached by its spec)
+                ids, prefix, start = self.text.render(glue.read(request, c.TEXT_IN), bool(glue.read(request, c.NEW_SESSION, False)),
+                                                      glue.read(request, c.HISTORY, None), bool(glue.read(request, c.RAW, False)),
+                                                      glue.read(request, c.FORK_FROM, None) is not None,
+                                                      glue.read(request, c.TOOLS, None), glue.read(request, c.TURN_MESSAGES, None))
                 responses.append(glue.response({c.TOKEN_IDS: ids, c.PREFIX_IDS: prefix, c.START: start, c.ARRIVAL_NS: arrival}))
             except Exception as exc:  # noqa: BLE001 - one request's error never fails the others
                 responses.append(glue.error_response(exc))

@@ -120,8 +120,8 @@ def test_served_turns_are_the_old_ids(default: ChatTokenizer) -> None:
             ids, prefix, start = text.preprocess("And then? <|end|>", new, json.dumps(history) if history else None)
             assert list(ids) == legacy_turn(raw, Message("user", "And then? <|end|>"), True)
             assert list(prefix) == legacy_chat(raw, conv, False) and start is new
-    with pytest.raises(BadRequest, match="unknown chat role 'tool'"):
-        text.preprocess("x", True, json.dumps([{"role": "tool", "content": "r"}]))
+    with pytest.raises(BadRequest, match="unknown chat role 'function'"):
+        text.preprocess("x", True, json.dumps([{"role": "function", "content": "r"}]))
 
 
 def test_shipped_config_is_what_train_tokenizer_writes(tmp_path: Path) -> None:
@@ -305,14 +305,14 @@ def test_deepseek_ids_turns_and_selection(deepseek: tuple[ChatFormat, Tokenizer]
 # ---------------------------------------------------------------------------------------------------- refusals
 def test_refusals(tmp_path: Path, default: ChatTokenizer, deepseek: tuple[ChatFormat, Tokenizer]) -> None:
     fmt, _ = deepseek
-    with pytest.raises(ChatFormatError, match=r"unknown chat role 'tool'; expected one of \['assistant', 'system', 'user'\]"):
-        default.chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatFormatError, match=r"unknown chat role 'function'; expected one of \['assistant', 'system', 'tool', 'user'\]"):
+        default.chat([{"role": "function", "content": "x"}])
     with pytest.raises(ChatFormatError, match="content must be a string"):
         default.chat([{"role": "user", "content": None}])
     with pytest.raises(ChatFormatError, match="unknown chat role 'developer' for the deepseek-v4.1 format"):
         fmt.render([{"role": "developer", "content": "x"}])
-    with pytest.raises(ChatFormatError, match="does not render tool schemas"):
-        fmt.render([{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(ChatFormatError, match=r"tools\[0\] must be"):
+        fmt.render([{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {"nom": "f"}}])
     for bad in (0, 101, "medium", 1.5, True):
         with pytest.raises(ChatFormatError, match="reasoning_effort"):
             fmt.render([{"role": "user", "content": "x"}], thinking=True, reasoning_effort=bad)

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create (or update) .venv-eval: lm-evaluation-harness (lm-eval 0.4.x with its API extra) for scripts/eval_harness.py.
+# Why separate: lm-eval pulls datasets, evaluate, accelerate and newer numpy / pyarrow; the serving venv (.venv) pins
+# numpy<2 (Triton 2.51's Python backend) and torch==2.13.0, and its tests must not depend on what the harness drags in.
+# lm-eval only talks HTTP to the frontend, so nothing of the server runs here. torch==2.13.0 is installed first so pip
+# takes the CPU build. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv-eval/bin/python ] || "$PY" -m venv .venv-eval
+.venv-eval/bin/python -m pip install --quiet --upgrade pip >/dev/null
+.venv-eval/bin/python -m pip install --quiet "torch==2.13.0"
+.venv-eval/bin/python -m pip install --quiet "lm-eval[api]==0.4.13" "transformers>=4.45"  # transformers: the tokenizer backend (embedded/mol2-small/tokenizer.json)
+.venv-eval/bin/python -c 'import lm_eval, importlib.metadata as m; print("evaluation environment ready: lm-eval", m.version("lm-eval"))'
