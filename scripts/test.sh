@@ -7,9 +7,9 @@
 #
 # (A plain `pytest` is the fast subset: pyproject.toml deselects the `slow` marker by default; `-m ""` lifts that.)
 #
-# On two cores most of the time went to work that leaves the second core idle: pip installing .venv-dynamo and
-# .venv-quant, and single-threaded ONNX exports. So, after .venv:
-#   1. the two other environments install while the embedded default's engines build and the corpora are prepared
+# On two cores most of the time went to work that leaves the second core idle: pip installing .venv-dynamo,
+# .venv-quant and .venv-eval, and single-threaded ONNX exports. So, after .venv:
+#   1. the three other environments install while the embedded default's engines build and the corpora are prepared
 #      into artifacts/data (the tests reuse both: each step is idempotent, and a lock makes a concurrent builder or
 #      preparer wait and reuse; tests/real_data.py);
 #   2. the build-stage and plugin tests (exports, quantized builds, kernels; no server, no timing) run on two pytest-xdist
