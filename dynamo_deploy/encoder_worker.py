@@ -131,6 +131,10 @@ class EncoderWorker:
             # e.g. a request Dynamo migrated mid-reply (prompt + partial reply): continuing it would encode the partial
             # reply as a user turn, silently wrong; the client retries the turn instead
             raise ValueError("the prompt must end with the assistant prompt (a chat request, not a partial reply)")
+        try:  # a bad or unservable sampling option is refused before any session is touched
+            params = sampling_params(request)
+        except ServingError as exc:
+            raise for_client(exc) from None
         session_id = (request.get("agent_context") or {}).get("session_id")
         if session_id:
             key = str(session_id)
@@ -142,7 +146,6 @@ class EncoderWorker:
         else:
             key = anonymous_key(split_turn(self.tokenizer, prompt)[0])
             slot, issued = (True, key), ""
-        params = sampling_params(request)
         if self.settings.record_logprobs:
             params = dataclasses.replace(params, logprobs=True)
         explicit = explicit_adapter(request.get("model"))  # an explicit adapter always wins over routing

@@ -1,11 +1,22 @@
 """Dynamo's preprocessed request (what the OpenAI frontend sends a token-in engine) -> our sampling parameters, and
-our finish reasons -> the frontend's."""
+our finish reasons -> the frontend's.
+
+Dynamo's frontend turns the OpenAI request into `sampling_options` (temperature, top_p, top_k, min_p, penalties, seed,
+logit_bias, n, and `guided_decoding` from response_format / vLLM's guided_*) and `stop_conditions` (max_tokens, stop,
+stop_token_ids, min_tokens, ignore_eos; `stop_token_ids_hidden` are the model's own end tokens, which end a turn here
+anyway). Each is honoured as the single-server path honours it; what this path cannot do (n > 1, a structural tag,
+two constraints at once) is refused with the reason, never dropped.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Any
 
 from tritonserver_backend.decoder_service import FINISH_LENGTH
+from tritonserver_backend.errors import BadRequest
+from tritonserver_backend.grammar import canonical
 from tritonserver_backend.sampling import DEFAULT_MAX_TOKENS, SamplingParams
 
 
@@ -18,21 +29,55 @@ def sampling_params(request: dict[str, Any]) -> SamplingParams:
         value = opts.get(name)
         return default if value is None else float(value)
 
+    if int(opts.get("n") or 1) != 1:
+        raise BadRequest("n > 1 is not served by the Dynamo workers; send n choices as n requests (the tensor API and "
+                         "the project's OpenAI frontend fork one prefill for them)")
     return SamplingParams(
         max_tokens=int(stop.get("max_tokens") or DEFAULT_MAX_TOKENS),
         temperature=pick("temperature", 0.0), top_p=pick("top_p", 1.0), seed=int(opts.get("seed") or 0),
         stop=tuple(stop.get("stop") or ()), frequency_penalty=pick("frequency_penalty", 0.0),
-        presence_penalty=pick("presence_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0))
+        presence_penalty=pick("presence_penalty", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
+        top_k=max(0, int(opts.get("top_k") or 0)), min_p=pick("min_p", 0.0),
+        logit_bias=tuple((int(k), float(v)) for k, v in (opts.get("logit_bias") or {}).items()),
+        stop_token_ids=tuple(int(t) for t in stop.get("stop_token_ids") or ()),
+        min_tokens=int(stop.get("min_tokens") or 0), ignore_eos=bool(stop.get("ignore_eos") or False),
+        grammar=grammar_of(opts.get("guided_decoding")))
+
+
+def grammar_of(guided: dict[str, Any] | None) -> str:
+    """Dynamo's `guided_decoding` (json / regex / choice / grammar) as our grammar spec ("" for none)."""
+    if not guided:
+        return ""
+    if guided.get("structural_tag") is not None:
+        raise BadRequest("a structural_tag constraint is not served; use a JSON schema, a regex or an EBNF grammar")
+    given = {k: guided[k] for k in ("json", "regex", "choice", "grammar") if guided.get(k) is not None}
+    if len(given) > 1:
+        raise BadRequest(f"one structured-output constraint at a time, got {', '.join(sorted(given))}")
+    if not given:
+        return ""
+    kind, value = next(iter(given.items()))
+    if kind == "json":
+        schema = json.loads(value) if isinstance(value, str) else value
+        spec: dict[str, Any] = {"type": "json_schema", "schema": schema} if schema else {"type": "json_object"}
+    elif kind == "choice":
+        import re
+
+        spec = {"type": "regex", "pattern": "(" + "|".join(re.escape(str(c)) for c in value) + ")"}
+    elif kind == "regex":
+        spec = {"type": "regex", "pattern": value}
+    else:
+        spec = {"type": "ebnf", "grammar": value}
+    return canonical(json.dumps(spec))
 
 
 def params_to_json(p: SamplingParams) -> dict[str, Any]:
-    return {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "stop": list(p.stop),
-            "frequency_penalty": p.frequency_penalty, "presence_penalty": p.presence_penalty,
-            "repetition_penalty": p.repetition_penalty, "logprobs": p.logprobs, "top_logprobs": p.top_logprobs}
+    """Every field, so the decoder worker samples as the encoder worker read the request."""
+    return dataclasses.asdict(p)
 
 
 def params_from_json(d: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**{**d, "stop": tuple(d.get("stop") or ())})
+    tuples = {"stop": tuple, "forced_ids": tuple, "stop_token_ids": tuple, "logit_bias": lambda v: tuple(tuple(e) for e in v)}
+    return SamplingParams(**{k: tuples[k](v) if k in tuples and v is not None else v for k, v in d.items()})
 
 
 def openai_finish(reason: str) -> str:

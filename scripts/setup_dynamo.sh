@@ -13,7 +13,7 @@ command -v "$PY" >/dev/null || PY=python3
 V="${DYNAMO_VENV:-.venv-dynamo}"
 DYNAMO=1.6.1
 [ -x $V/bin/python ] || "$PY" -m venv $V
-if $V/bin/python -c "import dynamo.runtime, dynamo.frontend, dynamo_deploy, tritonserver_backend, nixl" 2>/dev/null; then
+if $V/bin/python -c "import dynamo.runtime, dynamo.frontend, dynamo_deploy, tritonserver_backend, nixl, xgrammar" 2>/dev/null; then
     echo "dynamo environment ready ($V)"; exit 0
 fi
 echo "installing NVIDIA Dynamo $DYNAMO into $V (about a minute)"
