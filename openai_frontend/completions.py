@@ -33,7 +33,7 @@ from tritonserver_backend.client import TurnRequest
 
 from . import model_ids
 from .errors import APIError, bad_request
-from .parameters import _empty, _is
+from .parameters import _empty, _is, check_table, rows_of
 from .schemas import MAX_STOP, MAX_TOKENS_LIMIT, StreamOptions, _json_object, _validate
 from .stop_text import StopText
 from .triton_stream import Piece
@@ -86,30 +86,12 @@ REFUSED_WHY = {
 
 def check(data: dict[str, Any]) -> None:
     """Refuse, naming them, the completions parameters this server would otherwise drop."""
-    unknown, refused = [], []
-    for key, value in data.items():
-        if value is None or key in HONOURED or key in EXTENSIONS or key in NO_EFFECT:
-            continue
-        if key not in REFUSED:
-            unknown.append(key)
-        elif not REFUSED[key](value):
-            refused.append(key)
-    if refused:
-        reasons = "; ".join(f"{k}: {REFUSED_WHY.get(k, 'not supported by this server on completions')}" for k in refused)
-        raise bad_request(f"unsupported parameter{'s' if len(refused) > 1 else ''} {', '.join(refused)} ({reasons}); "
-                          "docs/openai.md lists every parameter and what the server does with it", refused[0])
-    if unknown:
-        raise bad_request(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {', '.join(unknown)}",
-                          unknown[0])
+    check_table(data, HONOURED, EXTENSIONS, NO_EFFECT, REFUSED, REFUSED_WHY, "not supported by this server on completions")
 
 
 def table_rows() -> list[tuple[str, str, str]]:
     """(parameter, status, what happens) for every completions parameter, as docs/openai.md shows them."""
-    rows = [(k, "honoured", v) for k, v in HONOURED.items()]
-    rows += [(k, "extension", v) for k, v in EXTENSIONS.items()]
-    rows += [(k, "accepted, no effect", v) for k, v in NO_EFFECT.items()]
-    rows += [(k, "refused (400)", REFUSED_WHY.get(k, "not supported")) for k in REFUSED]
-    return rows
+    return rows_of(HONOURED, EXTENSIONS, NO_EFFECT, REFUSED, REFUSED_WHY)
 
 
 class CompletionBody(BaseModel):

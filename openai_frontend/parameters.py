@@ -103,30 +103,41 @@ REFUSED_WHY = {
 }
 
 
-def check(data: dict[str, Any]) -> None:
-    """Refuse, naming them, the parameters this server would otherwise drop; returns when every key is honoured."""
-    unknown, refused = [], []
+def check_table(data: dict[str, Any], honoured: dict, extensions: dict, no_effect: dict, refused: dict,
+                why: dict[str, str], default_reason: str) -> None:
+    """Refuse, naming them, the keys of `data` a table (chat's here, completions' in completions.py) does not honour."""
+    unknown, bad = [], []
     for key, value in data.items():
-        if value is None or key in HONOURED or key in EXTENSIONS or key in NO_EFFECT:
+        if value is None or key in honoured or key in extensions or key in no_effect:
             continue
-        if key not in REFUSED:
+        if key not in refused:
             unknown.append(key)
-        elif not REFUSED[key](value):
-            refused.append(key)
-    if refused:
-        reasons = "; ".join(f"{k}: {REFUSED_WHY.get(k, 'not supported by this server')}" for k in refused)
-        raise bad_request(f"unsupported parameter{'s' if len(refused) > 1 else ''} {', '.join(refused)} ({reasons}); "
-                          "docs/openai.md lists every parameter and what the server does with it", refused[0])
+        elif not refused[key](value):
+            bad.append(key)
+    if bad:
+        reasons = "; ".join(f"{k}: {why.get(k, default_reason)}" for k in bad)
+        raise bad_request(f"unsupported parameter{'s' if len(bad) > 1 else ''} {', '.join(bad)} ({reasons}); "
+                          "docs/openai.md lists every parameter and what the server does with it", bad[0])
     if unknown:
         raise bad_request(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {', '.join(unknown)}",
                           unknown[0])
 
 
+def rows_of(honoured: dict, extensions: dict, no_effect: dict, refused: dict, why: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(parameter, status, what happens) for every parameter of a table, as docs/openai.md shows them."""
+    rows = [(k, "honoured", v) for k, v in honoured.items()]
+    rows += [(k, "extension", v) for k, v in extensions.items()]
+    rows += [(k, "accepted, no effect", v) for k, v in no_effect.items()]
+    rows += [(k, "refused (400)", why.get(k, "not supported")) for k in refused]
+    return rows
+
+
+def check(data: dict[str, Any]) -> None:
+    """Refuse, naming them, the parameters this server would otherwise drop; returns when every key is honoured."""
+    check_table(data, HONOURED, EXTENSIONS, NO_EFFECT, REFUSED, REFUSED_WHY, "not supported by this server")
+
+
 def table_rows() -> list[tuple[str, str, str]]:
     """(parameter, status, what happens) for every parameter, as docs/openai.md shows them."""
-    rows = [(k, "honoured", v) for k, v in HONOURED.items()]
-    rows += [(k, "extension", v) for k, v in EXTENSIONS.items()]
-    rows += [(k, "accepted, no effect", v) for k, v in NO_EFFECT.items()]
-    rows += [(k, "refused (400)", REFUSED_WHY.get(k, "not supported")) for k in REFUSED]
-    return rows
+    return rows_of(HONOURED, EXTENSIONS, NO_EFFECT, REFUSED, REFUSED_WHY)
 
