@@ -10,7 +10,14 @@ another's pages:
   the meta device, which costs ~140 MB once: torch's first module construction), no tensor data read;
 - `stored:<role>`: the role's tensors as stored (fp8/fp4 + scales), what a builder keeping the release's formats reads;
 - `fp32:<role>`: the role loaded into the PyTorch component, dequantized to fp32 tensor by tensor;
-- `build`: `python -m build_engines build` of the checkpoint (ONNX engines), when it can build it.
+- `--build`: `python -m build_engines build` of a release-shaped checkpoint per entry of `--builds` (the bounded,
+  stored-weight build: one process per role and phase, each recording its own VmHWM in the manifest). The builds
+  share one width and differ in their number of routed experts, so only the weights grow from one to the next: what
+  does not scale with the weights (the interpreter, the tracer's 40-layer graph, the check's activations and rounding
+  taps, the head and one expert chunk dequantized in flight) stays the same. The smallest build states the fixed
+  overhead per role and phase (its peak minus one copy of the role's bytes); every larger build is then checked
+  against `fixed + 1.25 x role bytes`, and the slope between the smallest and the largest (extra peak per extra role
+  byte) is printed.
 
 The table gives each figure beside `fixed + 1.25 x role bytes`, the bound issue 29 sets for builds, and the full-size
 figures of the release by arithmetic (its role bytes from the published tensor list and storage formats).
@@ -58,23 +65,89 @@ def child(kind: str, path: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def build_peak(path: Path, engines: Path) -> dict:
-    """Peak RSS of the engine build (the build CLI in a child; its own VmHWM printed by a wrapper). Its export worker counts
-    through RUSAGE_CHILDREN (an upper bound: a spawned child's ru_maxrss starts at its parent's high-water mark)."""
+def build_peaks(path: Path, engines: Path, force: bool, chunk_bytes: int | None) -> dict:
+    """The engine build in a child (the CLI; its own VmHWM printed by a wrapper) and, from its manifest, each role
+    process's own VmHWM (export and check phases) with the role's stored bytes. Without `force` an engine directory
+    that is current for this checkpoint and builder code is reused, with the figures its build recorded."""
     wrapper = ("import sys, json; from build_engines.build.cli import main; "
-               "rc = main(['--model', sys.argv[1], '--out', sys.argv[2], '--force']); "
+               "rc = main(['--model', sys.argv[1], '--out', sys.argv[2]] + sys.argv[3:]); "
                "hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')); "
-               "import resource; kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss; "
-               "print(json.dumps({'rc': rc, 'peak_rss': max(hwm, kids) * 1024}))")
+               "print(json.dumps({'rc': rc, 'peak_rss': hwm * 1024}))")
     t0 = time.time()
-    out = subprocess.run([sys.executable, "-c", wrapper, str(path), str(engines)], capture_output=True, text=True, cwd=ROOT)
+    extra = (["--force"] if force else []) + (["--expert-chunk-bytes", str(chunk_bytes)] if chunk_bytes is not None else [])
+    out = subprocess.run([sys.executable, "-c", wrapper, str(path), str(engines)] + extra,
+                         capture_output=True, text=True, cwd=ROOT)
     lines = out.stdout.strip().splitlines()
     result = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"rc": out.returncode}
     result["seconds"] = time.time() - t0
     if result.get("rc"):
         err = [line for line in out.stderr.splitlines() if line.startswith("error")]
         result["error"] = err[-1] if err else out.stderr.strip()[-300:]
+        return result
+    manifest = json.loads((engines / "manifest.json").read_text())
+    result["reused"] = "reusing them" in out.stdout
+    if result["reused"]:
+        result["seconds"] = manifest["build_seconds"]
+    result["roles"] = {role: manifest["graphs"][role]["weights"] | {"data_bytes": manifest["graphs"][role].get("data_bytes", 0)}
+                       for role in ("encoder", "decoder")}
     return result
+
+
+PHASES = ("export", "graph_run", "check")  # the role's export, its graph run (onnxruntime), its module run
+
+
+def build_table(checkpoint_root: Path, builds: list[tuple[int, int, int]], force: bool, chunk_bytes: int | None) -> list[str]:
+    """Build each (dim, inter, experts) checkpoint and tabulate every role process's peak against the bound (see the
+    docstring)."""
+    from build_engines.formats.release_writer import ReleaseShape, write_release_shaped
+
+    mb = 1e6
+    runs = []
+    for dim, inter, experts in builds:
+        name = f"release-shaped-w{dim}x{inter}e{experts}"
+        path = write_release_shaped(checkpoint_root / name, ReleaseShape(dim=dim, experts=experts, inter=inter))
+        print(f"building the release-shaped checkpoint at dim {dim}, inter {inter}, {experts} experts ...", flush=True)
+        runs.append((dim, inter, experts, build_peaks(path, ROOT / "artifacts" / "engines" / name, force, chunk_bytes)))
+    failed = [f"dim {d} inter {i} experts {e}: {r['error']}" for d, i, e, r in runs if "error" in r]
+    if failed:
+        return ["", "## Engine build", "", "Failed: " + "; ".join(failed)]
+    chunk_text = ("`--expert-chunk-bytes 1`: one expert per chunk, as the release's 100 MB experts give at the default"
+                  if chunk_bytes == 1 else f"chunks of at most {chunk_bytes or 16 << 20} fp32 bytes")
+    base = runs[0][3]["roles"]
+    fixed = {(role, phase): base[role][f"{phase}_peak_rss_bytes"] - base[role]["role_checkpoint_bytes"]
+             for role in ("encoder", "decoder") for phase in PHASES}
+    lines = ["", "## Engine build (bounded: the weights as stored)", "",
+             "`python -m build_engines build` of 40-layer release-shaped checkpoints, one per row group. Each role's"
+             " export, graph run (onnxruntime on the check inputs) and module check run in processes of their own; the"
+             " figure is that process's VmHWM (recorded in the manifest, `graphs.<role>.weights`). The fixed overhead per"
+             " role and phase is the first build's peak minus one copy of its role bytes (Python, torch, the exporter's"
+             " 40-layer graph, onnxruntime, the check's activations and rounding taps, the head and one expert chunk"
+             f" dequantized in flight, {chunk_text}):"
+             + ";".join(f" {role} {phase} {fixed[(role, phase)] / mb:.0f} MB" for role in ("encoder", "decoder")
+                        for phase in PHASES) + ".",
+             "",
+             "| dim x inter | experts | role | role bytes MB | engine data MB | phase | peak RSS MB | bound: fixed + 1.25 x role MB |"
+             " within | orchestrator peak MB | build s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for dim, inter, experts, r in runs:
+        orchestrator = "reused" if r["reused"] else f"{r['peak_rss'] / mb:.0f}"
+        for role in ("encoder", "decoder"):
+            w = r["roles"][role]
+            for phase in PHASES:
+                peak = w[f"{phase}_peak_rss_bytes"]
+                bound = fixed[(role, phase)] + 1.25 * w["role_checkpoint_bytes"]
+                lines.append(f"| {dim} x {inter} | {experts} | {role} | {w['role_checkpoint_bytes'] / mb:.1f} | {w['data_bytes'] / mb:.1f} |"
+                             f" {phase} | {peak / mb:.0f} | {bound / mb:.0f} | {'yes' if peak <= bound else 'no'} |"
+                             f" {orchestrator} | {r['seconds']:.0f} |")
+    if len(runs) > 1:
+        top = runs[-1][3]["roles"]
+        lines += ["", "Slope from the smallest to the largest build (extra peak RSS per extra role byte; the bound allows 1.25):"]
+        for role in ("encoder", "decoder"):
+            extra = top[role]["role_checkpoint_bytes"] - base[role]["role_checkpoint_bytes"]
+            for phase in PHASES:
+                rise = top[role][f"{phase}_peak_rss_bytes"] - base[role][f"{phase}_peak_rss_bytes"]
+                lines.append(f"- {role} {phase}: {rise / extra:.2f}")
+    return lines
 
 
 def role_bytes(path: Path) -> dict[str, int]:
@@ -124,7 +197,12 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--inter", type=int, default=128)
-    p.add_argument("--build", action="store_true", help="also measure the ONNX engine build")
+    p.add_argument("--build", action="store_true", help="also measure the ONNX engine build of each of --builds")
+    p.add_argument("--builds", default="256x128x48,256x128x160",
+                   help="dim x inter x routed experts of each build, smallest first (comma list)")
+    p.add_argument("--expert-chunk-bytes", type=int, default=None,
+                   help="passed to the builds (1: one expert per chunk, as the release's 100 MB experts give at the default)")
+    p.add_argument("--force-build", action="store_true", help="rebuild engine directories that are current")
     p.add_argument("--out", type=Path, default=None, help="markdown file to write (e.g. docs/release_memory.md)")
     args = p.parse_args()
     from build_engines.formats.release_writer import ReleaseShape, write_release_shaped
@@ -138,16 +216,14 @@ def main() -> int:
         r = child(kind, path)
         r["kind"] = kind
         rows.append(r)
-    if args.build:
-        r = build_peak(path, ROOT / "artifacts" / "engines" / "release-shaped-memory")
-        r["kind"] = "build"
-        rows.append(r)
     mb = 1e6
+    build_args = (f" --build --builds {args.builds}" + (f" --expert-chunk-bytes {args.expert_chunk_bytes}" if args.expert_chunk_bytes else "")
+                  if args.build else "")
     lines = [
         "# Memory of reading and building a release-shaped checkpoint",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} on this machine (2 CPU cores) by `scripts/measure_release_memory.py"
-        f" --dim {args.dim} --experts {args.experts} --inter {args.inter}{' --build' if args.build else ''}`. Checkpoint: 40 layers"
+        f" --dim {args.dim} --experts {args.experts} --inter {args.inter}{build_args}`. Checkpoint: 40 layers"
         f" (+3 DSpark blocks, Engram at 1 and 14), {sizes['checkpoint'] / mb:.1f} MB stored; encoder role {sizes['encoder'] / mb:.1f} MB,"
         f" decoder role {sizes['decoder'] / mb:.1f} MB (stored bytes of the role's tensors with their scales).",
         "",
@@ -166,6 +242,9 @@ def main() -> int:
         bound = fixed["peak_rss"] + 1.25 * share
         lines.append(f"| {r['kind']} | {r['peak_rss'] / mb:.0f} | {(r['peak_rss'] - fixed['peak_rss']) / mb:.0f} | {share / mb:.1f} |"
                      f" {bound / mb:.0f} | {'yes' if r['peak_rss'] <= bound else 'no'} | {r.get('held', 0) / mb:.1f} | {r['seconds']:.1f} |")
+    if args.build:
+        builds = [tuple(int(v) for v in b.split("x")) for b in args.builds.split(",")]
+        lines += build_table(args.checkpoint.parent, builds, args.force_build, args.expert_chunk_bytes)  # type: ignore[arg-type]
     lines += ["", "## Full size, by arithmetic", "", "| part | stored GB |", "|---|---|"]
     for name, b in full_size_arithmetic():
         lines.append(f"| {name} | {b / 1e9:.1f} |")

@@ -6,10 +6,7 @@
 # takes the CPU build. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3.11}"
-command -v "$PY" >/dev/null || PY=python3
-[ -x .venv-eval/bin/python ] || "$PY" -m venv .venv-eval
-.venv-eval/bin/python -m pip install --quiet --upgrade pip >/dev/null
-.venv-eval/bin/python -m pip install --quiet "torch==2.13.0"
+source scripts/side_venv.sh
+side_venv .venv-eval
 .venv-eval/bin/python -m pip install --quiet "lm-eval[api]==0.4.13" "transformers>=4.45"  # transformers: the tokenizer backend (embedded/mol2-small/tokenizer.json)
 .venv-eval/bin/python -c 'import lm_eval, importlib.metadata as m; print("evaluation environment ready: lm-eval", m.version("lm-eval"))'

@@ -6,11 +6,8 @@
 # pieces of it that `modelopt.onnx.quantization` imports are listed instead. Idempotent; about 40 s with a warm cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3.11}"
-command -v "$PY" >/dev/null || PY=python3
-[ -x .venv-quant/bin/python ] || "$PY" -m venv .venv-quant
-.venv-quant/bin/python -m pip install --quiet --upgrade pip >/dev/null
-.venv-quant/bin/python -m pip install --quiet "torch==2.13.0"
+source scripts/side_venv.sh
+side_venv .venv-quant
 .venv-quant/bin/python -m pip install --quiet "nvidia-modelopt==0.47.0" requests huggingface_hub "onnx>=1.17,<2" \
     "onnxruntime>=1.20,<2" onnxscript onnx-graphsurgeon onnxconverter-common onnxslim polygraphy lief cppimport ml_dtypes
 .venv-quant/bin/python -c 'import modelopt.onnx.quantization, numpy, importlib.metadata as m; print("quantization environment ready: modelopt", m.version("nvidia-modelopt"), "numpy", numpy.__version__)'

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+import torch
+
+from build_engines.formats import checkpoint as checkpoint_module
+from build_engines.formats.checkpoint import CheckpointFiles
 from build_engines.model.config import CEDConfig, get_preset
 from build_engines.model.network import CEDNetwork, init_weights
 
@@ -21,3 +26,17 @@ def tiny_network(cfg: CEDConfig | None = None) -> CEDNetwork:
     net = CEDNetwork(cfg or tiny_config())
     init_weights(net)
     return net.eval()
+
+
+class TensorReads:
+    """Records which tensors a loader reads from the shards (every read goes through `CheckpointFiles.get`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        original = CheckpointFiles.get
+
+        def get(files: CheckpointFiles, name: str) -> torch.Tensor:
+            self.names.append(name)
+            return original(files, name)
+
+        monkeypatch.setattr(checkpoint_module.CheckpointFiles, "get", get)

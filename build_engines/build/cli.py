@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import os
 import shlex
 import sys
 import time
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from build_engines.quantize import KV_QUANT_MODES, QUANT_MODES, QuantizationUnavailable, check_quant
 from plugins.tensorrt_support import TensorRTUnavailable, require_tensorrt_plugin
+
+from build_engines.export.stored_weights import EXPERT_CHUNK_ENV
 
 from .manifest import BuildSettings, builder_digest, source_digest, stale_reason, tool_versions, write_manifest
 
@@ -41,6 +44,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reuse-fp32", type=Path, default=None,
                    help="quantized builds: take the fp32 graphs from this engine directory when it is up to date for the "
                         "same checkpoint (skips the export, about a minute), else export them")
+    p.add_argument("--expert-chunk-bytes", type=int, default=None,
+                   help="checkpoints with fp8/fp4 weights: most fp32 bytes of routed experts one MoE dequantizes at once "
+                        "(at least one expert; default 16 MiB). Smaller: less memory in flight, more graph nodes")
     p.add_argument("--force", action="store_true", help="rebuild even when the directory is up to date")
     p.add_argument("--max-batch", type=int, default=64, help="TensorRT profiles: most rows per step")
     p.add_argument("--max-context", type=int, default=8192, help="TensorRT profiles: longest session")
@@ -56,12 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     except (QuantizationUnavailable, TensorRTUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.expert_chunk_bytes is not None and args.expert_chunk_bytes < 1:
+        print(f"error: --expert-chunk-bytes {args.expert_chunk_bytes}: expected a positive number of bytes", file=sys.stderr)
+        return 2
     if not (args.model / "config.json").exists():
         print(f"error: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
     from build_engines.export.opset import OPSET
 
-    settings = BuildSettings(args.format, args.quant, OPSET, args.kv_quant)
+    settings = BuildSettings(args.format, args.quant, OPSET, args.kv_quant, args.expert_chunk_bytes)
+    if args.expert_chunk_bytes is not None:  # the stored build's workers are spawned: they read it from the environment
+        os.environ[EXPERT_CHUNK_ENV] = str(args.expert_chunk_bytes)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two builders of one directory take turns; the second finds it current
@@ -84,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
     from build_engines.export.layout import StepLayout
+    from build_engines.export.stored_role import stores_quantized
     from build_engines.formats.checkpoint import load_config
 
     from .onnx_build import build_onnx
@@ -92,7 +104,11 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
     model_dir = args.model.resolve()
     onnx_dir = args.out / "onnx" if args.format == "trt" else args.out
     quant = None
-    if args.quant == "none":
+    if args.quant == "none" and stores_quantized(model_dir):  # the release's fp8/fp4 bytes kept, bounded memory
+        from .stored_build import build_stored
+
+        graphs, parity = build_stored(model_dir, onnx_dir)
+    elif args.quant == "none":
         graphs, parity = build_onnx(model_dir, onnx_dir)
     elif args.quant == "release":
         from .release_build import build_release

@@ -18,8 +18,8 @@ from typing import Any
 MANIFEST = "manifest.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 BUILDER_SOURCES = tuple(f"build_engines/export/{m}.py" for m in ("common", "decoder_step", "encoder_step", "graph_ops", "layout",
-                                                                   "onnx_export", "pointer_step")) + (
-    "build_engines/build/onnx_build.py", "build_engines/build/trt_build.py", "build_engines/model",
+                                                                   "onnx_export", "pointer_step", "stored_weights", "stored_role")) + (
+    "build_engines/build/onnx_build.py", "build_engines/build/stored_build.py", "build_engines/build/trt_build.py", "build_engines/model",
     "build_engines/routing/pointer_head.py", "plugins")  # what decides the fp32 graphs' content (not the runtime's row handling)
 QUANT_BUILDER_SOURCES = ("build_engines/build/quant_build.py", "build_engines/build/release_build.py", "build_engines/quantize")  # quantized builds only
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "router/router.safetensors",
@@ -79,11 +79,14 @@ class BuildSettings:
     quant: str
     opset: int
     kv_quant: str = "none"  # fp8: rings and global-KV stores as fp8 e4m3 (`quantize/kv_cache.py`)
+    expert_chunk_bytes: int | None = None  # stored-weight builds: `--expert-chunk-bytes` (None: the default)
 
     def as_dict(self) -> dict[str, Any]:
-        """`kv_quant` appears only when set, so the manifests of builds without it are unchanged (and current)."""
+        """`kv_quant` and `expert_chunk_bytes` appear only when set, so the manifests of builds without them are
+        unchanged (and current)."""
         return {"format": self.format, "quant": self.quant, "opset": self.opset,
-                **({"kv_quant": self.kv_quant} if self.kv_quant != "none" else {})}
+                **({"kv_quant": self.kv_quant} if self.kv_quant != "none" else {}),
+                **({"expert_chunk_bytes": self.expert_chunk_bytes} if self.expert_chunk_bytes is not None else {})}
 
 
 def read_manifest(engine_dir: Path) -> dict[str, Any] | None:
@@ -108,6 +111,9 @@ def stale_reason(engine_dir: Path, model_dir: Path, settings: BuildSettings) -> 
         path = engine_dir / graph["file"]
         if not path.exists() or sha256_file(path) != graph["sha256"]:
             return f"graph {name} ({graph['file']}) is missing or modified"
+        data = engine_dir / graph["data_file"] if "data_file" in graph else None
+        if data is not None and (not data.exists() or sha256_file(data) != graph["data_sha256"]):
+            return f"the weights of graph {name} ({graph['data_file']}) are missing or modified"
     return None
 
 

@@ -20,7 +20,7 @@ from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.graph_rounding import FollowGraphRounding, RoundingMismatch, write_tapped_graph
 from build_engines.export.layout import GraphTensor, StepLayout
-from build_engines.export.onnx_export import export_module, export_sizes
+from build_engines.export.onnx_export import data_file, export_module, export_sizes
 from build_engines.export.parity import Runner, decoder_case, encoder_case, max_difference, torch_runner
 from build_engines.export.pointer_step import PointerStep, option_inputs
 from build_engines.formats.checkpoint import load_checkpoint
@@ -38,22 +38,30 @@ class ParityError(RuntimeError):
     """An exported graph computes something else than the module it came from."""
 
 
-def ort_runner(path: Path):  # type: ignore[no-untyped-def]
+def ort_runner(path: Path, fold_constants: bool = True):  # type: ignore[no-untyped-def]
+    """A runner over the graph at `path` on onnxruntime's CPU provider, single-threaded. `fold_constants=False` keeps
+    onnxruntime from folding a graph's stored-weight dequantization into fp32 copies at load (4-8x the stored bytes):
+    what a bounded build's check needs."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    if not fold_constants:  # a bounded check: no arena, so a freed intermediate (a dequantized weight) leaves RSS
+        options.enable_cpu_mem_arena = False
+    disabled = [] if fold_constants else ["ConstantFolding"]
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled)
     names = [o.name for o in session.get_outputs()]
     return lambda feed: dict(zip(names, session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})))
 
 
 def describe(model: onnx.ModelProto, path: Path, inputs: list[GraphTensor], outputs: list[GraphTensor]) -> dict[str, Any]:
     ops = collections.Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
+    data = data_file(path)
     return {
         "file": path.name,
         "sha256": sha256_file(path),
         "bytes": path.stat().st_size,
+        **({"data_file": data.name, "data_sha256": sha256_file(data), "data_bytes": data.stat().st_size} if data.exists() else {}),
         "nodes": len(model.graph.node),
         "inlined_nodes": len(model.graph.node) + sum(ops[f.name] * (len(f.node) - 1) for f in model.functions),
         "custom_ops": dict(sorted(ops.items())),
@@ -79,11 +87,11 @@ def step_modules(model_dir: Path) -> tuple[StepLayout, dict[str, tuple[torch.nn.
 
 
 def export_graph(name: str, module: torch.nn.Module, inputs: list[GraphTensor], outputs: list[GraphTensor], sizes: dict[str, int],
-                 out: Path) -> dict[str, Any]:
+                 out: Path, external_data: bool = False) -> dict[str, Any]:
     """Export one step module as graph `name` into `out` and describe it."""
     t0 = time.perf_counter()
     path = out / GRAPH_FILES[name]
-    graph = describe(export_module(module, inputs, outputs, sizes, path), path, inputs, outputs)
+    graph = describe(export_module(module, inputs, outputs, sizes, path, external_data), path, inputs, outputs)
     graph["export_seconds"] = round(time.perf_counter() - t0, 1)
     return graph
 
@@ -130,17 +138,28 @@ def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], d
     return graphs, parity
 
 
-def compare_following_rounding(module: Runner, path: Path, feed: dict[str, np.ndarray], what: str,
-                               rounding: dict[str, dict[str, int]]) -> dict[str, float]:
-    """Max difference per output between the graph at `path` and its module on `feed`, the module taking the graph's
-    side of fake-quant rounding ties (graph_rounding); a graph without fake-quant is compared as it is."""
+def run_tapped_graph(path: Path, feed: dict[str, np.ndarray], fold_constants: bool = True) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """The graph at `path` on `feed`: its outputs, and the value of every fake-quant rounding it makes, in traced
+    order (graph_rounding; none for a graph without fake-quant)."""
     tapped = path.with_name(f".{path.stem}.rounding.onnx")
     try:
         names = write_tapped_graph(path, tapped)
-        got = ort_runner(tapped if names else path)(feed)
+        got = ort_runner(tapped if names else path, fold_constants)(feed)
     finally:
         tapped.unlink(missing_ok=True)
-    follow = FollowGraphRounding([got.pop(n) for n in names])
+    return got, [got.pop(n) for n in names]
+
+
+def compare_following_rounding(module: Runner, path: Path, feed: dict[str, np.ndarray], what: str,
+                               rounding: dict[str, dict[str, int]], fold_constants: bool = True,
+                               graph_run: tuple[dict[str, np.ndarray], list[np.ndarray]] | None = None) -> dict[str, float]:
+    """Max difference per output between the graph at `path` and its module on `feed`, the module taking the graph's
+    side of fake-quant rounding ties (graph_rounding); a graph without fake-quant is compared as it is. The graph runs
+    first and its session is gone before `module` is called; `graph_run` is that run when it was made elsewhere
+    (`run_tapped_graph` in another process: the bounded build runs graph and module in processes of their own)."""
+    got, taps = graph_run if graph_run is not None else run_tapped_graph(path, feed, fold_constants)
+    follow = FollowGraphRounding(taps)
+    del taps
     with follow.patched():
         want = module(feed)
     try:
@@ -156,7 +175,6 @@ def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: D
                  rounding: dict[str, dict[str, int]] | None = None) -> dict[str, dict[str, float]]:
     """`engram`: the checkpoint's Engram feed (rows from its memory-mapped tables), needed when the config has Engram.
     `rounding` receives, per graph, how many fake-quant roundings were compared and how many ties were followed."""
-    cfg = layout.cfg
     rounding = {} if rounding is None else rounding
     enc_t = torch_runner(encoder, layout.encoder_inputs(), layout.encoder_outputs())
     case = encoder_case(layout, enc_t, (37, 6), seed=0, engram=engram)
@@ -166,6 +184,13 @@ def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: D
     feed.update(random_bank(layout, slots=3, rank=4))
     dec_t = torch_runner(decoder, layout.decoder_inputs(), layout.decoder_outputs())
     result["decoder"] = compare_following_rounding(dec_t, out / GRAPH_FILES["decoder"], feed, "decoder", rounding)
+    result["pointer"] = pointer_parity(out, layout, pointer, head)
+    return result
+
+
+def pointer_parity(out: Path, layout: StepLayout, pointer: PointerStep, head: torch.nn.Module) -> dict[str, float]:
+    """The pointer graph against its module on random H19 and a small option set (masked options stay -inf)."""
+    cfg = layout.cfg
     generator = torch.Generator().manual_seed(2)
     options = head.encode_options([torch.randn(7, cfg.dim, generator=generator), torch.randn(4, cfg.dim, generator=generator)])
     pfeed = {k: v.detach().numpy() for k, v in option_inputs(options).items()}
@@ -174,8 +199,7 @@ def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: D
     ptr_t = torch_runner(pointer, layout.pointer_inputs(cfg.dim, head.cfg.width), layout.pointer_outputs())
     a, b = ptr_t(pfeed), ort_runner(out / GRAPH_FILES["pointer"])(pfeed)
     finite = np.isfinite(a["logits"])
-    result["pointer"] = {"logits": float(np.abs(a["logits"][finite] - b["logits"][finite]).max()) if np.array_equal(finite, np.isfinite(b["logits"])) else float("inf")}
-    return result
+    return {"logits": float(np.abs(a["logits"][finite] - b["logits"][finite]).max()) if np.array_equal(finite, np.isfinite(b["logits"])) else float("inf")}
 
 
 def random_bank(layout: StepLayout, slots: int, rank: int, seed: int = 3) -> dict[str, np.ndarray]:

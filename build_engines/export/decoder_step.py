@@ -17,13 +17,13 @@ from plugins.sparse_global_attention import sparse_global_attention
 
 from .common import FakeQuant, RopeKinds, StepModule, SublayerWiring, output_projection, pooled_top, query_and_latent
 from .graph_ops import (
-    DenseExperts,
     chunk_positions,
     collapse,
     rms_norm,
     window_ring_positions,
 )
 from .layout import LoraGroup
+from .stored_weights import experts_for, stored_chunks
 
 
 class LoraInputs:
@@ -82,7 +82,8 @@ class DecoderStep(StepModule):
         self.groups = self.layout.lora_groups()
         layers = range(self.E, cfg.n_layers)
         self.wiring = {l: SublayerWiring(cfg, engine.layers[str(l)], self.patterns) for l in layers}
-        self.experts = {l: DenseExperts(engine.layers[str(l)].ffn) for l in layers}
+        self.experts = {l: experts_for(engine.layers[str(l)].ffn) for l in layers}
+        self.expert_chunks = stored_chunks(self.experts)
         self.attentions = {l: engine.layers[str(l)].attn for l in layers if l > self.E}
 
     def forward(self, streams: torch.Tensor, ffn_pre: torch.Tensor, topk: torch.Tensor, candidates: torch.Tensor, start: torch.Tensor,
@@ -110,7 +111,7 @@ class DecoderStep(StepModule):
         """Dense experts with each row's adapter on every expert's w1/w3 and w2 (LoRA on unquantized inputs)."""
         experts = self.experts[layer]
         G, inter = experts.count, experts.inter
-        h13 = experts.gemm_input(x) @ experts.w13  # (B, S, G*2*I)
+        h13 = experts.up(experts.gemm_input(x))  # (B, S, G*2*I)
         a13, b13 = lora.experts[f"layers.{layer}.ffn.experts_w13"]  # (U, dim, 2G, R), (U, 2G, R, I)
         U, C = lora.rows.shape
         u = (lora.gather(x) @ a13.flatten(2)).view(U, C, 2 * G, -1).transpose(1, 2)  # (U, 2G, C, R)
@@ -118,7 +119,7 @@ class DecoderStep(StepModule):
         act = experts.activations(h13, experts.routing_weights(x))  # (B, S, G*I)
         a2, b2 = lora.experts[f"layers.{layer}.ffn.experts_w2"]  # (U, G, I, R), (U, G, R, dim)
         v = (lora.gather(act).view(U, C, G, inter).transpose(1, 2) @ a2).transpose(1, 2).reshape(U, C, -1)  # (U, C, G*R)
-        return experts.gemm_input(act) @ experts.w2 + lora.scatter(v @ b2.flatten(1, 2), x)
+        return experts.down(experts.gemm_input(act)) + lora.scatter(v @ b2.flatten(1, 2), x)
 
     def _attention(self, l: int, x: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, win: torch.Tensor, kv_store: torch.Tensor,
                    index_store: torch.Tensor, candidates: torch.Tensor, ropes: RopeKinds, lora: LoraInputs, ctx: dict[str, torch.Tensor],

@@ -32,7 +32,8 @@ from .common import (
     query_and_latent,
     visible,
 )
-from .graph_ops import DenseExperts, chunk_positions, plus_eps, rms_norm, select_top, window_ring_positions
+from .graph_ops import chunk_positions, plus_eps, rms_norm, select_top, window_ring_positions
+from .stored_weights import experts_for, stored_chunks
 
 
 @dataclass
@@ -52,7 +53,8 @@ class EncoderStep(StepModule):
         super().__init__(engine)
         cfg = self.cfg
         self.wiring = {l: SublayerWiring(cfg, engine.layers[str(l)], self.patterns) for l in range(self.E + 1)}
-        self.experts = {l: DenseExperts(engine.layers[str(l)].ffn) for l in range(self.E)}
+        self.experts = {l: experts_for(engine.layers[str(l)].ffn) for l in range(self.E)}
+        self.expert_chunks = stored_chunks(self.experts)
         self.attentions = {l: engine.layers[str(l)].attn for l in range(self.E + 1)}
 
     def forward(self, tokens: torch.Tensor, start: torch.Tensor, rings: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -117,8 +119,8 @@ class EncoderStep(StepModule):
 
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts[layer]
-        act = experts.activations(experts.gemm_input(x) @ experts.w13, experts.routing_weights(x))
-        return experts.gemm_input(act) @ experts.w2
+        act = experts.activations(experts.up(experts.gemm_input(x)), experts.routing_weights(x))
+        return experts.down(experts.gemm_input(act))
 
     def _attention(self, l: int, x: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, win: torch.Tensor,
                    sources: dict[int, _Source], ropes: RopeKinds, ctx: dict[str, torch.Tensor], ring_rows: list[torch.Tensor]) -> torch.Tensor:

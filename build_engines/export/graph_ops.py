@@ -271,8 +271,8 @@ class DenseExperts:
         self.quantize_input = quant.pop()
         self.w13 = torch.cat([torch.cat((e.w1.weight, e.w3.weight), 0) for e in experts], 0).t().contiguous().float()
         self.w2 = torch.cat([e.w2.weight.t() for e in experts], 0).contiguous().float()
-        self.gate_weight = moe.gate.weight.float()
-        self.gate_bias = moe.gate.bias.float()
+        self.gate_weight = moe.gate.weight  # cast where read: a stored bf16 gate stays bf16 until the step runs
+        self.gate_bias = moe.gate.bias
         self.topk, self.route_scale = moe.gate.topk, moe.gate.route_scale
 
     def gemm_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -281,12 +281,20 @@ class DenseExperts:
 
     def routing_weights(self, x: torch.Tensor) -> torch.Tensor:
         """x (…, dim) -> (…, G) weights: the gate's top-k (sqrt-softplus, bias for selection only), then 1 for shared."""
-        scores = torch.sqrt(F.softplus(x.float() @ self.gate_weight.t()))
-        idx = torch.topk(scores + self.gate_bias, self.topk, dim=-1).indices
+        scores = torch.sqrt(F.softplus(x.float() @ self.gate_weight.float().t()))
+        idx = torch.topk(scores + self.gate_bias.float(), self.topk, dim=-1).indices
         picked = scores.gather(-1, idx)
         picked = picked / plus_eps(picked.sum(-1, keepdim=True), 1e-20) * self.route_scale
         routed = torch.zeros_like(scores).scatter(-1, idx, picked)
         return torch.cat((routed, torch.ones_like(scores[..., :1])), -1)
+
+    def up(self, xq: torch.Tensor) -> torch.Tensor:
+        """(…, dim) GEMM input -> (…, G*2*I) every expert's w1 | w3 products."""
+        return xq @ self.w13
+
+    def down(self, aq: torch.Tensor) -> torch.Tensor:
+        """(…, G*I) GEMM input -> (…, dim): every expert's w2 product, summed."""
+        return aq @ self.w2
 
     def activations(self, h13: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """(…, G*2*I) up-projections, (…, G) weights -> (…, G*I) clamped SwiGLU times the routing weight."""

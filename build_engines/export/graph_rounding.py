@@ -11,7 +11,7 @@ So the parity check exposes every rounding the graph makes (the output of each `
 patched. The graph's roundings, in the order torch.export traced them (the node names it keeps in the metadata; the
 optimizer reorders the nodes themselves), are paired with the module's calls in turn: a call is paired with the next
 graph rounding if the two are equal, or differ only where the module's input sits on the tie between them
-(`|v - (mine + graph's) / 2| <= tol * |v|`), and there the module takes the graph's value. A call the graph has no
+(`|v - (mine + graph's) / 2| <= tol * |v| + 1e-6 * max |v| over its block`), and there the module takes the graph's value. A call the graph has no
 rounding for must repeat an earlier call's input exactly (the optimizer merged the two: one normed activation
 quantized for two projections) and takes what that one took. Anything else (a difference off a tie, a rounding left
 unpaired) fails the check: following is allowed exactly where a correct graph and a correct module can disagree.
@@ -33,6 +33,11 @@ from . import graph_ops
 
 ROUNDING_FUNCTIONS = ("round_e4m3", "round_e2m1")
 TIE_TOLERANCE = 1e-4  # relative to |v|: fp32 noise is ~1e-7 per op, far below; a grid step is >= 1/16 of |v|
+# ... plus this share of the largest |v| in v's block (the last axis: a quantization block). Why: a small value that
+# comes out of a cancellation carries the absolute noise of the large terms it was summed from, not noise relative to
+# itself. Seen on the 40-layer release-shaped decoder: v = 0.0087881 (scaled), 9.6e-7 below the tie between the e4m3
+# subnormals 4 and 5 x 2^-9, graph and module on either side; that block's largest value was ~400 (1e-6 of it: 4e-4).
+BLOCK_NOISE = 1e-6
 
 
 class RoundingMismatch(RuntimeError):
@@ -128,7 +133,8 @@ class FollowGraphRounding:
         if graph.shape != mine.shape:
             return None
         differ = mine != graph
-        tie = (v - (mine + graph) * 0.5).abs() <= self.tol * v.abs()
+        noise = v.abs().amax(-1, keepdim=True) * BLOCK_NOISE if v.ndim else torch.zeros(())
+        tie = (v - (mine + graph) * 0.5).abs() <= self.tol * v.abs() + noise
         if bool((differ & ~tie).any()):
             return None
         self._next += 1

@@ -44,22 +44,82 @@ def dynamic_shapes(module: torch.nn.Module, tensors: list[GraphTensor]) -> tuple
 
 
 def export_module(module: torch.nn.Module, inputs: list[GraphTensor], outputs: list[GraphTensor], sizes: dict[str, int],
-                  path: Path) -> onnx.ModelProto:
-    """Trace `module` on example inputs, attach the mol2 functions, name the I/O, check, and save to `path`."""
+                  path: Path, external_data: bool = False) -> onnx.ModelProto:
+    """Trace `module` on example inputs, attach the mol2 functions, name the I/O, check, and save to `path`.
+
+    `external_data`: write the weights to `<path>.data`, one tensor at a time, and return the graph without them.
+    Why: serializing the whole model (`model_proto`, then `onnx.save`) holds two more copies of every weight in
+    memory; a bounded build (stored weights) must hold one. The graph file then references the data file by its
+    name, so the two move together."""
     args = example(inputs, sizes)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
             module, args, dynamo=True, opset_version=OPSET, dynamic_shapes=dynamic_shapes(module, inputs),
-            input_names=[t.name for t in inputs], output_names=[t.name for t in outputs], optimize=True, verbose=False,
+            input_names=[t.name for t in inputs], output_names=[t.name for t in outputs], optimize=not external_data,
+            verbose=False,
         )
+    if external_data:
+        optimize_stored(program.model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external_data:
+        return _save_with_external_data(program.model, path)
     model = program.model_proto
     model = attach_functions(model)
     register_onnx_schemas()
     onnx.checker.check_model(model, full_check=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(path))
     return model
+
+
+def keep_stored_weights(node: "onnx_ir.Node") -> bool | None:  # noqa: F821
+    """The optimizer's folding rule for graphs of stored weights: never fold a node that reads uint8 (fp8 codes,
+    packed fp4, e8m0 scales) or bf16, so a dequantization stays in the graph instead of becoming an fp32 copy of the
+    weight (4-8x its bytes); everything else as the optimizer decides."""
+    import onnx_ir
+
+    keep = (onnx_ir.DataType.UINT8, onnx_ir.DataType.BFLOAT16)
+    return False if any(v is not None and v.dtype in keep for v in node.inputs) else None
+
+
+def optimize_stored(model: "onnx_ir.Model") -> None:  # noqa: F821
+    """onnxscript's `optimize_ir` for graphs of stored weights, with two changes: constant folding leaves the
+    dequantizations alone (`keep_stored_weights`), and the pattern rewriter is not run. Why the second: on the
+    40-layer release-shaped graphs its matcher took over 20 minutes per graph on a 2-core machine (quadratic in the
+    graph's size), while onnxruntime and TensorRT apply their own fusions when they load the graph; folding, dead-node
+    removal, constant lifting, initializer deduplication and common-subexpression elimination all still run."""
+    import onnx_ir
+    import onnx_ir.passes.common as common
+    from onnxscript.optimizer import fold_constants_ir
+
+    onnx_ir.passes.Sequential(common.InlinePass())(model)
+    for _ in range(2):
+        fold_constants_ir(model, onnx_shape_inference=True, should_fold=keep_stored_weights)
+        common.RemoveUnusedNodesPass()(model)
+    onnx_ir.passes.Sequential(
+        common.RemoveUnusedFunctionsPass(), common.RemoveUnusedOpsetsPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(), common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(), common.OutputFixPass(), common.NameFixPass(),
+    )(model)
+
+
+def data_file(path: Path) -> Path:
+    """Where a graph's external weights live (`encoder.onnx` -> `encoder.onnx.data`)."""
+    return path.with_name(path.name + ".data")
+
+
+def _save_with_external_data(model: "onnx_ir.Model", path: Path) -> onnx.ModelProto:  # noqa: F821
+    import onnx_ir
+
+    data = data_file(path)
+    data.unlink(missing_ok=True)
+    onnx_ir.save(model, path, external_data=data.name)
+    proto = attach_functions(onnx.load(str(path), load_external_data=False))
+    onnx.save(proto, str(path))  # the weights stay where they are: only the graph is rewritten
+    register_onnx_schemas()
+    onnx.checker.check_model(str(path), full_check=False)
+    return proto
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:

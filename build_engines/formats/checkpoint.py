@@ -11,12 +11,12 @@ dequantized by what its dtype and scale say straight into its parameter.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -58,6 +58,9 @@ def save_checkpoint(net: CEDNetwork, directory: str | Path) -> Path:
 
 INDEX_FILE = "model.safetensors.index.json"
 HEADER_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
+HEADER_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu, "I8": torch.int8, "U8": torch.uint8,
+                       "I32": torch.int32, "I64": torch.int64}
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,7 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
 
 
 class CheckpointFiles:
-    """The tensors of a checkpoint directory by name, read one at a time from memory-mapped shards.
+    """The tensors of a checkpoint directory by name, read one at a time, each with one read of its byte range.
 
     Why lazy: the release is ~1.5 TB across 48 shards (Engram tables ~200 GB of it); a role reads only the tensors it
     needs, and a tensor no role runs (DSpark `mtp.*` until its drafter runs, vision) is never read at all. The shard
@@ -112,7 +115,6 @@ class CheckpointFiles:
                     raise CheckpointError(f"tensor {name!r} appears in more than one shard (second: {shard.name})")
                 self.tensors[name] = stored
         self._check_index()
-        self._open: dict[Path, Any] = {}
 
     def _check_index(self) -> None:
         index = self.directory / INDEX_FILE
@@ -142,11 +144,22 @@ class CheckpointFiles:
         return list(self.tensors)
 
     def get(self, name: str) -> torch.Tensor:
-        """The stored tensor (its own dtype), read from the memory-mapped shard."""
+        """The stored tensor (its own dtype), in memory of its own: one positioned read of its byte range.
+
+        Why not the memory-mapped shard (`safe_open`): its tensors are views into a mapping of the whole shard, and
+        every page a build touches stays resident in that mapping as long as any tensor of the shard lives, so a
+        process that copies some tensors (an expert chunk, a dequantized weight) counts their bytes twice; a read
+        into a fresh buffer is the one copy, and the page cache it goes through is not the process's memory."""
         stored = self.tensors[name]
-        if stored.shard not in self._open:
-            self._open[stored.shard] = safe_open(str(stored.shard), framework="pt")
-        return self._open[stored.shard].get_tensor(name)
+        dtype = HEADER_TORCH_DTYPES.get(stored.dtype)
+        if dtype is None:
+            raise CheckpointError(f"{name}: stored dtype {stored.dtype} is not one we read")
+        buffer = torch.empty(stored.nbytes, dtype=torch.uint8)
+        with open(stored.shard, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buffer.numpy()], stored.offset) if stored.nbytes else 0
+        if got != stored.nbytes:
+            raise CheckpointError(f"{name}: {stored.shard.name} ends {stored.nbytes - got} bytes before the tensor does")
+        return buffer.view(dtype).reshape(stored.shape)
 
     def scale_name(self, name: str) -> str:
         return scale_name_of(name)

@@ -309,7 +309,7 @@ def fp4_qdq_e4m3(x: Tensor, block: int = 16) -> Tensor:
 # ----------------------------------------------------------------------------- fp8 blocks
 
 
-def _infer_block_dim(n: int, nblocks: int, axis: str) -> int:
+def infer_block_dim(n: int, nblocks: int, axis: str) -> int:
     """Infer one block extent from a dimension ``n`` and its scale count ``nblocks``.
 
     Every ``b`` with ``ceil(n / b) == nblocks`` is consistent with the shapes, and when ``n``
@@ -353,7 +353,7 @@ def dequantize_fp8_blocks(
     ``[..., ceil(out/b0), ceil(in/b1)]`` with the same leading dims (stacked experts work).
     Partial edge blocks are allowed, as in the release format.
 
-    ``block=None`` infers ``(b0, b1)`` from the shapes (see :func:`_infer_block_dim`; exact
+    ``block=None`` infers ``(b0, b1)`` from the shapes (see :func:`infer_block_dim`; exact
     for the release's multiples of 32/128). Passing ``block`` is preferred when known: the
     scale shape is then checked against it, which catches a checkpoint with a different block
     size (e.g. V4-Flash's 128x128 vs V4.1's 32x32) instead of silently mis-scaling.
@@ -376,8 +376,8 @@ def dequantize_fp8_blocks(
     n_out, n_in = weight.shape[-2], weight.shape[-1]
     s_rows, s_cols = scale.shape[-2], scale.shape[-1]
     if block is None:
-        b0 = _infer_block_dim(n_out, s_rows, "row")
-        b1 = _infer_block_dim(n_in, s_cols, "col")
+        b0 = infer_block_dim(n_out, s_rows, "row")
+        b1 = infer_block_dim(n_in, s_cols, "col")
     else:
         b0, b1 = _check_block_pair(block, "fp8 block")
         expected = (math.ceil(n_out / b0), math.ceil(n_in / b1))

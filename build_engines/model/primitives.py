@@ -62,8 +62,9 @@ class ActQuantLinear(nn.Linear):
 
 
 def quantizes_input(module: nn.Module) -> bool:
-    """Whether `module`'s GEMM reads an fp8 fake-quantized input (an `ActQuantLinear` built with the switch on)."""
-    return isinstance(module, ActQuantLinear) and module.quantize_input
+    """Whether `module`'s GEMM reads an fp8 fake-quantized input: an `ActQuantLinear` built with the switch on, or a
+    projection that replaced one and kept its `quantize_input` (the bounded build's `StoredLinear`)."""
+    return bool(getattr(module, "quantize_input", False)) and isinstance(module, nn.Module)
 
 
 class RMSNorm(nn.Module):

@@ -13,7 +13,14 @@ import openai
 import pytest
 import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken install must fail, not skip
 
+from build_engines.data.tokenizer import ChatTokenizer
 from tests.conftest import EMBEDDED
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> ChatTokenizer:
+    """The embedded default's tokenizer: what the frontend's unit tests render and count with."""
+    return ChatTokenizer.load(EMBEDDED)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from build_engines.data.tokenizer import ChatTokenizer, Message
+from build_engines.data.tokenizer import Message
 from tests.openai_frontend.conftest import EMBEDDED, TENANT_KEYS, encoded_tokens, token_refusals
 from tests.waiting import holds_for, wait_until
 from tritonserver_backend.client import GrpcChat, TurnRequest
@@ -16,11 +16,6 @@ from tritonserver_backend.client import GrpcChat, TurnRequest
 pytestmark = pytest.mark.slow
 TOKENS = 8
 TURNS = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "git log --oneline shows nothing, why?"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> ChatTokenizer:
-    return ChatTokenizer.load(EMBEDDED)
 
 
 def _tensor_api(triton, session: str, turns: list[str], adapter: str | None = None) -> list:  # type: ignore[no-untyped-def]

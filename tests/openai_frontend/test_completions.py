@@ -21,11 +21,6 @@ from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, cancel_
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> ChatTokenizer:
-    return ChatTokenizer.load(EMBEDDED)
-
-
 # ---------------------------------------------------------------------------------------------- request parsing
 def _parse(tokenizer: ChatTokenizer, **body) -> cmpl.CompletionRequest:  # type: ignore[no-untyped-def]
     return cmpl.CompletionRequest.parse(json.dumps({"model": "mol2", **body}).encode(), tokenizer)

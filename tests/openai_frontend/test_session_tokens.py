@@ -21,7 +21,6 @@ from openai_frontend.prefix_cache import PrefixCache, namespace_of, prefix_key
 from openai_frontend.service import ChatService
 from openai_frontend.session_cost import SessionCost
 from openai_frontend.triton_stream import Piece
-from tests.conftest import EMBEDDED
 from tritonserver_backend.client import TurnRequest
 from tritonserver_backend.session_auth import refusal
 
@@ -61,11 +60,6 @@ class FakeEnsemble:
 
     async def close(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> ChatTokenizer:
-    return ChatTokenizer.load(EMBEDDED)
 
 
 def _app(tokenizer: ChatTokenizer, keys: list[str] | None = None) -> tuple[TestClient, FakeEnsemble, ChatService]:

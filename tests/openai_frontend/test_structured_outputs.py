@@ -13,13 +13,6 @@ from tests.tritonserver_backend.test_sampling_grammar import SCHEMAS
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
-    from build_engines.data.tokenizer import ChatTokenizer
-    from tests.conftest import EMBEDDED
-
-    return ChatTokenizer.load(EMBEDDED)
 USER = [{"role": "user", "content": "Describe yourself as JSON."}]
 EOT = 6
 

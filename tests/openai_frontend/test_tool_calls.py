@@ -24,7 +24,6 @@ from openai_frontend.service import ChatService
 from openai_frontend.session_cost import SessionCost
 from openai_frontend.tool_calls import ToolReply, stream_deltas, wire
 from openai_frontend.triton_stream import Piece
-from tests.conftest import EMBEDDED
 from tritonserver_backend.client import TurnRequest
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
@@ -61,11 +60,6 @@ class ScriptedEnsemble:
 
     async def close(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> ChatTokenizer:
-    return ChatTokenizer.load(EMBEDDED)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from build_engines.build.cli import main as build
-from build_engines.formats.checkpoint import CheckpointFiles, write_synthetic_release
+from build_engines.formats.checkpoint import CheckpointFiles, role_tensor_names, write_synthetic_release
 from build_engines.formats.release_writer import TOKENIZER_FILES, write_random_adapters
 from build_engines.model.engram import compressed_token_map_from_file
 from tests.build_engines.model.test_engram import engram_config
@@ -93,3 +93,28 @@ def test_a_conversation_is_served_as_the_in_process_pipeline_serves_it(served, t
                                                           params=SamplingParams(max_tokens=6))
                                                 for i, (text, adapter) in enumerate(CONVERSATION))]
     assert local == served_turns["one"]
+
+
+def test_the_engines_keep_the_weights_as_stored(served) -> None:  # type: ignore[no-untyped-def]
+    """The build took the bounded path: each role's graph holds the checkpoint's bytes (fp8 codes, packed fp4, e8m0
+    scales as uint8; bf16 as bf16) in its data file, the module it was checked against held exactly the role's
+    stored bytes, and no weight was folded into an fp32 copy."""
+    import json
+
+    import onnx
+
+    manifest = json.loads((served.engines / "manifest.json").read_text())
+    for role in ("encoder", "decoder"):
+        graph = manifest["graphs"][role]
+        weights = graph["weights"]
+        assert weights["held_bytes"] == weights["role_checkpoint_bytes"]
+        assert 0.95 * weights["role_checkpoint_bytes"] <= graph["data_bytes"] <= 1.01 * weights["role_checkpoint_bytes"]
+        assert min(weights[f"{phase}_peak_rss_bytes"] for phase in ("export", "graph_run", "check")) > 0
+        model = onnx.load(str(served.engines / graph["file"]), load_external_data=False)
+        large = {onnx.TensorProto.DataType.Name(t.data_type) for t in model.graph.initializer if len(t.external_data)}
+        assert large <= {"UINT8", "BFLOAT16", "FLOAT", "INT64", "BOOL"}, large  # int64: index tables of the graph
+        fp32_bytes = sum(int(next(e.value for e in t.external_data if e.key == "length")) for t in model.graph.initializer
+                         if len(t.external_data) and t.data_type == onnx.TensorProto.FLOAT)
+        files = CheckpointFiles(served.model)
+        stored_f32 = sum(files.tensors[n].nbytes for n in role_tensor_names(served.cfg, role) if files.tensors[n].dtype == "F32")
+        assert fp32_bytes <= stored_f32 + 64 * 1024  # the f32 the release stores (mHC, sinks, gate biases) + lookup tables

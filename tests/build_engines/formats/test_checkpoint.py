@@ -122,3 +122,33 @@ def test_missing_config_and_weights(tmp_path: Path) -> None:
     tiny_config().save(tmp_path / "config.json")
     with pytest.raises(CheckpointError, match=r"no \*.safetensors file"):
         load_checkpoint(tmp_path)
+
+
+def test_tensors_are_read_as_stored_into_memory_of_their_own(tmp_path: Path) -> None:
+    """`CheckpointFiles.get` reads each tensor's byte range (no shard mapping): every dtype the release stores comes
+    back equal to safetensors' own reading, owns its memory, and a shard cut short is named, not read past."""
+    from build_engines.formats.checkpoint import CheckpointFiles
+
+    tensors = {
+        "f32": torch.randn(3, 5), "bf16": torch.randn(4, 2).bfloat16(), "scalar": torch.tensor(2.5),
+        "fp8": torch.randn(8, 4).to(torch.float8_e4m3fn), "e8m0": torch.rand(2, 2).add(0.5).to(torch.float8_e8m0fnu),
+        "i8": torch.randint(-8, 8, (6,), dtype=torch.int8), "empty": torch.zeros(0, 3),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    files = CheckpointFiles(tmp_path)
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8)
+
+    for name, want in load_file(str(tmp_path / "model.safetensors")).items():
+        got = files.get(name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(raw(got), raw(want)), name
+        assert got.untyped_storage().nbytes() == want.numel() * want.element_size(), name  # not a view of the shard
+        raw(got).fill_(0)  # its own buffer: writing it changes neither the file nor a second read
+        assert torch.equal(raw(files.get(name)), raw(want)), name
+    shard = tmp_path / "model.safetensors"
+    last = max(files.tensors.values(), key=lambda t: t.offset)
+    shard.write_bytes(shard.read_bytes()[: last.offset + last.nbytes - 1])
+    with pytest.raises(CheckpointError, match=rf"{last.name}: model.safetensors ends 1 bytes before the tensor does"):
+        CheckpointFiles(tmp_path).get(last.name)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from build_engines.formats import checkpoint as checkpoint_module
+from build_engines.export.stored_role import load_stored_role, stored_bytes
 from build_engines.formats.checkpoint import (
     INDEX_FILE,
     CheckpointError,
@@ -25,7 +25,7 @@ from build_engines.formats.config_file import load_config, load_config_and_extra
 from build_engines.formats.release_config import to_release_dict
 from build_engines.model.config import ConfigError, get_preset
 from build_engines.model.network import CEDNetwork
-from tests.tiny import tiny_config, tiny_network
+from tests.tiny import TensorReads, tiny_config, tiny_network
 
 OFFICIAL_CONFIG = Path(__file__).parent / "data" / "deepseek_v41_flash_inference_config.json"
 
@@ -95,26 +95,12 @@ def test_our_own_config_still_loads(net: CEDNetwork, tmp_path: Path) -> None:
     assert load_config(tmp_path / "ours") == net.cfg
 
 
-class _Reads:
-    """Records which tensors the loader reads from the shards."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.names: list[str] = []
-        original = CheckpointFiles.get
-
-        def get(files: CheckpointFiles, name: str) -> torch.Tensor:
-            self.names.append(name)
-            return original(files, name)
-
-        monkeypatch.setattr(checkpoint_module.CheckpointFiles, "get", get)
-
-
 @torch.no_grad()
 def test_each_role_reads_only_its_own_tensors_and_never_the_extras(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny_config()
     path = write_synthetic_release(cfg, tmp_path / "release", seed=3)
     full = load_checkpoint(path)
-    reads = _Reads(monkeypatch)
+    reads = TensorReads(monkeypatch)
     for role in ("encoder", "decoder"):
         reads.names.clear()
         component = load_checkpoint(path, role=role)
@@ -124,6 +110,10 @@ def test_each_role_reads_only_its_own_tensors_and_never_the_extras(tmp_path: Pat
         assert not any(n.startswith(("mtp.", "layers.1.engram")) for n in reads.names)
         for name, value in component.state_dict().items():
             assert torch.equal(value, full.state_dict()[name]), name
+        reads.names.clear()  # the bounded build's loader: the same tensors, kept as stored
+        _, stored = load_stored_role(path, role)
+        assert {n for n in reads.names if not n.endswith(".scale")} == own, role
+        assert stored_bytes(stored) == CheckpointFiles(path).bytes_of(own)
     enc, dec = set(role_tensor_names(cfg, "encoder")), set(role_tensor_names(cfg, "decoder"))
     assert not enc & dec and enc | dec == set(role_tensor_names(cfg, "network"))
 
@@ -148,7 +138,7 @@ def test_missing_and_unknown_tensors_are_refused_before_anything_is_read(tmp_pat
     net = tiny_network()
     path = save_checkpoint(net, tmp_path / "ours")
     save_file({"layers.2.attn.mystery.weight": torch.zeros(2, 2)}, str(path / "extra.safetensors"))
-    reads = _Reads(monkeypatch)
+    reads = TensorReads(monkeypatch)
     with pytest.raises(CheckpointError, match=r"unexpected tensors \['layers.2.attn.mystery.weight'\]"):
         load_checkpoint(path)
     assert reads.names == []
@@ -201,7 +191,7 @@ def test_the_release_shaped_checkpoint_has_the_release_layout(release_shaped: Pa
 
 @torch.no_grad()
 def test_the_release_shaped_checkpoint_loads_by_role_and_runs(release_shaped: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    reads = _Reads(monkeypatch)
+    reads = TensorReads(monkeypatch)
     net = load_checkpoint(release_shaped)
     assert not any(n.startswith("mtp.") for n in reads.names)
     cfg = net.cfg
@@ -230,7 +220,7 @@ def test_the_engine_steps_run_engram_from_rows_mapped_on_the_host(release_shaped
     encoder = load_checkpoint(release_shaped, role="encoder")
     cfg = encoder.cfg
     layout = StepLayout(cfg)
-    reads = _Reads(monkeypatch)
+    reads = TensorReads(monkeypatch)
     feed = EngramFeed.open(release_shaped, layout)
     assert feed is not None and not reads.names, "the feed maps the tables; it reads nothing through the loader"
     assert torch.equal(feed.hasher.token_map, encoder.engram_token_map)

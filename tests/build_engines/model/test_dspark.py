@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from build_engines.formats import checkpoint as checkpoint_module
 from build_engines.formats.checkpoint import CheckpointFiles, load_checkpoint
 from build_engines.formats.config_file import CheckpointError, load_config_and_extras
 from build_engines.formats.release_format import Storage, storage_of
 from build_engines.model.config import ConfigError
 from build_engines.model.dspark import DSpark, DSparkSpec, dspark_spec_of, load_dspark
 from build_engines.model.network import init_weights
-from tests.tiny import tiny_config, tiny_network
+from tests.tiny import TensorReads, tiny_config, tiny_network
 
 OFFICIAL_CONFIG = Path(__file__).parents[1] / "formats" / "data" / "deepseek_v41_flash_inference_config.json"
 
@@ -188,18 +187,6 @@ def test_the_hook_leaves_the_target_bitwise_unchanged(tiny) -> None:  # type: ig
 
 
 # ---------------------------------------------------------------------------------------------- loading
-class _Reads:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.names: list[str] = []
-        original = CheckpointFiles.get
-
-        def get(files: CheckpointFiles, name: str) -> torch.Tensor:
-            self.names.append(name)
-            return original(files, name)
-
-        monkeypatch.setattr(checkpoint_module.CheckpointFiles, "get", get)
-
-
 @pytest.fixture(scope="module")
 def release_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from build_engines.formats.release_writer import ReleaseShape, write_release_shaped
@@ -210,7 +197,7 @@ def release_shaped(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @torch.no_grad()
 def test_the_release_shaped_drafter_loads_reading_only_mtp(release_shaped: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    reads = _Reads(monkeypatch)
+    reads = TensorReads(monkeypatch)
     drafter = load_dspark(release_shaped)
     files = CheckpointFiles(release_shaped)
     stored = {n for n in files.names() if n.startswith("mtp.")}
