@@ -83,7 +83,12 @@ def test_exactly_the_release_fp8_and_fp4_weights_read_quantized_inputs(seed: int
     net = _quant_net(True)
     weights = [n for n, p in net.named_parameters() if QUANTIZED.search(n) or UNQUANTIZED.search(n)]
     assert {n for n in weights if UNQUANTIZED.search(n)} and {n for n in weights if QUANTIZED.search(n)}
-    _, seen = _run_recorded(net, torch.randint(0, net.cfg.vocab_size, (2, LENGTH)))
+    # the property needs every routed expert to be chosen at least once; random tokens over 2 rows miss one about
+    # once in 60 draws, so more rows are drawn until each expert has run (the routing itself is not under test)
+    for rows in (2, 8, 32):
+        _, seen = _run_recorded(net, torch.randint(0, net.cfg.vocab_size, (rows, LENGTH)))
+        if set(seen) >= set(weights):
+            break
     assert sorted(seen) == sorted(weights), "every projection of interest ran (each expert was chosen), and nothing else"
     for name, operands in seen.items():
         for x in operands:
