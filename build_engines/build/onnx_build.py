@@ -6,6 +6,7 @@ import collections
 import multiprocessing
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,7 @@ def run_tapped_graph(path: Path, feed: dict[str, np.ndarray], fold_constants: bo
 
 def compare_following_rounding(module: Runner, path: Path, feed: dict[str, np.ndarray], what: str,
                                rounding: dict[str, dict[str, int]], fold_constants: bool = True,
-                               graph_run: tuple[dict[str, np.ndarray], list[np.ndarray]] | None = None) -> dict[str, float]:
+                               graph_run: tuple[dict[str, np.ndarray], Sequence[np.ndarray]] | None = None) -> dict[str, float]:
     """Max difference per output between the graph at `path` and its module on `feed`, the module taking the graph's
     side of fake-quant rounding ties (graph_rounding); a graph without fake-quant is compared as it is. The graph runs
     first and its session is gone before `module` is called; `graph_run` is that run when it was made elsewhere

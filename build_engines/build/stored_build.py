@@ -38,6 +38,7 @@ from tqdm import tqdm
 from build_engines.export.decoder_step import DecoderStep
 from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.engram_feed import EngramFeed
+from build_engines.export.graph_rounding import LazyArrays
 from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import export_sizes
 from build_engines.export.parity import decoder_case, encoder_case, torch_runner
@@ -136,13 +137,13 @@ def check_role(model_dir: Path, role: str, out: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     with np.load(_case_file(out, role)) as stored:
         case = {k: stored[k] for k in stored.files}
-    with np.load(_graph_run_file(out, role)) as stored:
-        got = {k[4:]: stored[k] for k in stored.files if k.startswith("out_")}
-        taps = [stored[k] for k in sorted(k for k in stored.files if k.startswith("tap_"))]
     layout, step, _ = _stored_step(model_dir, role)
     module = torch_runner(step, *_io(layout, role))
     rounding: dict[str, dict[str, int]] = {}
-    parity = compare_following_rounding(module, out / GRAPH_FILES[role], case, role, rounding, graph_run=(got, taps))
+    with np.load(_graph_run_file(out, role)) as stored:  # the taps are read one at a time as the module reaches them
+        got = {k[4:]: stored[k] for k in stored.files if k.startswith("out_")}
+        taps = LazyArrays(stored, sorted(k for k in stored.files if k.startswith("tap_")))
+        parity = compare_following_rounding(module, out / GRAPH_FILES[role], case, role, rounding, graph_run=(got, taps))
     return {"parity": parity, "rounding": rounding.get(role, {}), "check_peak_rss_bytes": peak_rss_bytes()}
 
 

@@ -23,7 +23,7 @@ from .graph_ops import (
     window_ring_positions,
 )
 from .layout import LoraGroup
-from .stored_weights import experts_for, stored_chunks
+from .stored_weights import experts_for, head_logits, stored_chunks
 
 
 class LoraInputs:
@@ -104,7 +104,7 @@ class DecoderStep(StepModule):
             X, attn_pre = self.wiring[l].attention(X, pre, run)
             X, pre = self.wiring[l].ffn(X, attn_pre, lambda x, l=l: self._moe(l, x, lora))
         last = rms_norm(collapse(X[:, -1:], pre[:, -1:]), self.engine.norm.weight, cfg.norm_eps)  # (B, 1, dim)
-        logits = (last @ self.engine.head.weight.float().t()).squeeze(1)
+        logits = head_logits(last, self.engine.head.weight).squeeze(1)
         return logits, torch.stack(ring_rows, 1)
 
     def _moe(self, layer: int, x: torch.Tensor, lora: LoraInputs) -> torch.Tensor:

@@ -20,8 +20,9 @@ unpaired) fails the check: following is allowed exactly where a correct graph an
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,29 @@ TIE_TOLERANCE = 1e-4  # relative to |v|: fp32 noise is ~1e-7 per op, far below; 
 # itself. Seen on the 40-layer release-shaped decoder: v = 0.0087881 (scaled), 9.6e-7 below the tie between the e4m3
 # subnormals 4 and 5 x 2^-9, graph and module on either side; that block's largest value was ~400 (1e-6 of it: 4e-4).
 BLOCK_NOISE = 1e-6
+
+
+def _digest(v: torch.Tensor) -> bytes:
+    """Identifies a rounding's input (shape and exact bits) in 32 bytes."""
+    h = hashlib.blake2b(repr(tuple(v.shape)).encode(), digest_size=32)
+    h.update(v.detach().contiguous().numpy().tobytes())
+    return h.digest()
+
+
+class LazyArrays(Sequence[np.ndarray]):
+    """Arrays of an `.npz` file read one at a time when indexed (`np.load` of an npz reads an entry on access), so a
+    check that walks thousands of rounding taps holds one of them, not all."""
+
+    def __init__(self, archive: "np.lib.npyio.NpzFile", keys: list[str]) -> None:
+        self.archive, self.keys = archive, keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        if isinstance(i, slice):
+            return [self.archive[k] for k in self.keys[i]]
+        return self.archive[self.keys[i]]
 
 
 class RoundingMismatch(RuntimeError):
@@ -96,7 +120,7 @@ def write_tapped_graph(path: Path, tapped: Path) -> list[str]:
 class FollowGraphRounding:
     """The graph's rounded values of one run, and what following them took (filled while the module runs)."""
 
-    values: list[np.ndarray]  # the graph's rounded values, in the module's call order
+    values: Sequence[np.ndarray]  # the graph's rounded values, in the module's call order (may read lazily)
     tol: float = TIE_TOLERANCE
     calls: int = 0
     elements: int = 0
@@ -105,30 +129,36 @@ class FollowGraphRounding:
     merged: int = 0
     problems: list[str] = field(default_factory=list)
     _next: int = 0
-    _seen: dict[tuple[tuple[int, ...], bytes], torch.Tensor] = field(default_factory=dict)
+    # per distinct input (a digest of its shape and bytes): what it took where that differs from the module's own
+    # rounding (a followed flip, rare), else None. Digests, not the inputs and results themselves: those would keep
+    # two copies of every rounded activation of the run alive until the end of the check
+    _seen: dict[bytes, torch.Tensor | None] = field(default_factory=dict)
 
     def _follow(self, real: Callable[[torch.Tensor], torch.Tensor], name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def rounding(v: torch.Tensor) -> torch.Tensor:
             mine = real(v)
             k, self.calls = self.calls, self.calls + 1
             self.elements += mine.numel()
-            key = (tuple(v.shape), v.detach().numpy().tobytes())
+            key = _digest(v)
             paired = self._pair(v, mine) if self._next < len(self.values) else None
             if paired is None:  # merged in the graph into an identical earlier call: take what that one took
                 self.merged += 1
                 if key in self._seen:
-                    return self._seen[key]
+                    taken = self._seen[key]
+                    return mine if taken is None else taken  # the same input rounds to the same `mine`
                 self.problems.append(f"rounding #{k} ({name}, shape {tuple(mine.shape)}): the graph's next rounding "
                                      f"(#{self._next}) differs off a tie, and no earlier call had this input")
                 self.unmatched += mine.numel()
                 return mine
-            self._seen[key] = paired
-            return paired
+            taken, flipped = paired
+            self._seen[key] = taken if flipped else None
+            return taken
 
         return rounding
 
-    def _pair(self, v: torch.Tensor, mine: torch.Tensor) -> torch.Tensor | None:
-        """The graph's next rounding if it is this call's (equal, or different only on ties: then taken), else None."""
+    def _pair(self, v: torch.Tensor, mine: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
+        """(value taken, whether a tie was flipped) if the graph's next rounding is this call's (equal, or different
+        only on ties: then the graph's side is taken), else None."""
         graph = torch.from_numpy(np.ascontiguousarray(self.values[self._next]))
         if graph.shape != mine.shape:
             return None
@@ -138,8 +168,9 @@ class FollowGraphRounding:
         if bool((differ & ~tie).any()):
             return None
         self._next += 1
-        self.flips += int(differ.sum())
-        return torch.where(differ, graph, mine)
+        flips = int(differ.sum())
+        self.flips += flips
+        return (torch.where(differ, graph, mine), True) if flips else (mine, False)
 
     @contextlib.contextmanager
     def patched(self) -> Iterator[FollowGraphRounding]:

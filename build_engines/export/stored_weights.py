@@ -211,6 +211,19 @@ class StoredExperts(DenseExperts):
         return [*self.up_chunks, *self.down_chunks]
 
 
+def head_logits(x: torch.Tensor, weight: torch.Tensor, chunk_bytes: int = EXPERT_CHUNK_BYTES) -> torch.Tensor:
+    """`x @ weight.T` in fp32. A weight stored narrower (the release's bf16 head: 129280 x 4096) is cast in chunks of
+    vocabulary rows of at most `chunk_bytes` of fp32, each only while it multiplies. Why: cast whole, the head is a
+    2.1 GB fp32 transient at full size, twice its stored bytes, in the export, the graph and the check alike; an fp32
+    head is used as it is (no copy, and the default's graphs are unchanged)."""
+    if weight.dtype == torch.float32:
+        return x @ weight.t()
+    rows = max(1, chunk_bytes // (4 * weight.shape[1]))
+    if rows >= weight.shape[0]:
+        return x @ weight.float().t()
+    return torch.cat([x @ weight[i:i + rows].float().t() for i in range(0, weight.shape[0], rows)], -1)
+
+
 def release_free_heap() -> None:
     """Give the C heap's free pages back to the system (glibc `malloc_trim`; a no-op elsewhere). Why: the per-expert
     tensors a chunk was joined from are small at reduced widths (kilobytes: heap allocations, not mappings of their

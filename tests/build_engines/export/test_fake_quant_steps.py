@@ -327,7 +327,12 @@ def test_steps_follow_the_reference_with_the_fake_quant(monkeypatch: pytest.Monk
     cfg = net.cfg
     unpaired = odd_ends * sum(1 for s in cfg.kv_source_layers if cfg.compress_ratios[s] == 2)
     expected = {"fp4_qdq_e4m3": unpaired * cfg.head_dim // 16, "fp4_qdq_ue8m0": unpaired * cfg.index_head_dim // 32}
-    assert dict(sync.unmatched) == expected, "the only blocks the reference never quantizes: unpaired ratio-2 entries, keys"
+    # the only blocks the reference never quantizes: unpaired ratio-2 entries, keys. Matching is by the output block's
+    # bits, so now and then an unpaired block rounds onto the same coarse fp4 values as some block the reference did
+    # quantize and counts as matched (seen once: 15 of 16); a block the steps get wrong is never among them
+    assert set(sync.unmatched) <= set(expected), dict(sync.unmatched)
+    for kind, count in expected.items():
+        assert count - max(2, count // 8) <= sync.unmatched[kind] <= count, (kind, dict(sync.unmatched), expected)
     assert max(diffs) < 1e-4 and other_tokens == 0
     plain = CEDNetwork(net.cfg.replace(runtime_fake_quant=False)).eval()
     plain.load_state_dict(net.state_dict())

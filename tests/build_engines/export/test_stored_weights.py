@@ -20,7 +20,7 @@ from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import data_file, export_module
 from build_engines.export.parity import decoder_case, encoder_case, max_difference, torch_runner
 from build_engines.export.stored_role import load_stored_role, stores_quantized
-from build_engines.export.stored_weights import StoredExperts, StoredLinear, StoredMatrix, StoredWeightError
+from build_engines.export.stored_weights import StoredExperts, StoredLinear, StoredMatrix, StoredWeightError, head_logits
 from build_engines.formats.checkpoint import (
     load_checkpoint,
     save_checkpoint,
@@ -129,6 +129,37 @@ def test_stored_experts_chunk_within_their_byte_budget_and_multiply_as_the_dense
     with torch.no_grad():
         assert float((stored.up(x) - x @ dense.w13).abs().max()) < 1e-6
         assert float((stored.down(act) - act @ dense.w2).abs().max()) < 1e-5
+
+
+class _BfloatHead(nn.Module):
+    def __init__(self, weight: torch.Tensor, chunk_bytes: int) -> None:
+        super().__init__()
+        self.weight, self.chunk_bytes = nn.Parameter(weight, requires_grad=False), chunk_bytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return head_logits(x, self.weight, self.chunk_bytes)
+
+
+def test_a_bfloat16_head_is_cast_in_chunks_of_rows_and_gives_the_whole_products(tmp_path: Path) -> None:
+    """The release's bf16 head cast to fp32 whole is twice its stored bytes at once; in chunks of vocabulary rows each
+    cast lives only while it multiplies. The logits are those of the whole cast (module and graph), an fp32 head is
+    used as it is, and the graph keeps the head as bf16 (no fp32 copy folded in)."""
+    vocab, dim = 1000, 64
+    weight = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(3, dim, generator=torch.Generator().manual_seed(3))
+    whole = x @ weight.float().t()
+    budget = 4 * dim * 96  # 96 rows a chunk: 10 full chunks and one of 40 rows
+    assert torch.equal(head_logits(x, weight, budget), whole)
+    fp32 = weight.float()
+    assert torch.equal(head_logits(x, fp32, budget), x @ fp32.t())
+    path = tmp_path / "head.onnx"
+    model = export_module(_BfloatHead(weight, budget).eval(), [GraphTensor("x", "float32", ("B", dim))],
+                          [GraphTensor("y", "float32", ("B", vocab))], {"B": 3}, path, external_data=True)
+    large = [t for t in model.graph.initializer if t.dims and np.prod(t.dims) >= 1024]
+    assert {onnx.TensorProto.DataType.Name(t.data_type) for t in large} == {"BFLOAT16"}
+    assert sum(1 for n in model.graph.node if n.op_type == "MatMul") == 11
+    got = ort_runner(path, fold_constants=False)({"x": x.numpy()})["y"]
+    assert np.abs(got - whole.numpy()).max() < 1e-5
 
 
 def test_the_chunk_budget_comes_from_the_build_and_a_bad_one_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
