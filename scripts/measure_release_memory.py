@@ -11,10 +11,10 @@ another's pages:
 - `stored:<role>`: the role's tensors as stored (fp8/fp4 + scales), what a builder keeping the release's formats reads;
 - `fp32:<role>`: the role loaded into the PyTorch component, dequantized to fp32 tensor by tensor;
 - `--build`: `python -m build_engines build` of a release-shaped checkpoint per entry of `--builds` (the bounded,
-  stored-weight build: one process per role and phase, each recording its own VmHWM in the manifest). The builds
-  share one width and differ in their number of routed experts, so only the weights grow from one to the next: what
-  does not scale with the weights (the interpreter, the tracer's 40-layer graph, the check's activations and rounding
-  taps, the head and one expert chunk dequantized in flight) stays the same. The smallest build states the fixed
+  stored-weight build: one process per role and phase, each recording its own VmHWM in the manifest). Each build
+  is `DIMxINTERxEXPERTS`; `--builds 256x128x16,1024x512x16` keeps the release's inter / dim of 0.5, so the weights
+  grow faster than what scales with the shape rather than the bytes (the check's activations, rounding taps and
+  random LoRA bank), as at full size, while the interpreter and the tracer's 40-layer graph stay the same. The smallest build states the fixed
   overhead per role and phase (its peak minus one copy of the role's bytes); every larger build is then checked
   against `fixed + 1.25 x role bytes`, and the slope between the smallest and the largest (extra peak per extra role
   byte) is printed.
@@ -198,7 +198,7 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=32)
     p.add_argument("--inter", type=int, default=128)
     p.add_argument("--build", action="store_true", help="also measure the ONNX engine build of each of --builds")
-    p.add_argument("--builds", default="256x128x48,256x128x160",
+    p.add_argument("--builds", default="256x128x16,1024x512x16",
                    help="dim x inter x routed experts of each build, smallest first (comma list)")
     p.add_argument("--expert-chunk-bytes", type=int, default=None,
                    help="passed to the builds (1: one expert per chunk, as the release's 100 MB experts give at the default)")
