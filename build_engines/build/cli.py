@@ -23,8 +23,6 @@ from pathlib import Path
 from build_engines.quantize import KV_QUANT_MODES, QUANT_MODES, QuantizationUnavailable, check_quant
 from plugins.tensorrt_support import TensorRTUnavailable, require_tensorrt_plugin
 
-from build_engines.export.stored_weights import EXPERT_CHUNK_ENV
-
 from .manifest import BuildSettings, builder_digest, source_digest, stale_reason, tool_versions, write_manifest
 
 FORMATS = ("onnx", "trt")
@@ -72,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = BuildSettings(args.format, args.quant, OPSET, args.kv_quant, args.expert_chunk_bytes)
     if args.expert_chunk_bytes is not None:  # the stored build's workers are spawned: they read it from the environment
+        from build_engines.export.stored_weights import EXPERT_CHUNK_ENV  # here, not at the top: it imports torch
+
         os.environ[EXPERT_CHUNK_ENV] = str(args.expert_chunk_bytes)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / ".build.lock", "w") as lock:

@@ -178,15 +178,22 @@ def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: D
     `rounding` receives, per graph, how many fake-quant roundings were compared and how many ties were followed."""
     rounding = {} if rounding is None else rounding
     enc_t = torch_runner(encoder, layout.encoder_inputs(), layout.encoder_outputs())
-    case = encoder_case(layout, enc_t, (37, 6), seed=0, engram=engram)
-    result = {"encoder": compare_following_rounding(enc_t, out / GRAPH_FILES["encoder"], case, "encoder", rounding)}
-    # two sessions replayed in one batch under two different adapter slots (random adapters: no checkpoint needed)
-    feed = decoder_case(layout, enc_t, 30, seed=1, slots=[1, 2], engram=engram)
-    feed.update(random_bank(layout, slots=3, rank=4))
+    cases = check_cases(layout, enc_t, engram)
+    result = {"encoder": compare_following_rounding(enc_t, out / GRAPH_FILES["encoder"], cases["encoder"], "encoder", rounding)}
     dec_t = torch_runner(decoder, layout.decoder_inputs(), layout.decoder_outputs())
-    result["decoder"] = compare_following_rounding(dec_t, out / GRAPH_FILES["decoder"], feed, "decoder", rounding)
+    result["decoder"] = compare_following_rounding(dec_t, out / GRAPH_FILES["decoder"], cases["decoder"], "decoder", rounding)
     result["pointer"] = pointer_parity(out, layout, pointer, head)
     return result
+
+
+def check_cases(layout: StepLayout, encoder: Runner, engram: EngramFeed | None,
+                lora_rank: int = 4) -> dict[str, dict[str, np.ndarray]]:
+    """The inputs every build checks its encoder and decoder graphs on: a prefill chunk after a first one, and two
+    sessions replayed in one batch under two different adapter slots of a random bank of `lora_rank` (random
+    adapters: no checkpoint needed), the decoder's from `encoder`'s hand-over."""
+    return {"encoder": encoder_case(layout, encoder, (37, 6), seed=0, engram=engram),
+            "decoder": {**decoder_case(layout, encoder, 30, seed=1, slots=[1, 2], engram=engram),
+                        **random_bank(layout, slots=3, rank=lora_rank)}}
 
 
 def pointer_parity(out: Path, layout: StepLayout, pointer: PointerStep, head: torch.nn.Module) -> dict[str, float]:

@@ -21,7 +21,7 @@ import onnx
 
 from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.layout import StepLayout
-from build_engines.export.parity import decoder_case, encoder_case, max_difference
+from build_engines.export.parity import max_difference
 from build_engines.formats.checkpoint import dequantize_tensors, load_config, read_raw_tensors
 from build_engines.quantize.release_weights import (
     BLOCKED_DQ_OPSET,
@@ -31,7 +31,7 @@ from build_engines.quantize.release_weights import (
     stored_weights,
 )
 
-from .onnx_build import GRAPH_FILES, build_onnx, describe, ort_runner, random_bank
+from .onnx_build import GRAPH_FILES, build_onnx, check_cases, describe, ort_runner
 
 REWRITTEN = ("encoder", "decoder")
 RELEASE_BOUND = 0.0  # opened as the manifest says (dequantization folded at load): the fp32 graph's bits exactly
@@ -106,9 +106,7 @@ def check_against_fp32(layout: StepLayout, fp32_dir: Path, out: Path, engram: En
     prefill chunk; a replay of two sessions under two random adapter slots in one batch), opened as the manifest says
     and with a plain onnxruntime session."""
     fp32 = {n: ort_runner(fp32_dir / GRAPH_FILES[n]) for n in REWRITTEN}
-    feeds = {"encoder": encoder_case(layout, fp32["encoder"], (37, 6), seed=0, engram=engram),
-             "decoder": {**decoder_case(layout, fp32["encoder"], 30, seed=1, slots=[1, 2], engram=engram),
-                         **random_bank(layout, slots=3, rank=4)}}
+    feeds = check_cases(layout, fp32["encoder"], engram)
     result: dict[str, Any] = {}
     for name in REWRITTEN:
         want = fp32[name](feeds[name])

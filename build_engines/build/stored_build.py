@@ -41,18 +41,18 @@ from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.graph_rounding import LazyArrays
 from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import export_sizes
-from build_engines.export.parity import decoder_case, encoder_case, torch_runner
+from build_engines.export.parity import torch_runner
 from build_engines.export.pointer_step import PointerStep
 from build_engines.export.stored_role import is_engram_table, load_stored_role, stored_bytes
 from build_engines.formats.checkpoint import CheckpointFiles, role_tensor_names
 from build_engines.formats.config_file import load_config
 from build_engines.routing.pointer_head import load_router_head
 
-from .onnx_build import (GRAPH_FILES, PARITY_BOUND, ParityError, compare_following_rounding, export_graph, pointer_parity, random_bank,
+from .onnx_build import (GRAPH_FILES, PARITY_BOUND, ParityError, check_cases, compare_following_rounding, export_graph, pointer_parity,
                          run_tapped_graph)
 
 ROLES = ("encoder", "decoder")
-# the decoder check's random adapters: two in one batch (slots 1 and 2), rank 1. Why 1: the bank covers every expert
+# the decoder check's random adapters (`check_cases`: two in one batch, slots 1 and 2) at rank 1. Why 1: the bank covers every expert
 # of every decoder layer, so it grows with the model's shape (74 MB at rank 4 beside a 336 MB role); the LoRA
 # arithmetic at higher ranks is the same graph code, checked at rank 4 by every fp32 build (`check_parity`)
 CHECK_LORA_RANK = 1
@@ -111,9 +111,7 @@ def export_role(model_dir: Path, role: str, out: Path) -> dict[str, Any]:
     if role == "encoder":
         runner = torch_runner(step, inputs, outputs)
         engram = EngramFeed.open(model_dir, layout)
-        cases = {"encoder": encoder_case(layout, runner, (37, 6), seed=0, engram=engram),
-                 "decoder": {**decoder_case(layout, runner, 30, seed=1, slots=[1, 2], engram=engram),
-                             **random_bank(layout, slots=3, rank=CHECK_LORA_RANK)}}
+        cases = check_cases(layout, runner, engram, lora_rank=CHECK_LORA_RANK)
         for name, case in cases.items():
             np.savez(_case_file(out, name), **case)
         del runner, cases
