@@ -186,13 +186,13 @@ def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: D
     return result
 
 
-def check_cases(layout: StepLayout, encoder: Runner, engram: EngramFeed | None,
-                lora_rank: int = 4) -> dict[str, dict[str, np.ndarray]]:
+def check_cases(layout: StepLayout, encoder: Runner, engram: EngramFeed | None, lora_rank: int = 4,
+                replay_tokens: int = 30) -> dict[str, dict[str, np.ndarray]]:
     """The inputs every build checks its encoder and decoder graphs on: a prefill chunk after a first one, and two
-    sessions replayed in one batch under two different adapter slots of a random bank of `lora_rank` (random
-    adapters: no checkpoint needed), the decoder's from `encoder`'s hand-over."""
+    sessions of `replay_tokens` each replayed in one batch under two different adapter slots of a random bank of
+    `lora_rank` (random adapters: no checkpoint needed), the decoder's from `encoder`'s hand-over."""
     return {"encoder": encoder_case(layout, encoder, (37, 6), seed=0, engram=engram),
-            "decoder": {**decoder_case(layout, encoder, 30, seed=1, slots=[1, 2], engram=engram),
+            "decoder": {**decoder_case(layout, encoder, replay_tokens, seed=1, slots=[1, 2], engram=engram),
                         **random_bank(layout, slots=3, rank=lora_rank)}}
 
 

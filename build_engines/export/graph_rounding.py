@@ -99,21 +99,31 @@ def rounding_outputs(model: onnx.ModelProto) -> list[str]:
     return [names[k] for k in sorted(names)]
 
 
+TAP_SUFFIX = "__tap_fp16"
+
+
 def write_tapped_graph(path: Path, tapped: Path) -> list[str]:
     """Write a copy of the graph at `path` to `tapped` (same folder, so external data stays valid) that also outputs
     every rounded value; returns the names of those outputs in the module's call order (none, and no copy, for a
-    graph without fake-quant)."""
+    graph without fake-quant).
+
+    The taps come out as float16, exactly: a rounding's output is an e4m3 value (|v| <= 448, 3 mantissa bits, steps
+    down to 2^-9) or an e2m1 value (0 .. 6), the block scale applied after it, and float16 holds every such value
+    (10 mantissa bits, normal from 2^-14). Why: onnxruntime holds every declared output until the run returns, and
+    the decoder's taps (every expert's input on every check row) are the largest of them; half the bytes. Were a tap
+    ever not exact, it would differ from the module's rounding off a tie and the check would fail, not pass."""
     if tapped.parent.resolve() != path.parent.resolve():
         raise ValueError("the tapped copy must sit beside the graph: its external data is referenced by relative path")
     model = onnx.load(str(path), load_external_data=False)
     names = rounding_outputs(model)
     if not names:
         return []
-    existing = {o.name for o in model.graph.output}
-    model.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
-                              for n in names if n not in existing)
+    model.graph.node.extend(onnx.helper.make_node("Cast", [n], [n + TAP_SUFFIX], to=onnx.TensorProto.FLOAT16)
+                            for n in names)
+    model.graph.output.extend(onnx.helper.make_tensor_value_info(n + TAP_SUFFIX, onnx.TensorProto.FLOAT16, None)
+                              for n in names)
     onnx.save(model, str(tapped))
-    return names
+    return [n + TAP_SUFFIX for n in names]
 
 
 @dataclass
@@ -159,7 +169,7 @@ class FollowGraphRounding:
     def _pair(self, v: torch.Tensor, mine: torch.Tensor) -> tuple[torch.Tensor, bool] | None:
         """(value taken, whether a tie was flipped) if the graph's next rounding is this call's (equal, or different
         only on ties: then the graph's side is taken), else None."""
-        graph = torch.from_numpy(np.ascontiguousarray(self.values[self._next]))
+        graph = torch.from_numpy(np.ascontiguousarray(self.values[self._next], dtype=np.float32))  # float16 taps: exact
         if graph.shape != mine.shape:
             return None
         differ = mine != graph

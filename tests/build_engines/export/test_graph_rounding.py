@@ -18,6 +18,7 @@ import torch
 from build_engines.build.onnx_build import ort_runner
 from build_engines.export import graph_ops
 from build_engines.export.graph_rounding import (
+    TAP_SUFFIX,
     FollowGraphRounding,
     RoundingMismatch,
     rounding_outputs,
@@ -102,10 +103,12 @@ def test_a_real_export_pairs_every_rounding(tmp_path: Path) -> None:
     export_module(module, [GraphTensor("x", "float32", ("n", 64))], [GraphTensor("h", "float32", ("n", 64)),
                                                                       GraphTensor("g", "float32", ("n", 32))], {"n": 5}, path)
     names = write_tapped_graph(path, tmp_path / ".two.rounding.onnx")
-    assert names == rounding_outputs(onnx.load(str(tmp_path / ".two.rounding.onnx")))
+    assert [n.removesuffix(TAP_SUFFIX) for n in names] == rounding_outputs(onnx.load(str(tmp_path / ".two.rounding.onnx")))
     x = np.random.default_rng(1).standard_normal((7, 64)).astype(np.float32)
     got = ort_runner(tmp_path / ".two.rounding.onnx")({"x": x})
-    follow = FollowGraphRounding([got.pop(n) for n in names])
+    taps = [got.pop(n) for n in names]
+    assert all(t.dtype == np.float16 for t in taps), "taps travel as float16 (exact for every rounded value)"
+    follow = FollowGraphRounding(taps)
     with follow.patched(), torch.no_grad():
         h, g = module(torch.from_numpy(x))
     follow.check("two projections")
@@ -133,3 +136,21 @@ def test_a_graph_without_fake_quant_is_not_copied(tmp_path: Path) -> None:
     export_module(module, [GraphTensor("x", "float32", ("n", 8))], [GraphTensor("y", "float32", ("n", 8))], {"n": 3}, path)
     assert write_tapped_graph(path, tmp_path / ".plain.rounding.onnx") == []
     assert not (tmp_path / ".plain.rounding.onnx").exists()
+
+
+def test_float16_holds_every_rounded_value_exactly() -> None:
+    """The tapped graph returns its roundings as float16 (`write_tapped_graph`); that is lossless only because every
+    e4m3 value (saturated at 448, subnormal steps of 2^-9, both zeros) and every e2m1 value is a float16 value."""
+    magnitudes = torch.cat([torch.arange(8) * 2.0**-9] + [(8 + torch.arange(8)) * 2.0**(e - 3) for e in range(-6, 9)])
+    e4m3 = torch.cat([magnitudes, -magnitudes])
+    e4m3 = e4m3[e4m3.abs() <= 448]
+    assert graph_ops.round_e4m3(e4m3).equal(e4m3), "these are the e4m3 grid values"
+    assert len(set(e4m3.abs().tolist())) == 127  # 0, 7 subnormals, 15 binades x 8 mantissas, less 448's successor
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    for grid in (e4m3, -e4m3, e2m1, -e2m1):
+        back = grid.numpy().astype(np.float16).astype(np.float32)
+        assert back.tobytes() == grid.numpy().tobytes()  # bit for bit: signs of zero included
+    # and a random tensor's roundings survive too
+    v = torch.randn(4096) * 100
+    rounded = graph_ops.round_e4m3(v.clamp(-448, 448))
+    assert torch.from_numpy(rounded.numpy().astype(np.float16).astype(np.float32)).equal(rounded)
