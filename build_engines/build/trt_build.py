@@ -35,6 +35,9 @@ class TrtLimits:
     workspace_bytes: int = 4 << 30
 
 
+SPEC_BLOCK = 8  # the longest speculative block a decode step verifies (DSpark's is 5: the last token and 4 drafts)
+
+
 def profile_ranges(layout: StepLayout, graph: str, limits: TrtLimits, head_count: int = 4) -> dict[str, dict[str, tuple[int, int, int]]]:
     """Per profile name: symbolic dim -> (min, opt, max)."""
     cfg = layout.cfg
@@ -48,8 +51,12 @@ def profile_ranges(layout: StepLayout, graph: str, limits: TrtLimits, head_count
     if graph == "decoder":
         W = cfg.window_size
         grid = MIN_GRID_ROWS  # a LoRA grid row holds one used slot's positions (build_engines/export/lora_grid.py)
-        return {"replay": {"B": (1, 1, limits.max_batch), "S": (1, W, W), "C": (grid, W, limits.max_batch * W), **stores, **lora},
-                "decode": {"B": B, "S": (1, 1, 2), "C": (grid, 16, 2 * limits.max_batch), **stores, **lora}}
+        # K: positions whose logits a step also returns (`verify`): none on a replay; up to a speculative block of
+        # SPEC_BLOCK positions on a decode step, whose S then reaches the block too
+        return {"replay": {"B": (1, 1, limits.max_batch), "S": (1, W, W), "C": (grid, W, limits.max_batch * W), "K": (0, 0, 0),
+                           **stores, **lora},
+                "decode": {"B": B, "S": (1, 1, SPEC_BLOCK), "C": (grid, 16, SPEC_BLOCK * limits.max_batch), "K": (0, 0, SPEC_BLOCK),
+                           **stores, **lora}}
     hl = head_count * limits.max_options * limits.max_option_tokens
     return {"route": {"B": B, "n": (1, 4, limits.max_options), "HL": (1, head_count * 4 * 32, hl)}}
 

@@ -88,7 +88,8 @@ class DecoderStep(StepModule):
 
     def forward(self, streams: torch.Tensor, ffn_pre: torch.Tensor, topk: torch.Tensor, candidates: torch.Tensor, start: torch.Tensor,
                 ring_start: torch.Tensor, rings: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor, lora_used: torch.Tensor,
-                lora_rows: torch.Tensor, lora_at: torch.Tensor, *lora_bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                lora_rows: torch.Tensor, lora_at: torch.Tensor, verify: torch.Tensor,
+                *lora_bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, E, W = self.cfg, self.E, self.cfg.window_size
         S = streams.shape[1]
         lora = LoraInputs(self.groups, lora_used, lora_rows, lora_at, lora_bank)
@@ -105,7 +106,13 @@ class DecoderStep(StepModule):
             X, pre = self.wiring[l].ffn(X, attn_pre, lambda x, l=l: self._moe(l, x, lora))
         last = rms_norm(collapse(X[:, -1:], pre[:, -1:]), self.engine.norm.weight, cfg.norm_eps)  # (B, 1, dim)
         logits = head_logits(last, self.engine.head.weight).squeeze(1)
-        return logits, torch.stack(ring_rows, 1)
+        # the positions a speculative step verifies: gathered rows through the same norm and head, row by row the
+        # same arithmetic as `logits` (a position's logits do not depend on which others are asked for)
+        B, K = verify.shape
+        picked_x = torch.gather(X, 1, verify.view(B, K, 1, 1).expand(B, K, *X.shape[2:]))
+        picked_pre = torch.gather(pre, 1, verify.view(B, K, 1).expand(B, K, pre.shape[2]))
+        verified = rms_norm(collapse(picked_x, picked_pre), self.engine.norm.weight, cfg.norm_eps)
+        return logits, head_logits(verified, self.engine.head.weight), torch.stack(ring_rows, 1)
 
     def _moe(self, layer: int, x: torch.Tensor, lora: LoraInputs) -> torch.Tensor:
         """Dense experts with each row's adapter on every expert's w1/w3 and w2 (LoRA on unquantized inputs)."""

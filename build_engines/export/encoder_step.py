@@ -45,7 +45,8 @@ class _Source:
     used: torch.Tensor  # (B,) entries stored before this step
     new_kv: torch.Tensor | None = None  # (B, M, D)
     new_index_k: torch.Tensor | None = None  # (B, M, Di)
-    new_pending: torch.Tensor | None = None  # (B, 2, D)
+    pending: torch.Tensor | None = None  # (B, 2, D) the stored unpaired token's raw kv and gate score
+    pending_rows: torch.Tensor | None = None  # (B, S, 2, D) every token of this step's raw kv and gate score
 
 
 class EncoderStep(StepModule):
@@ -87,7 +88,7 @@ class EncoderStep(StepModule):
         outputs = [h19.mean(2), X, attn_pre, ctx["topk"], ctx["candidates"], last.new_kv, last.new_index_k, torch.stack(ring_rows, 1)]
         for s in self.layout.sources:
             if self.layout.ratio[s] == 2:
-                outputs += [sources[s].new_kv, sources[s].new_index_k, sources[s].new_pending]
+                outputs += [sources[s].new_kv, sources[s].new_index_k, sources[s].pending_rows]
         return tuple(outputs)
 
     # ------------------------------------------------------------------ state
@@ -97,7 +98,7 @@ class EncoderStep(StepModule):
             kv, index_k = next(it), next(it)
             src = _Source(kv, index_k, start // self.layout.ratio[s])
             if self.layout.ratio[s] == 2:
-                src.new_pending = next(it)  # the stored pending pair, replaced in _write_source
+                src.pending = next(it)
             out[s] = src
         return out
 
@@ -158,17 +159,19 @@ class EncoderStep(StepModule):
             B, S, D = kv.shape
             M = (S + 1) // 2
             score = x @ comp.wgate.weight.float().t()
-            assert src.new_pending is not None
+            assert src.pending is not None
             pad = torch.zeros(B, 1, D, device=kv.device)
-            seq_kv = torch.cat((src.new_pending[:, :1], kv, pad), 1)  # (B, S + 2, D)
-            seq_score = torch.cat((src.new_pending[:, 1:], score, pad), 1)
+            seq_kv = torch.cat((src.pending[:, :1], kv, pad), 1)  # (B, S + 2, D)
+            seq_score = torch.cat((src.pending[:, 1:], score, pad), 1)
             # the stored token pairs with this step's first one when start is odd: start reading at 1 - start % 2
             take = ((1 - positions[:, :1] % 2) + torch.arange(2 * M, device=kv.device).unsqueeze(0)).unsqueeze(-1).expand(B, 2 * M, D)
             groups_kv = torch.gather(seq_kv, 1, take).view(B, M, 2, D)
             groups_w = torch.softmax(torch.gather(seq_score, 1, take).view(B, M, 2, D), dim=2)
             latent = rms_norm((groups_kv * groups_w).sum(2), comp.norm.weight, cfg.norm_eps)
             entry_pos = (src.used.unsqueeze(1) + torch.arange(M, device=kv.device).unsqueeze(0)) * 2
-            src.new_pending, key = torch.cat((kv[:, -1:], score[:, -1:]), 1), l + 1
+            # every token's pair, not only the last: a row that keeps a prefix of the step (a speculative block cut
+            # at the first rejected draft) keeps the pair of its own last token as pending
+            src.pending_rows, key = torch.stack((kv, score), 2), l + 1
         ix = attn.indexer
         keys = rms_norm(latent @ ix.wk.weight.float().t(), ix.k_norm.weight, cfg.norm_eps)
         src.new_index_k = FakeQuant.index(ropes.apply(keys, ropes.tables(entry_pos, l, cfg.index_head_dim, key=key)), cfg)

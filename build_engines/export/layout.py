@@ -5,7 +5,8 @@ export names the graph's inputs and outputs from it, the manifest records it, an
 Symbolic dimensions: B rows, S positions per row (a turn, one token, or W replayed rows), N_<layer> entries of a
 global-KV store (padded: the runtime keeps N >= used entries + the step's new ones, N a multiple of the candidate
 block and >= the top-k sizes), M_<layer> new entries of a ratio-2 store ((S + 1) // 2), R the LoRA rank, A the
-adapter slots (slot 0 = the base model: all zeros).
+adapter slots (slot 0 = the base model: all zeros), K the positions a decoder step also returns logits for (a
+speculative block's, `verify`; 0 otherwise).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class StepLayout:
                 m = f"M_{s}"
                 out += [GraphTensor(f"new_kv_{s}", "float32", ("B", m, cfg.head_dim), "new pooled entries ((start%2+S)//2 valid)"),
                         GraphTensor(f"new_index_k_{s}", "float32", ("B", m, cfg.index_head_dim), "their index keys"),
-                        GraphTensor(f"new_pending_{s}", "float32", ("B", 2, cfg.head_dim), "the step's last token's kv and score")]
+                        GraphTensor(f"pending_rows_{s}", "float32", ("B", "S", 2, cfg.head_dim),
+                                    "each token's raw kv and gate score (the row keeps its last absorbed one as pending)")]
         return out
 
     # ------------------------------------------------------------------ decoder graph
@@ -169,6 +171,8 @@ class StepLayout:
             GraphTensor("lora_used", "int64", ("U",), "bank slots this step uses (0 = base), ascending"),
             GraphTensor("lora_rows", "int64", ("U", "C"), "positions (b * S + s) on each used slot, padded by repeating one (C >= 2)"),
             GraphTensor("lora_at", "int64", ("B", "S"), "each position's place in that grid: u * C + c (`lora_grid.py`)"),
+            GraphTensor("verify", "int64", ("B", "K"), "in-step offsets whose logits `verify_logits` returns: a "
+                        "speculative block's positions (K = 0 on other steps)"),
         ]
         for g in self.lora_groups():
             a, b = self.lora_shapes(g)
@@ -179,6 +183,7 @@ class StepLayout:
         cfg = self.cfg
         return [
             GraphTensor("logits", "float32", ("B", cfg.vocab_size), "next-token logits after each row's last position"),
+            GraphTensor("verify_logits", "float32", ("B", "K", cfg.vocab_size), "next-token logits after each `verify` position"),
             GraphTensor("ring_rows", "float32", ("B", len(self.decoder_ring_layers), "S", cfg.head_dim),
                         "this step's latents per decoder ring layer"),
         ]

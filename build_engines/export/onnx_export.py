@@ -136,7 +136,7 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def export_sizes(layout: StepLayout) -> dict[str, int]:
     """Example sizes for tracing: distinct values so the exporter cannot confuse two dynamic dims."""
-    sizes = {"B": 2, "S": 3, "A": 3, "R": 4, "U": 5, "C": 7, "HL": 24, "n": 3}
+    sizes = {"B": 2, "S": 3, "A": 3, "R": 4, "U": 5, "C": 7, "HL": 24, "n": 3, "K": 11}
     for i, s in enumerate(layout.sources):
         sizes[f"N_{s}"] = layout.padded_entries(1) * (i + 2)
     return sizes

@@ -210,9 +210,19 @@ def encoder_fields(layout: StepLayout, lengths: dict[int, int]) -> list[ArenaFie
 
 
 def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np.ndarray], steps: int,
-                   tokens: np.ndarray | None = None) -> None:
+                   tokens: np.ndarray | None = None, keep: list[int] | None = None) -> None:
     """Write one step's outputs into the rows' state (new ring rows, new entries, pending token) and advance them.
-    With Engram the step's `tokens` (B, S) are needed too: they extend each row's n-gram history."""
+    With Engram the step's `tokens` (B, S) are needed too: they extend each row's n-gram history.
+
+    `keep` (per row, 0..steps; default all): absorb only the first keep[b] positions of row b, leaving the row
+    exactly as a step over those positions alone would: the speculative loop's rollback of a rejected draft block.
+    Exact because every output row depends on its own position and the ones before it only (the engines give the
+    same bits in chunks as one at a time), and nothing of a later position is written: ring slots of the cut
+    positions keep what they held, ratio-2 pooled entries are taken only for complete pairs, the pending pair is the
+    last kept token's, and the n-gram history takes the kept tokens."""
+    keep = [steps] * len(rows) if keep is None else list(keep)
+    if len(keep) != len(rows) or not all(0 <= k <= steps for k in keep):
+        raise ValueError(f"keep must give 0..{steps} positions for each of the {len(rows)} rows, got {keep}")
     if layout.engram_layers:
         if tokens is None or np.shape(tokens) != (len(rows), steps):
             raise ValueError(f"config {layout.cfg.name!r} has Engram: absorb_encoder needs the step's tokens "
@@ -220,22 +230,25 @@ def absorb_encoder(layout: StepLayout, rows: list[EncoderRow], out: dict[str, np
                              f"{None if tokens is None else np.shape(tokens)}")
         k = layout.engram_history
         for b, r in enumerate(rows):
-            r.engram_recent = np.concatenate((r.engram_recent, np.asarray(tokens[b], np.int64)))[-k:]
+            r.engram_recent = np.concatenate((r.engram_recent, np.asarray(tokens[b, :keep[b]], np.int64)))[-k:]
     for b, r in enumerate(rows):
-        _write_ring(r.rings, out["ring_rows"][b], r.position)
+        kept = keep[b]
+        if kept == 0:
+            continue
+        _write_ring(r.rings, out["ring_rows"][b][:, :kept], r.position)
         for s in layout.sources:
             used = r.used(layout, s)
             if layout.ratio[s] == 1:
-                new_kv, new_ik, count = _handover_kv(layout, out["global_kv"][b]), out["index_k"][b], steps
+                new_kv, new_ik, count = _handover_kv(layout, out["global_kv"][b]), out["index_k"][b], kept
             else:
                 new_kv, new_ik = out[f"new_kv_{s}"][b], out[f"new_index_k_{s}"][b]
-                count = (r.position % 2 + steps) // 2
-                r.pending[s][...] = out[f"new_pending_{s}"][b]  # in place: the row's array may be an arena view
+                count = (r.position % 2 + kept) // 2
+                r.pending[s][...] = out[f"pending_rows_{s}"][b, kept - 1]  # in place: the row's array may be an arena view
             r.kv[s] = _grow(r.kv[s], used + count)
             r.index_k[s] = _grow(r.index_k[s], used + count)
             r.kv[s][used:used + count] = new_kv[:count]
             r.index_k[s][used:used + count] = new_ik[:count]
-        r.position += steps
+        r.position += kept
 
 
 HANDOVER_FIELDS = ("streams", "ffn_pre", "topk", "candidates")  # what a decoder step reads per row
@@ -281,6 +294,34 @@ class DecoderRow:
             self.recent[f][slots] = handover[f][S - keep:]
         self.position += S
 
+    def absorb_draft(self, layout: StepLayout, handover: dict[str, np.ndarray]) -> None:
+        """Append hand-over rows of a speculative block to the mirror only (the decoder step reads them there) and
+        advance; `settle` then keeps the accepted prefix. The replay window is not touched until then: a rejected
+        row written there would overwrite a row of W positions earlier that a later replay needs."""
+        S = handover["global_kv"].shape[0]
+        self.kv, self.index_k = _grow(self.kv, self.position + S), _grow(self.index_k, self.position + S)
+        self.kv[self.position:self.position + S] = _handover_kv(layout, handover["global_kv"])
+        self.index_k[self.position:self.position + S] = handover["index_k"]
+        self.position += S
+
+    def settle(self, layout: StepLayout, handover: dict[str, np.ndarray], keep: int) -> None:
+        """After `absorb_draft(handover)` and the decoder step: keep the first `keep` rows, as if only they had been
+        absorbed (`absorb`): the mirror's entries of the rejected rows are cleared, the kept rows enter the window."""
+        S = handover["global_kv"].shape[0]
+        if not 0 <= keep <= S:
+            raise ValueError(f"keep must lie in 0..{S}, got {keep}")
+        start = self.position - S
+        self.kv[start + keep:start + S] = 0
+        self.index_k[start + keep:start + S] = 0
+        self.position = start
+        if keep:
+            W = layout.cfg.window_size
+            kept = min(W, keep)
+            slots = np.arange(start + keep - kept, start + keep) % W
+            for f in HANDOVER_FIELDS:
+                self.recent[f][slots] = handover[f][keep - kept:keep]
+        self.position = start + keep
+
     @property
     def replay_count(self) -> int:
         """Rows a bounded replay runs: the last W positions (fewer early in a session)."""
@@ -300,7 +341,7 @@ class DecoderRow:
 
 
 def decoder_inputs(layout: StepLayout, rows: list[DecoderRow], handover: list[dict[str, np.ndarray]] | None,
-                   slots: list[int], arena: StepArena | None = None) -> dict[str, np.ndarray]:
+                   slots: list[int], arena: StepArena | None = None, verify: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Inputs of one decoder step (LoRA bank excluded: the runtime binds it).
 
     `handover` None means a bounded replay of each row's last W rows on empty rings. Replays of different lengths
@@ -308,6 +349,7 @@ def decoder_inputs(layout: StepLayout, rows: list[DecoderRow], handover: list[di
     their first real row, and `ring_start` (the first real row) makes them invisible, so the real rows compute
     exactly what they would alone. Otherwise each row's new rows (already absorbed into its mirror) run on its rings;
     with an `arena`, a batch of such decode steps keeps its stacked rings and mirror between steps (`arena.py`).
+    `verify` (B, K): in-step offsets whose logits the step also returns (`verify_logits`), none by default.
     """
     if handover is None:
         length = replay_length([r.replay_count for r in rows], layout.cfg.window_size)
@@ -326,6 +368,7 @@ def decoder_inputs(layout: StepLayout, rows: list[DecoderRow], handover: list[di
         "start": np.asarray(starts, np.int64),
         "ring_start": np.asarray(ring_starts, np.int64),
         **lora_grid(slots, rows_in[0]["streams"].shape[0]),
+        "verify": np.zeros((len(rows), 0), np.int64) if verify is None else np.ascontiguousarray(verify, np.int64),
     })
     if handover is not None and arena is not None and len(rows) > 1:
         feed.update(arena.stack(rows, decoder_fields(length)))
@@ -374,8 +417,13 @@ def _front_padded(recent: dict[str, np.ndarray], length: int) -> dict[str, np.nd
     return out
 
 
-def absorb_decoder(rows: list[DecoderRow], out: dict[str, np.ndarray], feed: dict[str, np.ndarray], replay: bool, slots: list[int]) -> None:
-    """Write the step's ring rows into each row's rings (a replay starts them afresh) and record the adapter slot."""
+def absorb_decoder(rows: list[DecoderRow], out: dict[str, np.ndarray], feed: dict[str, np.ndarray], replay: bool, slots: list[int],
+                   keep: list[int] | None = None) -> None:
+    """Write the step's ring rows into each row's rings (a replay starts them afresh) and record the adapter slot.
+    `keep` (decode steps only): each row's ring takes only its first keep[b] positions (a speculative block cut at
+    its first rejected draft; the row's mirror is settled by `DecoderRow.settle`)."""
+    if keep is not None and replay:
+        raise ValueError("a replay keeps every row; keep applies to decode steps")
     for b, r in enumerate(rows):
         start = int(feed["start"][b])
         if replay:
@@ -384,7 +432,9 @@ def absorb_decoder(rows: list[DecoderRow], out: dict[str, np.ndarray], feed: dic
             real = r.position - r.ring_start  # the padding rows' latents are never read (before ring_start)
             _write_ring(r.rings, out["ring_rows"][b][:, -real:], r.ring_start)
         else:
-            _write_ring(r.rings, out["ring_rows"][b], start)
+            rows_out = out["ring_rows"][b] if keep is None else out["ring_rows"][b][:, :keep[b]]
+            if rows_out.shape[1]:
+                _write_ring(r.rings, rows_out, start)
         r.slot = slots[b]
 
 

@@ -19,7 +19,7 @@ from build_engines.routing.pointer_head import load_router_head
 
 from .interface import Arrays, StepEngine
 
-PER_ROW = {"encoder": ("tokens", "start", "rings"), "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k")}
+PER_ROW = {"encoder": ("tokens", "start", "rings"), "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k", "verify")}
 
 
 class TorchEngine(StepEngine):

@@ -9,13 +9,9 @@ import onnxruntime  # noqa: F401 - a core dependency: a broken install must fail
 import pytest
 import torch
 
-from build_engines.build.onnx_build import GRAPH_FILES, build_onnx, ort_runner, random_bank
+from build_engines.build.onnx_build import GRAPH_FILES, random_bank
 from build_engines.export import graph_ops
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.engram_feed import EngramFeed
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import HANDOVER, max_difference, torch_runner
+from build_engines.export.parity import HANDOVER, max_difference
 from build_engines.export.rows import (
     DecoderRow,
     EncoderRow,
@@ -24,38 +20,10 @@ from build_engines.export.rows import (
     decoder_inputs,
     encoder_inputs,
 )
-from build_engines.formats.checkpoint import save_checkpoint
 from build_engines.model.attention import select_top as reference_select_top
 from plugins import DOMAIN, PLUGIN_NAMESPACE, register_onnx_schemas
-from tests.build_engines.model.test_engram import engram_network
-from tests.tiny import tiny_network
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module", params=["plain", "engram"])
-def exported(request, tmp_path_factory):  # type: ignore[no-untyped-def]
-    """The tiny network's engines, without and with Engram (layers 1 and 2: the encoder graph takes rows the host
-    gathers from the checkpoint's memory-mapped tables, `EngramFeed`)."""
-    seed = int(torch.randint(0, 2**31, (1,)))
-    print(f"export seed: {seed}")
-    torch.manual_seed(seed)
-    net = tiny_network() if request.param == "plain" else engram_network()
-    model_dir = save_checkpoint(net, tmp_path_factory.mktemp("tiny_model"))
-    out = tmp_path_factory.mktemp("tiny_engines")
-    graphs, parity = build_onnx(model_dir, out)
-    layout = StepLayout(net.cfg)
-    engram = EngramFeed.open(model_dir, layout)
-    if engram is not None:  # the checkpoint has no tokenizer: the feed hashes with the placeholder map, so must the net
-        net.set_engram_token_map(engram.hasher.token_map)
-    enc, dec = net.split()
-    modules = {
-        "encoder": torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs()),
-        "decoder": torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs()),
-    }
-    sessions = {name: ort_runner(out / GRAPH_FILES[name]) for name in GRAPH_FILES}
-    return {"dir": out, "graphs": graphs, "parity": parity, "layout": layout, "torch": modules, "onnx": sessions,
-            "engram": engram, "model_dir": model_dir}
 
 
 def test_graphs_pass_the_checker_and_carry_the_mol2_nodes(exported) -> None:  # type: ignore[no-untyped-def]

@@ -20,7 +20,13 @@ from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import data_file, export_module
 from build_engines.export.parity import decoder_case, encoder_case, max_difference, torch_runner
 from build_engines.export.stored_role import load_stored_role, stores_quantized
-from build_engines.export.stored_weights import StoredExperts, StoredLinear, StoredMatrix, StoredWeightError, head_logits
+from build_engines.export.stored_weights import (
+    StoredExperts,
+    StoredLinear,
+    StoredMatrix,
+    StoredWeightError,
+    head_logits,
+)
 from build_engines.formats.checkpoint import (
     load_checkpoint,
     save_checkpoint,
