@@ -44,6 +44,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, generated: list[int] | None = None, allowed: torch.Tensor | None = None) -> int:
         """logits: (vocab,) fp32, `generated`: this reply's tokens so far (what the penalties look at), `allowed`: a
         (vocab,) bool mask of the tokens the turn's grammar allows -> token id."""
+        shaped = self.shaped(logits, generated, allowed)
+        if self.params.temperature == 0.0:
+            return int(shaped.argmax())
+        return int(torch.multinomial(self.probabilities(shaped), 1, generator=self.generator))
+
+    def shaped(self, logits: torch.Tensor, generated: list[int] | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits the choice is made from: penalties, logit_bias and the masks applied (a copy when any is)."""
         p = self.params
         if p.penalised and generated:
             logits = penalise(logits, generated, p)
@@ -57,9 +64,13 @@ class Sampler:
                 logits = logits.masked_fill(~allowed, float("-inf"))
             if banned:
                 logits[torch.as_tensor(banned, dtype=torch.long)] = float("-inf")
-        if p.temperature == 0.0:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float() / p.temperature, dim=-1)
+        return logits
+
+    def probabilities(self, shaped: torch.Tensor) -> torch.Tensor:
+        """The distribution a sampled choice draws from (temperature > 0): temperature, top_k, min_p, top_p applied to
+        `shaped` logits, normalised. Speculative sampling accepts and corrects drafts against exactly this."""
+        p = self.params
+        probs = torch.softmax(shaped.float() / p.temperature, dim=-1)
         if p.filtered:
             probs = filter_probs(probs, p.top_k, p.min_p)
         if p.top_p < 1.0:
@@ -67,7 +78,7 @@ class Sampler:
             keep = sorted_p.cumsum(-1) - sorted_p < p.top_p  # always keeps the most likely token
             sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.generator))
+        return probs / probs.sum()
 
 
 def penalise(logits: torch.Tensor, generated: list[int], p: SamplingParams) -> torch.Tensor:
