@@ -115,11 +115,30 @@ def _save_with_external_data(model: "onnx_ir.Model", path: Path) -> onnx.ModelPr
     data = data_file(path)
     data.unlink(missing_ok=True)
     onnx_ir.save(model, path, external_data=data.name)
-    proto = attach_functions(onnx.load(str(path), load_external_data=False))
+    proto = attach_functions(_shapes_inline(onnx.load(str(path), load_external_data=False), data))
     onnx.save(proto, str(path))  # the weights stay where they are: only the graph is rewritten
     register_onnx_schemas()
     onnx.checker.check_model(str(path), full_check=False)
     return proto
+
+
+def _shapes_inline(model: onnx.ModelProto, data: Path) -> onnx.ModelProto:
+    """Move int64 initializers (shapes, split sizes, indices: never weights) from the data file back into the graph.
+
+    Why: onnxruntime's shape inference reads a Split's sizes (and other shape inputs) only from inline data, and the
+    writer sends every tensor over 256 bytes out: the 49 sizes of a 48-expert up-projection (one expert per chunk)
+    made the graph fail to load ("Cannot parse data from external tensors"); the release's 256 experts would too.
+    Their bytes stay behind in the data file, unreferenced (a few KB)."""
+    with open(data, "rb") as stored:
+        for t in model.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL or t.data_type != onnx.TensorProto.INT64:
+                continue
+            where = {e.key: e.value for e in t.external_data}
+            stored.seek(int(where.get("offset", 0)))
+            t.raw_data = stored.read(int(where["length"]))
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
+    return model
 
 
 def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:

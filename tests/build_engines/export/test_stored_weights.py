@@ -233,3 +233,34 @@ def test_stored_projections_keep_the_releases_activation_quantization(tmp_path: 
         assert any(flags.values()) and not all(flags.values())
         for name, flag in flags.items():
             assert quantizes_input(stored.get_submodule(name)) == flag, name
+
+
+class ManySplits(nn.Module):
+    """Splits its input into 60 parts (as the up-projection splits into one part per expert chunk: 49 with 48
+    experts at one expert per chunk), so the graph carries a 60-entry int64 `split` initializer (480 bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(60, 60))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = torch.split(x @ self.weight, [1] * 60, -1)
+        return sum(p * (i + 1) for i, p in enumerate(parts))
+
+
+def test_shape_constants_stay_in_the_graph_when_the_weights_go_to_a_data_file(tmp_path: Path) -> None:
+    """onnxruntime's shape inference cannot read a Split's sizes (or any shape input) from external data: a release
+    build with 48 experts failed to load ("Cannot parse data from external tensors") once the sizes passed the
+    writer's default 256-byte threshold. Small tensors stay inline; the weight still goes to the data file."""
+    path = tmp_path / "splits.onnx"
+    module = ManySplits().eval()
+    export_module(module, [GraphTensor("x", "float32", ("n", 60))], [GraphTensor("y", "float32", ("n", 1))], {"n": 3},
+                  path, external_data=True)
+    model = onnx.load(str(path), load_external_data=False)
+    external = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert external and all(t.data_type != onnx.TensorProto.INT64 for t in model.graph.initializer if t.name in external)
+    x = np.random.default_rng(0).standard_normal((4, 60)).astype(np.float32)
+    got = ort_runner(path)({"x": x})["y"]
+    with torch.no_grad():
+        want = module(torch.from_numpy(x)).numpy()
+    assert np.abs(got - want).max() < 1e-3
