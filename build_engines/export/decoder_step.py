@@ -104,15 +104,16 @@ class DecoderStep(StepModule):
             run = lambda x, l=l: self._attention(l, x, rings[:, l - E - 1], positions, win, kv, index_k, candidates, ropes, lora, ctx, ring_rows)  # noqa: E731
             X, attn_pre = self.wiring[l].attention(X, pre, run)
             X, pre = self.wiring[l].ffn(X, attn_pre, lambda x, l=l: self._moe(l, x, lora))
-        last = rms_norm(collapse(X[:, -1:], pre[:, -1:]), self.engine.norm.weight, cfg.norm_eps)  # (B, 1, dim)
-        logits = head_logits(last, self.engine.head.weight).squeeze(1)
-        # the positions a speculative step verifies: gathered rows through the same norm and head, row by row the
-        # same arithmetic as `logits` (a position's logits do not depend on which others are asked for)
+        # the last position and the positions a speculative step verifies go through the norm and head together:
+        # one pass over the head (a narrow stored head is cast once per step) and row by row the same arithmetic
+        # (a position's logits do not depend on which others are asked for)
         B, K = verify.shape
         picked_x = torch.gather(X, 1, verify.view(B, K, 1, 1).expand(B, K, *X.shape[2:]))
         picked_pre = torch.gather(pre, 1, verify.view(B, K, 1).expand(B, K, pre.shape[2]))
-        verified = rms_norm(collapse(picked_x, picked_pre), self.engine.norm.weight, cfg.norm_eps)
-        return logits, head_logits(verified, self.engine.head.weight), torch.stack(ring_rows, 1)
+        rows = rms_norm(collapse(torch.cat((X[:, -1:], picked_x), 1), torch.cat((pre[:, -1:], picked_pre), 1)),
+                        self.engine.norm.weight, cfg.norm_eps)  # (B, 1 + K, dim)
+        logits = head_logits(rows, self.engine.head.weight)
+        return logits[:, 0], logits[:, 1:], torch.stack(ring_rows, 1)
 
     def _moe(self, layer: int, x: torch.Tensor, lora: LoraInputs) -> torch.Tensor:
         """Dense experts with each row's adapter on every expert's w1/w3 and w2 (LoRA on unquantized inputs)."""

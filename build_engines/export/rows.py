@@ -284,15 +284,8 @@ class DecoderRow:
     def absorb(self, layout: StepLayout, handover: dict[str, np.ndarray]) -> None:
         """Append hand-over rows (S, …) of positions position.. : mirror entries and the replay window."""
         S = handover["global_kv"].shape[0]
-        self.kv, self.index_k = _grow(self.kv, self.position + S), _grow(self.index_k, self.position + S)
-        self.kv[self.position:self.position + S] = _handover_kv(layout, handover["global_kv"])
-        self.index_k[self.position:self.position + S] = handover["index_k"]
-        W = layout.cfg.window_size
-        keep = min(W, S)  # a ring like the window rings: no copy of the other W - 1 rows per decode step
-        slots = np.arange(self.position + S - keep, self.position + S) % W
-        for f in HANDOVER_FIELDS:
-            self.recent[f][slots] = handover[f][S - keep:]
-        self.position += S
+        self.absorb_draft(layout, handover)
+        self._remember(layout, handover, self.position - S, S)
 
     def absorb_draft(self, layout: StepLayout, handover: dict[str, np.ndarray]) -> None:
         """Append hand-over rows of a speculative block to the mirror only (the decoder step reads them there) and
@@ -313,14 +306,17 @@ class DecoderRow:
         start = self.position - S
         self.kv[start + keep:start + S] = 0
         self.index_k[start + keep:start + S] = 0
-        self.position = start
-        if keep:
-            W = layout.cfg.window_size
-            kept = min(W, keep)
-            slots = np.arange(start + keep - kept, start + keep) % W
-            for f in HANDOVER_FIELDS:
-                self.recent[f][slots] = handover[f][keep - kept:keep]
+        self._remember(layout, handover, start, keep)
         self.position = start + keep
+
+    def _remember(self, layout: StepLayout, handover: dict[str, np.ndarray], start: int, count: int) -> None:
+        """The replay window takes hand-over rows 0..count of positions start.. (only the last W survive: a ring
+        like the window rings, no copy of the other W - 1 rows per decode step)."""
+        W = layout.cfg.window_size
+        kept = min(W, count)
+        slots = np.arange(start + count - kept, start + count) % W
+        for f in HANDOVER_FIELDS:
+            self.recent[f][slots] = handover[f][count - kept:count]
 
     @property
     def replay_count(self) -> int:
@@ -432,9 +428,7 @@ def absorb_decoder(rows: list[DecoderRow], out: dict[str, np.ndarray], feed: dic
             real = r.position - r.ring_start  # the padding rows' latents are never read (before ring_start)
             _write_ring(r.rings, out["ring_rows"][b][:, -real:], r.ring_start)
         else:
-            rows_out = out["ring_rows"][b] if keep is None else out["ring_rows"][b][:, :keep[b]]
-            if rows_out.shape[1]:
-                _write_ring(r.rings, rows_out, start)
+            _write_ring(r.rings, out["ring_rows"][b] if keep is None else out["ring_rows"][b][:, :keep[b]], start)
         r.slot = slots[b]
 
 

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.scan import scan
 
 from build_engines.formats.quant_formats import E2M1_VALUES, QuantFormatError, infer_block_dim
 from build_engines.model.moe import MoE
@@ -47,6 +48,29 @@ KINDS = ("fp8", "fp4", "float")
 
 class StoredWeightError(ValueError):
     """A stored tensor does not fit the weight it stands for; the message names it."""
+
+
+def dequantize(kind: str, block: tuple[int, int], shape: tuple[int, int], codes: torch.Tensor, scale: torch.Tensor,
+               tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The fp32 [out, in] weight of stored `codes` and `scale` (uint8; see `StoredMatrix`), in exportable ops.
+    `tables`: (e8m0 values, code values) as `lookup_tables` gives them, where the caller holds them (a Scan body
+    must read them from its own inputs)."""
+    out, inn = shape
+    if kind == "float":
+        return codes.float()
+    e8m0, table = tables if tables is not None else lookup_tables(kind, codes.device)
+    scale_values = e8m0[scale.long()]
+    if kind == "fp4":
+        values = table[codes.long()].reshape(out, -1, FP4_BLOCK)
+        return (values * scale_values.unsqueeze(-1)).reshape(out, -1)[:, :inn]
+    b0, b1 = block
+    full = scale_values.repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inn]
+    return table[codes.long()] * full
+
+
+def lookup_tables(kind: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(code -> e8m0 scale value, code -> weight value) of a storage kind: e4m3 values, or e2m1 pairs for packed fp4."""
+    return E8M0_TABLE.to(device), (FP4_PAIR_TABLE if kind == "fp4" else E4M3_TABLE).to(device)
 
 
 class StoredMatrix(nn.Module):
@@ -118,17 +142,7 @@ class StoredMatrix(nn.Module):
 
     def value(self) -> torch.Tensor:
         """The fp32 [out, in] weight (exactly the loader's dequantization)."""
-        out, inn = self.shape
-        if self.kind == "float":
-            return self.codes.float()
-        scale = E8M0_TABLE.to(self.codes.device)[self.scale.long()]
-        if self.kind == "fp4":
-            values = FP4_PAIR_TABLE.to(self.codes.device)[self.codes.long()].reshape(out, -1, FP4_BLOCK)
-            return (values * scale.unsqueeze(-1)).reshape(out, -1)[:, :inn]
-        b0, b1 = self.block
-        values = E4M3_TABLE.to(self.codes.device)[self.codes.long()]
-        full = scale.repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :inn]
-        return values * full
+        return dequantize(self.kind, self.block, self.shape, self.codes, self.scale)
 
     def stored_bytes(self) -> int:
         return self.codes.numel() * self.codes.element_size() + self.scale.numel()
@@ -156,21 +170,96 @@ class StoredLinear(nn.Module):
         return F.linear(self.gemm_input(x), self.weight)
 
 
+class StoredStack(nn.Module):
+    """C weights of one shape and storage kind as one stacked tensor (codes (C, ...), scale (C, ...)). The module walks
+    them in a Python loop; the exported graph walks them with one ONNX Scan whose body dequantizes one weight per
+    iteration (onnxruntime and TensorRT's ONNX parser, which maps Scan onto its loop layer, both run it).
+
+    Why: as C separate weights each was its own graph nodes, initializers and exporter modules, about 1 MB of export
+    and 0.3 MB of onnxruntime session per weight and layer at any width (measured along the expert axis, Dec 4). The
+    release's 256 routed experts are one weight each at the default chunk budget: ~11,000 copies of that cost. Stacked,
+    a layer's routed experts are one Scan, whatever their count, and still one weight dequantized at a time."""
+
+    def __init__(self, name: str, groups: list[list[StoredMatrix]], dim: int) -> None:
+        """Each group joined along `dim` (as `StoredMatrix.concatenated`) is one weight of the stack; the joined
+        weights are written into the stack one at a time (one group's copy in flight, not the whole stack's)."""
+        super().__init__()
+        first = StoredMatrix.concatenated(name, groups[0], dim)
+        self.name, self.kind, self.block, self.shape = name, first.kind, first.block, first.shape
+        codes = first.codes.new_empty((len(groups), *first.codes.shape))
+        scale = first.scale.new_empty((len(groups), *first.scale.shape))
+        for i, group in enumerate(groups):
+            joined = first if i == 0 else StoredMatrix.concatenated(name, group, dim)
+            if (joined.kind, joined.block, joined.shape) != (self.kind, self.block, self.shape):
+                raise StoredWeightError(f"{name}: weight {i} of the stack is stored as {joined.kind} {joined.shape}, "
+                                        f"not {self.kind} {self.shape}")
+            codes[i], scale[i] = joined.codes, joined.scale
+        self.register_buffer("codes", codes)
+        self.register_buffer("scale", scale)
+        # the Scan bodies read the lookup tables as the module's own buffers (a few KB): the module-level tables,
+        # passed into a Scan from the full step, failed torch.export ("Cannot access data pointer" on the constant)
+        e8m0, table = lookup_tables(self.kind, codes.device)
+        self.register_buffer("e8m0_table", e8m0.clone())
+        self.register_buffer("value_table", table.clone())
+
+    def __len__(self) -> int:
+        return self.codes.shape[0]
+
+    def value(self, i: int) -> torch.Tensor:
+        """Weight i in fp32 [out, in]."""
+        return dequantize(self.kind, self.block, self.shape, self.codes[i], self.scale[i])
+
+    def products(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (C, ..., out): x times each weight."""
+        if len(self) == 1 or not torch.compiler.is_exporting():
+            return torch.stack([x @ self.value(i).t() for i in range(len(self))])
+
+        # x and the tables ride in the carry, unchanged (a body reads nothing but its own inputs)
+        def body(carry: tuple[torch.Tensor, ...], stored: tuple[torch.Tensor, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+            xs, e8m0, table = carry
+            weight = dequantize(self.kind, self.block, self.shape, *stored, (e8m0, table))
+            return (xs.clone(), e8m0.clone(), table.clone()), xs @ weight.t()
+
+        return scan(body, (x, self.e8m0_table, self.value_table), (self.codes, self.scale))[1]
+
+    def summed(self, parts: torch.Tensor) -> torch.Tensor:
+        """parts (C, ..., in) -> (..., out): sum over i of parts[i] times weight i, added in order from a zero."""
+        total = parts.new_zeros((*parts.shape[1:-1], self.shape[0]))
+        if not torch.compiler.is_exporting():
+            for i in range(len(self)):
+                total = total + parts[i] @ self.value(i).t()
+            return total
+
+        def body(carry: tuple[torch.Tensor, ...], item: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], tuple[()]]:
+            running, e8m0, table = carry
+            part, codes, scale = item
+            weight = dequantize(self.kind, self.block, self.shape, codes, scale, (e8m0, table))
+            return (running + part @ weight.t(), e8m0.clone(), table.clone()), ()
+
+        return scan(body, (total, self.e8m0_table, self.value_table), (parts, self.codes, self.scale))[0][0]
+
+    def stored_bytes(self) -> int:
+        return self.codes.numel() * self.codes.element_size() + self.scale.numel()
+
+
 class StoredExperts(DenseExperts):
     """`DenseExperts` on stored weights: the same column layout ([expert g][w1 | w3][inter], shared expert last), the
-    products taken over chunks of experts whose fp32 weights fit in `chunk_bytes` (at least one expert per chunk),
-    each chunk dequantized only while it multiplies.
+    products taken over chunks of routed experts whose fp32 weights fit in `chunk_bytes` (at least one expert per
+    chunk, as many in each chunk), each chunk dequantized only while it multiplies.
 
     Why chunks: one layer's routed experts dequantized at once would be ~8x their packed-fp4 bytes (at full size
     256 x 100 MB = 25.8 GB per layer); a chunk bounds that transient to a fixed size (a full-size expert alone is
-    100 MB, so there a chunk is one expert), whatever the model's width or expert count. Experts
-    of one chunk share a storage kind (the release: routed fp4, shared fp8), so the shared expert is a chunk of its
-    own. The up-projection concatenates the chunks' columns (the dense layout, so routing and LoRA are unchanged); the
-    down-projection sums the chunks' partial products (in chunk order: the graph and the module sum alike)."""
+    100 MB, so there a chunk is one expert), whatever the model's width or expert count. The routed chunks are one
+    `StoredStack` (one Scan in the graph); the shared expert (the release stores it fp8, the routed experts fp4) is
+    a weight of its own. The up-projection lays the chunks' columns side by side (the dense layout, so routing and
+    LoRA are unchanged); the down-projection sums the chunks' partial products in chunk order from a zero, then adds
+    the shared expert's (the graph and the module sum alike)."""
 
     def __init__(self, moe: MoE, chunk_bytes: int = EXPERT_CHUNK_BYTES) -> None:  # noqa: D107
         routed = list(moe.experts)
         experts = routed + [moe.shared_experts]
+        if not routed:
+            raise StoredWeightError("StoredExperts needs routed experts")
         if not all(isinstance(w, StoredLinear) for e in experts for w in (e.w1, e.w2, e.w3)):
             raise StoredWeightError("StoredExperts needs every expert projection stored (StoredLinear)")
         self.count = len(experts)
@@ -182,33 +271,47 @@ class StoredExperts(DenseExperts):
         if len(quant) != 1:
             raise StoredWeightError("dense experts need every expert projection quantized alike")
         self.quantize_input = quant.pop()
-        per_expert = 4 * sum(w.in_features * w.out_features for w in (routed[0].w1, routed[0].w2, routed[0].w3)) if routed else 1
-        chunk = max(1, chunk_bytes // per_expert)
-        groups = [routed[i:i + chunk] for i in range(0, len(routed), chunk)] + [[moe.shared_experts]]
-        self.up_chunks = [StoredMatrix.concatenated("experts.w13", [m.stored for e in g for m in (e.w1, e.w3)], 0) for g in groups]
-        self.down_chunks = [StoredMatrix.concatenated("experts.w2", [e.w2.stored for e in g], 1) for g in groups]
-        self.chunk_widths = [len(g) * self.inter for g in groups]
+        self.per_chunk = experts_per_chunk(len(routed), 4 * sum(w.in_features * w.out_features for w in (routed[0].w1, routed[0].w2, routed[0].w3)), chunk_bytes)
+        groups = [routed[i:i + self.per_chunk] for i in range(0, len(routed), self.per_chunk)]
+        self.routed_up = StoredStack("experts.w13", [[m.stored for e in g for m in (e.w1, e.w3)] for g in groups], 0)
+        self.routed_down = StoredStack("experts.w2", [[e.w2.stored for e in g] for g in groups], 1)
+        shared = moe.shared_experts
+        self.shared_up = StoredMatrix.concatenated("shared_experts.w13", [shared.w1.stored, shared.w3.stored], 0)
+        self.shared_down = shared.w2.stored
         self.gate_weight = moe.gate.weight
         self.gate_bias = moe.gate.bias
         self.topk, self.route_scale = moe.gate.topk, moe.gate.route_scale
-        for e in experts:  # the chunks now hold the bytes; drop the per-expert copies
+        for e in experts:  # the stacks now hold the bytes; drop the per-expert copies
             for proj in ("w1", "w2", "w3"):
                 getattr(e, proj).stored = None
         release_free_heap()
 
+    @property
+    def chunk_count(self) -> int:
+        """Routed chunks (the shared expert is one more weight)."""
+        return len(self.routed_up)
+
     def up(self, xq: torch.Tensor) -> torch.Tensor:
-        return torch.cat([xq @ m.value().t() for m in self.up_chunks], -1)
+        routed = self.routed_up.products(xq)  # (C, ..., per_chunk * 2I)
+        routed = routed.movedim(0, -2).flatten(-2)  # (..., C * per_chunk * 2I): chunk by chunk, as the dense columns
+        return torch.cat((routed, xq @ self.shared_up.value().t()), -1)
 
     def down(self, aq: torch.Tensor) -> torch.Tensor:
-        parts = torch.split(aq, self.chunk_widths, -1)
-        total = parts[0] @ self.down_chunks[0].value().t()
-        for part, m in zip(parts[1:], self.down_chunks[1:]):
-            total = total + part @ m.value().t()
-        return total
+        width = self.per_chunk * self.inter
+        routed, shared = aq[..., :self.chunk_count * width], aq[..., self.chunk_count * width:]
+        total = self.routed_down.summed(routed.unflatten(-1, (self.chunk_count, width)).movedim(-2, 0))
+        return total + shared @ self.shared_down.value().t()
 
     def chunks(self) -> list[nn.Module]:
-        """The chunks, to register on the step module (so the exporter sees their buffers as weights)."""
-        return [*self.up_chunks, *self.down_chunks]
+        """The stored weights, to register on the step module (so the exporter sees their buffers as weights)."""
+        return [self.routed_up, self.routed_down, self.shared_up, self.shared_down]
+
+
+def experts_per_chunk(routed: int, expert_bytes: int, chunk_bytes: int) -> int:
+    """Routed experts per chunk: the most whose fp32 weights (`expert_bytes` each) fit in `chunk_bytes`, at least one,
+    lowered to a divisor of `routed` so every chunk of the stack has the same shape (256 experts: 1, 2, 4, 8, ...)."""
+    most = max(1, min(routed, chunk_bytes // expert_bytes))
+    return max(d for d in range(1, most + 1) if routed % d == 0)
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor, chunk_bytes: int = EXPERT_CHUNK_BYTES) -> torch.Tensor:

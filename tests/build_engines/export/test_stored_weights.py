@@ -24,7 +24,9 @@ from build_engines.export.stored_weights import (
     StoredExperts,
     StoredLinear,
     StoredMatrix,
+    StoredStack,
     StoredWeightError,
+    experts_per_chunk,
     head_logits,
 )
 from build_engines.formats.checkpoint import (
@@ -128,13 +130,72 @@ def test_stored_experts_chunk_within_their_byte_budget_and_multiply_as_the_dense
     per_expert = 4 * 3 * cfg.dim * cfg.moe_inter_dim
     stored = StoredExperts(component.layers[layer].ffn, chunk_bytes=3 * per_expert)
     dense = DenseExperts(reference.layers[layer].ffn)
-    routed = [min(3, cfg.n_routed_experts - i) for i in range(0, cfg.n_routed_experts, 3)]  # experts per chunk
-    assert [c.shape[0] for c in stored.up_chunks] == [2 * cfg.moe_inter_dim * n for n in routed + [1]]  # + the shared
+    assert cfg.n_routed_experts == 4 and stored.per_chunk == 2 and stored.chunk_count == 2  # 3 fit, 2 divide 4
+    assert tuple(stored.routed_up.codes.shape[:2]) == (2, 2 * 2 * cfg.moe_inter_dim)
     x = torch.randn(2, 5, cfg.dim, generator=torch.Generator().manual_seed(0))
     act = torch.randn(2, 5, dense.count * dense.inter, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert float((stored.up(x) - x @ dense.w13).abs().max()) < 1e-6
         assert float((stored.down(act) - act @ dense.w2).abs().max()) < 1e-5
+
+
+def test_experts_per_chunk_fill_the_budget_with_a_divisor_of_the_routed_count() -> None:
+    assert experts_per_chunk(256, 100 << 20, 16 << 20) == 1  # a full-size expert is past the budget alone
+    assert experts_per_chunk(256, 1 << 20, 16 << 20) == 16
+    assert experts_per_chunk(256, 1 << 20, 12 << 20) == 8
+    assert experts_per_chunk(48, 1 << 20, 1 << 30) == 48
+    assert experts_per_chunk(7, 1 << 20, 6 << 20) == 1  # a prime count: one expert per chunk
+
+
+class _StackedExperts(nn.Module):
+    """One MoE's stored experts as a graph: the up-projection of x and the down-projection of a."""
+
+    def __init__(self, experts: StoredExperts) -> None:
+        super().__init__()
+        self.experts, self.weights = experts, nn.ModuleList(experts.chunks())
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.experts.up(x), self.experts.down(a)
+
+
+@torch.no_grad()
+def test_a_layers_routed_experts_export_as_one_scan_whatever_their_count(tmp_path: Path) -> None:
+    """At one expert per chunk (what the release's 100 MB experts give), the graph walks the routed experts with one
+    Scan per projection: 4 and 12 experts give the same nodes (when each chunk was its own weight, 154 and 386), the
+    stored bytes stay uint8 initializers, and onnxruntime computes the module's products: the up-projection bit for
+    bit (the same per-chunk GEMMs), the down-projection to float accuracy."""
+    nodes = {}
+    for routed in (4, 12):
+        cfg = tiny_config(runtime_fake_quant=True, n_routed_experts=routed)
+        path = write_synthetic_release(cfg, tmp_path / f"release{routed}", seed=8, extras=False)
+        _, component = load_stored_role(path, "decoder")
+        experts = StoredExperts(component.layers[str(cfg.first_decoder_layer + 1)].ffn, chunk_bytes=1)
+        assert experts.per_chunk == 1 and experts.chunk_count == routed
+        width = experts.count * experts.inter
+        graph = tmp_path / f"experts{routed}.onnx"
+        model = export_module(_StackedExperts(experts).eval(),
+                              [GraphTensor("x", "float32", ("B", "S", cfg.dim)), GraphTensor("a", "float32", ("B", "S", width))],
+                              [GraphTensor("up", "float32", ("B", "S", 2 * width)), GraphTensor("down", "float32", ("B", "S", cfg.dim))],
+                              {"B": 2, "S": 3}, graph, external_data=True)
+        nodes[routed] = [n.op_type for n in model.graph.node]
+        assert nodes[routed].count("Scan") == 2
+        large = [t for t in model.graph.initializer if t.dims and np.prod(t.dims) >= 1024]
+        assert {onnx.TensorProto.DataType.Name(t.data_type) for t in large} == {"UINT8"}
+        rng = np.random.default_rng(1)
+        x = rng.standard_normal((3, 5, cfg.dim)).astype(np.float32)
+        a = rng.standard_normal((3, 5, width)).astype(np.float32)
+        got = ort_runner(graph, fold_constants=False)({"x": x, "a": a})
+        up, down = _StackedExperts(experts)(torch.from_numpy(x), torch.from_numpy(a))
+        assert np.array_equal(got["up"], up.numpy())
+        assert np.abs(got["down"] - down.numpy()).max() < 1e-5
+    assert nodes[4] == nodes[12], (len(nodes[4]), len(nodes[12]))
+
+
+def test_a_stack_refuses_weights_stored_differently() -> None:
+    same = StoredMatrix.from_stored("a", *_fp8((64, 64), seed=1), (64, 64))
+    other = StoredMatrix.from_stored("b", *_fp8((32, 64), seed=2), (32, 64))
+    with pytest.raises(StoredWeightError, match=r"weight 1 of the stack is stored as fp8 \(32, 64\)"):
+        StoredStack("w", [[same], [other]], 0)
 
 
 class _BfloatHead(nn.Module):
@@ -188,7 +249,7 @@ def test_the_chunk_budget_comes_from_the_build_and_a_bad_one_is_refused(tmp_path
     assert expert_chunk_bytes() == EXPERT_CHUNK_BYTES
     monkeypatch.setenv(EXPERT_CHUNK_ENV, "1")
     experts = experts_for(moe)
-    assert isinstance(experts, StoredExperts) and len(experts.up_chunks) == cfg.n_routed_experts + 1
+    assert isinstance(experts, StoredExperts) and experts.per_chunk == 1 and experts.chunk_count == cfg.n_routed_experts
     monkeypatch.setenv(EXPERT_CHUNK_ENV, "-4")
     with pytest.raises(StoredWeightError, match=r"MOL2_EXPERT_CHUNK_BYTES='-4': expected a positive number of bytes"):
         expert_chunk_bytes()
