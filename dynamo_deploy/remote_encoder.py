@@ -31,7 +31,10 @@ class RemoteEncoderPort:
         self.calls = calls
         self.encoder_of: dict[str, int] = {}  # session id -> the encoder instance that holds it (set by each turn)
 
-    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
+    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
+             draft: bool = False) -> list[Handover]:
+        if draft or keep is not None:  # the Dynamo decode worker runs its scheduler without a drafter
+            raise ServingError("speculative steps are not served through Dynamo workers yet")
         groups: dict[int, list[int]] = {}
         for b, sid in enumerate(session_ids):
             groups.setdefault(self._encoder(sid), []).append(b)

@@ -66,6 +66,7 @@ class TurnRequest:
     min_tokens: int | None = None
     ignore_eos: bool = False
     grammar: dict | None = None  # {"type": "json_object" | "json_schema" | "regex" | "ebnf", ...}; sent as JSON
+    speculative: bool = True  # False: this turn opts out of speculative decoding
 
     raw: bool = False  # completions: text tokenized as it is (no chat template), no end-of-turn after the reply
     forced_ids: list[int] | None = None  # teacher forcing: emitted first, with their log-probabilities
@@ -100,6 +101,7 @@ class TurnRequest:
             c.MIN_TOKENS: self.min_tokens,
             c.IGNORE_EOS: self.ignore_eos or None,
             c.GRAMMAR: None if self.grammar is None else json.dumps(self.grammar),
+            c.SPECULATIVE: None if self.speculative else False,
             c.RAW: self.raw or None,
             c.FORCED_IDS: list(self.forced_ids) if self.forced_ids is not None else None,
             c.FORK_FROM: self.fork_from,

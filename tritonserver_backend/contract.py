@@ -57,7 +57,8 @@ STOP_TOKEN_IDS = TensorSpec("stop_token_ids", "INT32", (-1,), True, 'sampling on
 MIN_TOKENS = TensorSpec("min_tokens", "INT32", (1,), True, "0..max_tokens: end-of-turn and stop_token_ids are masked (and stop strings not checked) until the reply has this many tokens (default 0)")
 IGNORE_EOS = TensorSpec("ignore_eos", "BOOL", (1,), True, "true: end-of-turn is never sampled; the reply runs to max_tokens, a stop string or a stop token id")
 GRAMMAR = TensorSpec("grammar", "BYTES", (1,), True, 'structured output, JSON: {"type":"json_object"} | {"type":"json_schema","schema":{...}} | {"type":"regex","pattern":"..."} | {"type":"ebnf","grammar":"root ::= ..."}; the decoder samples only tokens the grammar allows (xgrammar) and the reply ends where the grammar completes; one that does not compile is refused. Not with ignore_eos or min_tokens')
-SAMPLING_INPUTS = (TOP_K, MIN_P, LOGIT_BIAS, STOP_TOKEN_IDS, MIN_TOKENS, IGNORE_EOS, GRAMMAR)
+SPECULATIVE = TensorSpec("speculative", "BOOL", (1,), True, "false: this turn's tokens are never drafted, where the server decodes speculatively (the reply is the same at temperature 0 either way)")
+SAMPLING_INPUTS = (TOP_K, MIN_P, LOGIT_BIAS, STOP_TOKEN_IDS, MIN_TOKENS, IGNORE_EOS, GRAMMAR, SPECULATIVE)
 SESSION_TOKEN = TensorSpec("session_token", "BYTES", (1,), True, "the token issued when the session started (issued_session_token of its first reply): needed by every later turn, end_session, cancel, and by new_session or history on a live session (with session_auth on, the default)")
 END_SESSION = TensorSpec("end_session", "BOOL", (1,), True, "true drops the session after this turn")
 STREAM = TensorSpec("stream", "BOOL", (1,), True, "false: the whole reply in one response (what Triton's HTTP /generate needs); default true: a response per token")
@@ -97,6 +98,8 @@ ROLLBACK = TensorSpec("ROLLBACK", "BOOL", (1,), True, "sent by the decoder (BLS)
 DROP_SESSION = TensorSpec("DROP_SESSION", "BOOL", (1,), True, "sent by the decoder (BLS) after a turn with end_session: drop the encoder state")
 STEP_SESSION_IDS = TensorSpec("STEP_SESSION_IDS", "BYTES", (-1,), True, "sent by the decoder (BLS): the sessions of one batched step")
 STEP_TOKEN_IDS = TensorSpec("STEP_TOKEN_IDS", "INT64", (-1, -1), True, "(B, S) each step session's next tokens; hand-over rows come back session after session")
+STEP_KEEP = TensorSpec("STEP_KEEP", "INT64", (-1,), True, "with STEP_*: per step session, the positions of its previous (speculative) step to keep, 1..S (the fed token and the accepted drafts); -1: none waiting")
+STEP_DRAFT = TensorSpec("STEP_DRAFT", "BOOL", (1,), True, "with STEP_*: a speculative step; its rows are absorbed at the next call, up to that call's STEP_KEEP")
 TURN_DONE = TensorSpec("TURN_DONE", "BOOL", (1,), True, "with STEP_*: the last tokens of these sessions' turns (their next user turn is welcome)")
 H19 = TensorSpec("H19", "FP32", (1, -1), doc="last encoder layer's streams, mean over hc streams and the user turn: (1, dim)")
 ROUTER_H19 = TensorSpec("H19", "FP32", (-1, -1), doc="(B, dim): the router scores a batch of rows in one call")
@@ -139,7 +142,7 @@ class ModelSpec:
 SESSION_ID_IN = SESSION_ID.as_optional("conversation id: required; declared optional to Triton so that preprocess can answer its absence")
 TEXT_IN = TEXT.as_optional("the user turn: required; declared optional to Triton so that preprocess can answer its absence")
 PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, *TOOL_INPUTS, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P, SEED, STOP, *PENALTIES, *SAMPLING_INPUTS, LOGPROBS, TOP_LOGPROBS, RAW, FORCED_IDS, FORK_FROM), (TOKEN_IDS, PREFIX_IDS, START, ARRIVAL_NS))
-ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, SESSION_TOKEN, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, TURN_DONE,
+ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, SESSION_TOKEN, DROP_SESSION, ROLLBACK, STEP_SESSION_IDS, STEP_TOKEN_IDS, STEP_KEEP, STEP_DRAFT, TURN_DONE,
                                 INTERNAL_KEY, CHECK_TOKEN, FORK_FROM, FORK_TOKEN),
                     (H19, *HANDOVER, ISSUED_TOKEN, GRANT))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))

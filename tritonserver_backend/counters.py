@@ -23,6 +23,9 @@ REFUSAL_REASONS = (BUSY, CONTEXT_LIMIT)
 TOKEN_REFUSALS = "session_token_refusals"
 PATH_TURN, PATH_CANCEL = "turn", "cancel"
 TOKEN_PATHS = (PATH_TURN, PATH_CANCEL)
+# speculative decoding, labelled by adapter: blocks verified, tokens drafted into them, drafts accepted
+# (accepted / blocks + 1 is the mean tokens a turn gets per decoder step)
+SPECULATIVE_BLOCKS, DRAFTED, DRAFTS_ACCEPTED = "speculative_blocks", "speculative_drafted_tokens", "speculative_accepted_tokens"
 DESCRIPTIONS = {
     WRITTEN: "routing decisions written by the router (explicit overrides included)",
     READ: "routing decisions read by the decoder",
@@ -38,6 +41,9 @@ DESCRIPTIONS = {
                    "reason=context_limit: the session would pass max_context)",
     TOKEN_REFUSALS: "requests refused for a missing or wrong session token (path=turn: a turn, end or restart of a live "
                     "session, or a turn for a session that is not live; path=cancel: session_control's cancel)",
+    SPECULATIVE_BLOCKS: "speculative blocks verified by the decoder (one turn's drafts in one step)",
+    DRAFTED: "tokens drafted into speculative blocks",
+    DRAFTS_ACCEPTED: "drafted tokens the target accepted (greedy: equal to its own choice; sampling: speculative sampling)",
     ENCODED_TOKENS: "tokens run through the encoder (kind=turn: user turns and any rebuilt history; kind=step: generated tokens fed back)",
 }
 

@@ -29,6 +29,7 @@ from .grammar import GrammarCache, allowed_tokens
 from .registry import BASE_NAME, Registry
 from .sampling import Sampler, SamplingParams
 from .session_store import SessionStore
+from .speculative import accept_block
 
 FINISH_EOT, FINISH_LENGTH, FINISH_STOP, FINISH_CANCELLED = "end_of_turn", "length", "stop", "cancelled"
 
@@ -53,6 +54,18 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
 
 
 @dataclass
+class SpeculativeBlock:
+    """A speculative step of one turn, until its tokens are chosen: the drafts it verified, the target's logits after
+    the fed token and after each draft, and what the decoder rows keep of it once the accepted length is known."""
+
+    drafts: list[int]
+    logits: np.ndarray  # (len(drafts) + 1, vocab)
+    handover: Handover  # the step's hand-over rows (absorbed as a draft: `DecoderRow.absorb_draft`)
+    ring_rows: np.ndarray  # (R, S, D) the step's decoder ring rows, written up to the kept length
+    start: int  # the step's first position
+
+
+@dataclass
 class Turn:
     """One turn being answered: its session's decoder row, adapter slot, sampler and what it generated so far."""
 
@@ -73,6 +86,15 @@ class Turn:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # with params.logprobs: one per generated token
     matcher: object = None  # with params.grammar: the turn's state in its grammar (an xgrammar GrammarMatcher)
     allowed: torch.Tensor | None = None  # the grammar's allowed next tokens (vocab,) bool, filled each step
+    block: "SpeculativeBlock | None" = None  # the speculative step whose tokens are not chosen yet (`choose_block`)
+    keep: int = -1  # positions of the last speculative step to keep, for the encoder's next call (-1: none waiting)
+
+    @property
+    def drafts_allowed(self) -> bool:
+        """Whether this turn's tokens may be drafted: not under a grammar (its mask follows every token), not while
+        forced ids are emitted, not with logprobs, and not when the request opted out (`speculative` false)."""
+        p = self.params
+        return p.speculative and not p.grammar and not p.logprobs and len(self.generated) >= len(p.forced_ids)
 
     @property
     def adapter_name(self) -> str:
@@ -218,6 +240,11 @@ class DecoderService:
         turn.allowed = None
         if turn.matcher is not None and not turn.matcher.accept_token(token):  # type: ignore[attr-defined]
             raise ServingError(f"the grammar refused token {token}, which its own mask allowed")
+        return self._take(turn, token)
+
+    def _take(self, turn: Turn, token: int) -> int | None:
+        """A chosen token (its logits in `turn.logits`): end the turn on end-of-turn or a stop id (None: neither is
+        part of the reply), else add it to the reply and end the turn on a stop string or max_tokens."""
         if token == self.tokenizer.end_of_turn_id:
             turn.finish = FINISH_EOT
             return None
@@ -226,6 +253,7 @@ class DecoderService:
             return None
         turn.generated.append(token)
         if turn.params.logprobs:
+            assert turn.logits is not None
             turn.logprobs.append(token_logprobs(turn.logits, token, turn.params.top_logprobs))
         if turn.params.stop and len(turn.generated) >= turn.params.min_tokens and any(s in self.tokenizer.decode(turn.generated) for s in turn.params.stop):
             turn.finish = FINISH_STOP
@@ -246,18 +274,75 @@ class DecoderService:
         return token
 
     # ------------------------------------------------------------------ batched decode
-    def advance(self, turns: list[Turn], handovers: list[Handover]) -> None:
-        """One decoder step for every turn: absorb each one's new encoder row, run all rows in one batch."""
-        for turn, h in zip(turns, handovers):
-            turn.row.absorb(self.layout, h)
-            turn.fed += h["positions"].shape[0]
+    def advance(self, turns: list[Turn], handovers: list[Handover], drafts: list[list[int]] | None = None) -> None:
+        """One decoder step for every turn: absorb each one's new encoder rows, run all rows in one batch.
+
+        `drafts` (speculative decoding): each turn fed its last token and these drafted tokens (as many for every
+        turn, maybe none for one that does not draft). The step verifies them: it returns the logits after every
+        position, and the rows keep nothing of the block until `choose_block` knows how much was accepted."""
+        if drafts is None:
+            for turn, h in zip(turns, handovers):
+                turn.row.absorb(self.layout, h)
+                turn.fed += h["positions"].shape[0]
+        else:
+            for turn, h in zip(turns, handovers):
+                turn.row.absorb_draft(self.layout, h)
         slots = [t.slot for t in turns]
+        steps = handovers[0]["positions"].shape[0]
+        verify = None if drafts is None else np.tile(np.arange(steps - 1, dtype=np.int64), (len(turns), 1))
         feed = decoder_inputs(self.layout, [t.row for t in turns], [{f: h[f] for f in HANDOVER_FIELDS} for h in handovers], slots,
-                              self.arena)
+                              self.arena, verify=verify)
         out = self.engine.decoder(feed)
-        absorb_decoder([t.row for t in turns], out, feed, False, slots)
+        if drafts is None:
+            absorb_decoder([t.row for t in turns], out, feed, False, slots)
+            for b, turn in enumerate(turns):
+                turn.logits = out["logits"][b]
+            return
         for b, turn in enumerate(turns):
-            turn.logits = out["logits"][b]
+            logits = np.concatenate((out["verify_logits"][b], out["logits"][b][None]))
+            turn.block = SpeculativeBlock(list(drafts[b]), logits, handovers[b], out["ring_rows"][b], int(feed["start"][b]))
+            turn.logits = logits[0]
+
+    def choose_block(self, turn: Turn) -> list[int]:
+        """The tokens a turn emits after a speculative step (`advance` with drafts), then its rows settled.
+
+        The drafts are checked by `speculative.accept_block` (greedy: the turn's own sampler at each position, so the
+        reply is the plain reply token for token; temperature > 0: speculative sampling). Each token then goes
+        through what `choose` does after sampling (end-of-turn, stop ids and strings, max_tokens), in order; the
+        turn may end inside the block. The rows keep the fed token and the accepted drafts before the turn's end
+        (`keep`), exactly as if only they had been stepped; the encoder is told at its next call (`Turn.keep`)."""
+        block = turn.block
+        assert block is not None
+        if not block.drafts or not turn.drafts_allowed or turn.finish:
+            token = None if turn.finish else self.choose(turn)
+            self._settle_block(turn, 1)
+            return [] if token is None else [token]
+        proposal = accept_block(turn.sampler, torch.from_numpy(block.logits), block.drafts, turn.generated)
+        emitted: list[int] = []
+        for i, token in enumerate(proposal):
+            turn.logits = block.logits[i]
+            if self._take(turn, token) is None:
+                break
+            emitted.append(token)
+            if turn.finish:
+                break
+        accepted = min(len(emitted), len(proposal) - 1)  # the drafts among the emitted tokens (the last is the target's)
+        self.counters.add(k.SPECULATIVE_BLOCKS, turn.adapter_name)
+        self.counters.add(k.DRAFTED, turn.adapter_name, len(block.drafts))
+        self.counters.add(k.DRAFTS_ACCEPTED, turn.adapter_name, accepted)
+        self._settle_block(turn, 1 + accepted)
+        return emitted
+
+    def _settle_block(self, turn: Turn, keep: int) -> None:
+        """Keep the first `keep` positions of the turn's speculative step in its decoder rows (mirror, replay window,
+        rings) and remember the count for the encoder."""
+        block = turn.block
+        assert block is not None
+        turn.row.settle(self.layout, block.handover, keep)
+        absorb_decoder([turn.row], {"ring_rows": block.ring_rows[None]}, {"start": np.asarray([block.start])}, False, [turn.slot],
+                       keep=[keep])
+        turn.fed += keep
+        turn.keep, turn.block = keep, None
 
     def finish(self, turn: Turn, trailing: Handover) -> None:
         """The turn is over: absorb its trailing rows (so the next turn continues a well-formed conversation) and

@@ -36,6 +36,16 @@ class _InFlight:
     h19_before: np.ndarray | None = None  # the session's last turn's H19 before the turn (what a fork routes on)
 
 
+@dataclass
+class _DraftBlock:
+    """A speculative step's outputs for one session, not absorbed yet: the next step call says how many of its
+    positions to keep (the last fed token and the accepted drafts), and only those are written (`absorb_encoder`'s
+    `keep`: the state is then that of a session that never saw the rest)."""
+
+    out: dict[str, np.ndarray]  # the step's outputs, this session's row only (1, …)
+    tokens: np.ndarray  # (1, S)
+
+
 @dataclass(frozen=True)
 class EncodedTurn:
     """What a user turn's encoding hands on: H19 pooled over the turn, the hand-over rows, and the session token
@@ -66,6 +76,7 @@ class EncoderService:
         self.counters = counters or Counters()
         self._uncounted_steps = 0  # step tokens encoded since the last flush (see encode_step)
         self._h19: dict[str, np.ndarray] = {}  # each live session's last turn's H19 (what a fork without new tokens routes on)
+        self._drafts: dict[str, _DraftBlock] = {}  # speculative steps waiting for their kept length (encode_step)
 
     def flush_counts(self) -> None:
         """Add the step tokens encoded since the last flush to the counters. Called at every turn's end, so the
@@ -181,11 +192,17 @@ class EncoderService:
         return {k: out[k][0] for k in HANDOVER_KEYS + ("h19",)}
 
     # ------------------------------------------------------------------ the decoder's batched steps
-    def encode_step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool = False) -> list[Handover]:
+    def encode_step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool = False, keep: np.ndarray | None = None,
+                    draft: bool = False) -> list[Handover]:
         """One batched step: `tokens` (B, S) are each session's next generated tokens (one row per session).
 
         `turn_done` marks the last call of those sessions' turns (the reply's last token and end-of-turn): their next
         user turn is then welcome. A session unknown here (evicted meanwhile) fails the whole call before any change.
+
+        Speculative decoding: with `draft` the step's rows go back to the decoder as usual but are not absorbed; the
+        session's next call gives, in `keep` (B,), how many of that step's positions to keep (the token fed last and
+        the drafts the decoder accepted, 1..S), and those are absorbed before anything else. -1 (or no `keep`): the
+        session has no block waiting. So the accepted length rides on the next call and costs no round trip.
         """
         tokens = np.asarray(tokens)
         if tokens.ndim != 2 or tokens.shape[0] != len(session_ids) or tokens.dtype.kind not in "iu":
@@ -193,7 +210,18 @@ class EncoderService:
         if len(set(session_ids)) != len(session_ids):
             raise BadRequest("a session appears twice in one step")
         check_ids(tokens.reshape(-1), self.cfg.vocab_size, "STEP_TOKEN_IDS")
+        keep = self._check_keep(session_ids, keep)
         rows = [self.sessions.get(s) for s in session_ids]
+        if draft and (turn_done or tokens.shape[1] == 0):
+            raise BadRequest("a speculative step needs tokens and is never the last step of a turn")
+        over = [s for s, r, kept in zip(session_ids, rows, keep) if r.position + max(kept, 0) + tokens.shape[1] > self.max_context]
+        if over:
+            raise BadRequest(f"sessions {over} would pass the {self.max_context}-token context limit")
+        for s, row, kept in zip(session_ids, rows, keep):  # every check passed: the waiting blocks' kept positions
+            if kept >= 0:
+                block = self._drafts.pop(s)
+                absorb_encoder(self.layout, [row], block.out, block.tokens.shape[1], block.tokens, keep=[kept])
+                self._uncounted_steps += kept
         if tokens.shape[1] == 0:  # a turn that ends with nothing left to encode (a prefill-only or raw turn)
             if turn_done:
                 for s in session_ids:
@@ -201,15 +229,16 @@ class EncoderService:
                 self.flush_counts()
             empty = {key: a for key, a in self._empty_rows().items() if key != "h19"}
             return [{**empty, "positions": np.zeros(0, np.int64)} for _ in session_ids]
-        over = [s for s, r in zip(session_ids, rows) if r.position + tokens.shape[1] > self.max_context]
-        if over:
-            raise BadRequest(f"sessions {over} would pass the {self.max_context}-token context limit")
         starts = [r.position for r in rows]
         tokens = tokens.astype(np.int64)
         out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens, self.arena, self.engram))
-        absorb_encoder(self.layout, rows, out, tokens.shape[1], tokens)
-        # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
-        self._uncounted_steps += int(tokens.size)
+        if draft:
+            for b, s in enumerate(session_ids):
+                self._drafts[s] = _DraftBlock({key: v[b:b + 1] for key, v in out.items()}, tokens[b:b + 1])
+        else:
+            absorb_encoder(self.layout, rows, out, tokens.shape[1], tokens)
+            # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
+            self._uncounted_steps += int(tokens.size)
         if turn_done:
             for s in session_ids:
                 self._in_flight.pop(s, None)
@@ -218,9 +247,29 @@ class EncoderService:
         return [{**{k: out[k][b] for k in HANDOVER_KEYS}, "positions": np.arange(starts[b], starts[b] + steps, dtype=np.int64)}
                 for b in range(len(session_ids))]
 
+    def _check_keep(self, session_ids: list[str], keep: np.ndarray | None) -> list[int]:
+        """`keep` as one int per session, checked against the blocks waiting: a session with a block must say how
+        much of it to keep (1..S), one without must not (a malformed call changes nothing)."""
+        if keep is None:
+            keep_list = [-1] * len(session_ids)
+        else:
+            a = np.asarray(keep)
+            if a.shape != (len(session_ids),) or a.dtype.kind not in "iu":
+                raise BadRequest(f"STEP_KEEP must be one integer per step session ({len(session_ids)}), got shape {a.shape} dtype {a.dtype}")
+            keep_list = [int(v) for v in a]
+        for s, kept in zip(session_ids, keep_list):
+            block = self._drafts.get(s)
+            if block is None and kept != -1:
+                raise BadRequest(f"STEP_KEEP: session {s!r} has no speculative step waiting (send -1)")
+            if block is not None and not 1 <= kept <= block.tokens.shape[1]:
+                raise BadRequest(f"STEP_KEEP: session {s!r} must keep 1..{block.tokens.shape[1]} positions of its "
+                                 f"speculative step, got {kept}")
+        return keep_list
+
     # ------------------------------------------------------------------ turn bookkeeping
     def rollback(self, session_id: str) -> None:
         """Undo the user turn in flight (the decoder rejected it before absorbing anything)."""
+        self._drafts.pop(session_id, None)
         flight = self._in_flight.pop(session_id, None)
         if flight is None:
             return
@@ -236,6 +285,7 @@ class EncoderService:
         self.tokens.restore(session_id, flight.token_before)
 
     def end(self, session_id: str) -> bool:
+        self._drafts.pop(session_id, None)
         self._in_flight.pop(session_id, None)
         self._h19.pop(session_id, None)
         self.tokens.forget(session_id)

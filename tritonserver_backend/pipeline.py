@@ -14,6 +14,7 @@ import numpy as np
 
 from .counters import Counters
 from .decoder_service import DecoderService, TokenLogprobs, Turn
+from .drafting import Drafter
 from .encoder_service import EncoderService, Handover
 from .engines import open_engine
 from .registry import Registry
@@ -40,8 +41,9 @@ class DirectEncoderPort:
     def __init__(self, encoder: EncoderService) -> None:
         self.encoder = encoder
 
-    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
-        return self.encoder.encode_step(session_ids, tokens, turn_done)
+    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
+             draft: bool = False) -> list[Handover]:
+        return self.encoder.encode_step(session_ids, tokens, turn_done, keep, draft)
 
     def rollback(self, session_id: str) -> None:
         self.encoder.rollback(session_id)
@@ -52,8 +54,10 @@ class DirectEncoderPort:
 
 class InProcessPipeline:
     def __init__(self, model_dir: str | Path, registry_root: str | Path, max_context: int = 8192, backend: str = "torch",
-                 engine_dir: str | Path | None = None, session_auth: bool = False) -> None:
-        """`session_auth` off by default: the in-process pipeline has one caller (the server's models default to on)."""
+                 engine_dir: str | Path | None = None, session_auth: bool = False, drafter: Drafter | None = None) -> None:
+        """`session_auth` off by default: the in-process pipeline has one caller (the server's models default to on).
+        `drafter`: speculative decoding with it (None: plain decoding)."""
+        self.drafter = drafter
         self.counters = Counters()
         self.registry = Registry(registry_root)
         self.engine = open_engine(backend, model_dir, engine_dir)
@@ -100,7 +104,8 @@ class InProcessPipeline:
                 finish.append(reason)
             return True
 
-        scheduler = TurnScheduler(self.decoder, DirectEncoderPort(self.encoder), emit, lambda _, exc: failure.append(exc), max_active=1)
+        scheduler = TurnScheduler(self.decoder, DirectEncoderPort(self.encoder), emit, lambda _, exc: failure.append(exc), max_active=1,
+                                  drafter=self.drafter)
         scheduler.submit(request)
         while not scheduler.idle:
             scheduler.iterate()

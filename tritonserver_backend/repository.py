@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from . import contract as c
+from .drafting import make_drafter
 
 DEFAULT_PARAMETERS = {
     "model_dir": "embedded/mol2-small",
@@ -24,6 +25,11 @@ DEFAULT_PARAMETERS = {
     "stream_interval": "1",  # tokens per streamed response (the last one of a turn flushes the rest); docs/load.md
     "decode_lanes": "1",  # 2: one lane's encoder step overlaps the other's decoder step (docs/load.md); 1: one batch
     "prefill_chunk": "256",
+    # speculative decoding (docs/speculative.md): the drafter (ngram: prompt lookup over the reply; off), drafts per
+    # step, and the most turns a lane may have going for its steps to draft (a loaded batch decodes plainly)
+    "speculative": "off",
+    "speculative_block": "4",
+    "speculative_batch": "8",
     "torch_threads": "1",
     # sessions (docs/serving.md, "Session tokens")
     "session_auth": "true",  # false: no session tokens (a trusted single-tenant deployment only; the log says so)
@@ -43,7 +49,7 @@ PYTHON_MODELS_USING = {
                 "session_auth", "internal_key_file"),
     "router": ("model_dir", "registry_root", *ENGINE),
     "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes", "stream_interval",
-                "internal_key_file"),
+                "internal_key_file", "speculative", "speculative_block", "speculative_batch"),
     "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters", "max_adapter_rank", "max_adapter_bytes"),
     "session_control": ("registry_root", "internal_key_file"),
 }
@@ -138,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{key.replace('_', '-')}", default=value)
     args = parser.parse_args(argv)
     params = {k: getattr(args, k) for k in DEFAULT_PARAMETERS}
+    try:
+        make_drafter(params["speculative"], int(params["speculative_block"]))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.out.resolve() == SOURCE_REPOSITORY.resolve():
         if not args.force:
             parser.error(f"{args.out} is the committed repository (its configs are checked against the contract); "

@@ -41,6 +41,7 @@ class SamplingParams:
     min_tokens: int = 0  # end-of-turn and stop_token_ids are masked until the reply has this many tokens
     ignore_eos: bool = False  # end-of-turn is never sampled: the reply runs to max_tokens (or a stop)
     grammar: str = ""  # canonical JSON of a grammar spec (grammar_spec.canonical); "" = unconstrained
+    speculative: bool = True  # the turn's tokens may be drafted where the server decodes speculatively (off: opt out)
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tokens <= MAX_TOKENS_LIMIT:

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import counters as k
 from .decoder_service import FINISH_CANCELLED, FINISH_LENGTH, DecoderService, Turn
+from .drafting import Drafter
 from .encoder_service import MAX_DECODE_LANES, Handover
 from .errors import ServingError, TurnCancelled, TurnFailed, TurnRejected
 from .sampling import SamplingParams
@@ -31,7 +32,8 @@ LOG = logging.getLogger("mol2")
 
 
 class EncoderPort(Protocol):
-    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]: ...
+    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
+             draft: bool = False) -> list[Handover]: ...
 
     def rollback(self, session_id: str) -> None: ...
 
@@ -51,6 +53,19 @@ class TurnRequest:
     fork_from: str = ""  # contract.FORK_FROM: the session this new one starts as a copy of
 
 
+@dataclass
+class StepTokens:
+    """One encoder call of the token loop: tokens (B, S) (the last token, then any drafts), each turn's kept length of
+    its previous speculative step (-1: none), and the drafts (None: a plain step)."""
+
+    tokens: np.ndarray
+    keep: np.ndarray
+    drafts: list[list[int]] | None = None
+
+    def row(self, b: int) -> "StepTokens":
+        return StepTokens(self.tokens[b:b + 1], self.keep[b:b + 1], None if self.drafts is None else self.drafts[b:b + 1])
+
+
 REPLAY_BATCH = 8  # starting turns per batched replay (up to 8 x 128 rows through the decoder in one call)
 Emit = Callable[[Turn, int, str], bool]  # (turn, token or -1, finish reason or "") -> client still there
 Fail = Callable[[TurnRequest | Turn, BaseException], None]
@@ -58,18 +73,23 @@ Fail = Callable[[TurnRequest | Turn, BaseException], None]
 
 class TurnScheduler:
     def __init__(self, decoder: DecoderService, encoder: EncoderPort, emit: Emit, fail: Fail, max_active: int = 32,
-                 lanes: int = 1) -> None:
+                 lanes: int = 1, drafter: Drafter | None = None, draft_batch: int = 32) -> None:
         """`lanes`: the active turns are split into this many lanes whose steps alternate, so that one lane's encoder
         step (in the encoder's process) runs while the previous lane's decoder step runs on the engine thread; 1 = every
         active turn in one batch, encoder and decoder strictly one after the other (the default: on 2 cores two lanes
-        measured no faster, docs/load.md). A lane changes no row's result."""
+        measured no faster, docs/load.md). A lane changes no row's result.
+
+        `drafter` (speculative decoding; None: off): each step feeds a turn its last token and the drafter's guesses,
+        and the decoder keeps what the target agrees with. Only while a lane has at most `draft_batch` turns going:
+        a loaded batch is already compute-bound, and verifying drafts there costs more than it saves."""
         self.decoder, self.encoder, self.emit, self.fail = decoder, encoder, emit, fail
+        self.drafter, self.draft_batch = drafter, draft_batch
         self.max_active = max_active
         self.waiting: deque[TurnRequest] = deque()
         if not 1 <= lanes <= MAX_DECODE_LANES:
             raise ValueError(f"decode lanes must lie in [1, {MAX_DECODE_LANES}], got {lanes}")
         self.lanes: list[list[Turn]] = [[] for _ in range(lanes)]
-        self._pending: list[tuple[list[Turn], Future | BaseException, np.ndarray] | None] = [None] * lanes
+        self._pending: list[tuple[list[Turn], Future | BaseException, StepTokens] | None] = [None] * lanes
         self._next_lane = 0
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="mol2-engine")  # every engine call, never pb_utils
         # the per-step encoder call, so that responses stream while it runs; one call at a time, and it is the only
@@ -186,18 +206,21 @@ class TurnScheduler:
         for turn in turns:
             if turn.finish == "error":
                 continue
-            token = None if turn.finish else self.decoder.choose(turn)
-            if token is not None:
-                chosen.append((turn, token))
+            if turn.block is not None:  # a speculative step: its accepted tokens (none for a turn that ended meanwhile)
+                chosen.extend((turn, token) for token in self.decoder.choose_block(turn))
+            else:
+                token = None if turn.finish else self.decoder.choose(turn)
+                if token is not None:
+                    chosen.append((turn, token))
             if not turn.finish:
                 going.append(turn)
         unsent = deque(chosen)
         if going:
-            tokens = np.asarray([t.generated[-1] for t in going], np.int64)[:, None]
-            encoding = self._encode(going, tokens)
+            step = self._next_step(going)
+            encoding = self._encode(going, step)
             while unsent and not encoding.done():
                 self._stream(*unsent.popleft())
-            self._pending[lane] = (going, self._start_decoder(going), tokens)
+            self._pending[lane] = (going, self._start_decoder(going, step), step)
         while unsent:
             self._stream(*unsent.popleft())
         for turn in [t for t in turns if t.finish and t.finish != "error" and t not in going]:
@@ -268,18 +291,47 @@ class TurnScheduler:
             shortest.append(longest.pop())
 
     # ------------------------------------------------------------------ stepping
-    def _step(self, turns: list[Turn], tokens: np.ndarray) -> tuple[Future | BaseException, np.ndarray]:
+    def _next_step(self, turns: list[Turn]) -> "StepTokens":
+        """What each going turn feeds next: its last token, then (speculative decoding) its drafts, as many for every
+        turn (a shorter guess is padded with its own last draft, a turn that does not draft verifies padding it never
+        keeps), and the kept length of each turn's previous speculative step for the encoder."""
+        keep = np.asarray([t.keep for t in turns], np.int64)
+        for turn in turns:
+            turn.keep = -1
+        last = [t.generated[-1] for t in turns]
+        drafts = self._drafts(turns)
+        if drafts is None:
+            return StepTokens(np.asarray(last, np.int64)[:, None], keep)
+        return StepTokens(np.asarray([[t, *d] for t, d in zip(last, drafts)], np.int64), keep, drafts)
+
+    def _drafts(self, turns: list[Turn]) -> list[list[int]] | None:
+        """Each turn's drafts for this step, or None for a plain step: no drafter, a loaded lane, no guess at all, or
+        a turn whose block would not fit its context."""
+        if self.drafter is None or len(turns) > self.draft_batch:
+            return None
+        guesses = [self.drafter.draft(t.generated, t.limit - len(t.generated) - 1) if t.drafts_allowed else [] for t in turns]
+        width = max(len(g) for g in guesses)
+        if width == 0 or any(t.row.position + 1 + width > self.decoder.max_context - 1 for t in turns):
+            return None
+        return [g + [g[-1] if g else t.generated[-1]] * (width - len(g)) for t, g in zip(turns, guesses)]
+
+    def _step(self, turns: list[Turn], step: "StepTokens") -> tuple[Future | BaseException, "StepTokens"]:
         """The encoder call for these turns' tokens, then the decoder step started on the compute thread (or the
         encoder's error: it refuses a batch as a whole, before changing anything)."""
-        self._encode(turns, tokens)
-        return self._start_decoder(turns), tokens
+        self._encode(turns, step)
+        return self._start_decoder(turns, step), step
 
-    def _encode(self, turns: list[Turn], tokens: np.ndarray) -> Future:
+    def _encode(self, turns: list[Turn], step: "StepTokens") -> Future:
         """Start the encoder call for these turns' tokens on its thread (one at a time: the previous one was waited for)."""
-        self._encoding = self._encoder_calls.submit(self.encoder.step, [t.session_id for t in turns], tokens, False)
+        self._encoding = self._encoder_calls.submit(self._encoder_step, [t.session_id for t in turns], step, False)
         return self._encoding
 
-    def _start_decoder(self, turns: list[Turn]) -> Future | BaseException:
+    def _encoder_step(self, session_ids: list[str], step: "StepTokens", turn_done: bool) -> list[Handover]:
+        if step.drafts is None and (step.keep < 0).all():  # a plain step: the call every encoder port takes
+            return self.encoder.step(session_ids, step.tokens, turn_done)
+        return self.encoder.step(session_ids, step.tokens, turn_done, step.keep, step.drafts is not None)
+
+    def _start_decoder(self, turns: list[Turn], step: "StepTokens") -> Future | BaseException:
         """Wait for the encoder call in flight (`_encode`), then start the decoder step on the compute thread; the
         encoder's error instead, if it refused the batch."""
         assert self._encoding is not None
@@ -289,9 +341,9 @@ class TurnScheduler:
             return exc
         finally:
             self._encoding = None
-        return self._compute.submit(self.decoder.advance, turns, handovers)
+        return self._compute.submit(self.decoder.advance, turns, handovers, step.drafts)
 
-    def _settle(self, turns: list[Turn], advancing: Future | BaseException, tokens: np.ndarray) -> None:
+    def _settle(self, turns: list[Turn], advancing: Future | BaseException, step: "StepTokens") -> None:
         """Wait for the decoder step. An encoder refusal (a session evicted meanwhile) is retried turn by turn, so only
         the failing turn ends; an engine failure ends the turns of that batch."""
         if isinstance(advancing, Future):
@@ -307,7 +359,7 @@ class TurnScheduler:
             self._abort(turns[0], advancing)
             return
         for i, turn in enumerate(turns):
-            self._settle([turn], *self._step([turn], tokens[i:i + 1]))
+            self._settle([turn], *self._step([turn], step.row(i)))
 
     def _end(self, turn: Turn) -> None:
         """Trailing tokens through the encoder (which marks the turn done), store the session, send the final response."""
@@ -315,7 +367,9 @@ class TurnScheduler:
             eot = self.decoder.tokenizer.end_of_turn_id
             # a raw session has no end-of-turn, nor has a prefill-only turn (it stops at the assistant prompt, to be forked)
             tail = turn.trailing(eot)[:-1] if turn.params.raw or turn.limit == 0 else turn.trailing(eot)
-            trailing = self.encoder.step([turn.session_id], np.asarray([tail], np.int64).reshape(1, len(tail)), True)[0]
+            step = StepTokens(np.asarray([tail], np.int64).reshape(1, len(tail)), np.asarray([turn.keep], np.int64))
+            turn.keep = -1
+            trailing = self._encoder_step([turn.session_id], step, True)[0]
             self.decoder.finish(turn, trailing)
         except Exception as exc:  # noqa: BLE001
             self._abort(turn, exc)

@@ -42,8 +42,14 @@ class BlsEncoderPort:
         inputs = {c.SESSION_ID: session_id, c.TOKEN_IDS: EMPTY, c.PREFIX_IDS: EMPTY, c.START: False, c.INTERNAL_KEY: self.key.value, **extra}
         return glue.bls("encoder", inputs, outputs)
 
-    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
-        out = self._call(session_ids[0], {c.STEP_SESSION_IDS: session_ids, c.STEP_TOKEN_IDS: tokens, c.TURN_DONE: turn_done}, list(c.HANDOVER))
+    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
+             draft: bool = False) -> list[Handover]:
+        extra: dict[c.TensorSpec, Any] = {c.STEP_SESSION_IDS: session_ids, c.STEP_TOKEN_IDS: tokens, c.TURN_DONE: turn_done}
+        if keep is not None:
+            extra[c.STEP_KEEP] = keep
+        if draft:
+            extra[c.STEP_DRAFT] = True
+        out = self._call(session_ids[0], extra, list(c.HANDOVER))
         return rows_from_arrays(out, [tokens.shape[1]] * len(session_ids))
 
     def rollback(self, session_id: str) -> None:

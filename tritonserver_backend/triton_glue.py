@@ -133,6 +133,7 @@ def sampling_params(request: Any) -> "SamplingParams":
         min_tokens=int(read(request, c.MIN_TOKENS, 0)),
         ignore_eos=bool(read(request, c.IGNORE_EOS, False)),
         grammar=canonical(read(request, c.GRAMMAR, "")),
+        speculative=bool(read(request, c.SPECULATIVE, True)),
         raw=bool(read(request, c.RAW, False)),
         forced_ids=tuple(int(t) for t in read(request, c.FORCED_IDS, np.zeros(0, np.int32)).reshape(-1)),
     )

@@ -4,7 +4,8 @@ gRPC streaming gives, token for token, what the in-process pipeline gives on the
 Why a separate module: the fixtures of `test_serving_triton.py` serve the fp32 engines (onnx and torch backends);
 here one server per quantization mode is started on `engine_dir` = the quantized directory, and only the
 conversation and the batched-sessions check run on it (the transport and error paths do not depend on the engine).
-The int8 build is checked in process (`tests/build_engines/quantize/`) but not served: it loads and runs through
+The fp8-KV server runs with speculative decoding (n-gram drafts): its replies must still be the in-process plain
+pipeline's, token for token, and its metrics must show drafts verified. The int8 build is checked in process (`tests/build_engines/quantize/`) but not served: it loads and runs through
 the same onnxruntime path as fp8 (standard Q/DQ), and a third server costs CI about 25 s.
 """
 
@@ -55,7 +56,9 @@ def server(tmp_path_factory, quantized_dir):  # type: ignore[no-untyped-def]
     mode, engine_dir = quantized_dir
     work = tmp_path_factory.mktemp(f"triton-{engine_dir.name}")
     params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
-              "engine_backend": "onnx", "engine_dir": str(engine_dir)}
+              "engine_backend": "onnx", "engine_dir": str(engine_dir),
+              # the fp8-KV server decodes speculatively: every check below then also holds with drafting on
+              "speculative": "ngram" if engine_dir.name.endswith("kv8") else "off"}
     repo = build_repository(work / "repo", params)
     try:
         srv = TritonServer(work_dir=work / "server")
@@ -127,3 +130,23 @@ def test_concurrent_sessions_in_batched_steps_match_their_solo_runs(server, refe
     results, errors = concurrent_token_ids(server.grpc_url, requests)
     assert not errors, errors
     assert results == solo
+
+
+def test_speculative_steps_on_fp8_kv_state_give_the_plain_replies(server, reference, quantized_dir) -> None:  # type: ignore[no-untyped-def]
+    """Longer turns on the fp8-KV server (drafting on): token for token the in-process plain pipeline's replies, with
+    speculative blocks verified (a rejected draft's fp8 state is never written: docs/speculative.md)."""
+    import urllib.request
+
+    if not quantized_dir[1].name.endswith("kv8"):
+        pytest.skip("only the fp8-KV server decodes speculatively (the fp8 server's replies are checked plain above)")
+    chat = GrpcChat(server.grpc_url)
+    try:
+        for i, (text, adapter, new) in enumerate(CONVERSATION[:4]):
+            req = TurnRequest("quant-spec", text, new_session=new, adapter=adapter, max_tokens=24)
+            got, want = chat.turn(req), _reference(reference, req)
+            assert got.error is None and got.token_ids == want.token_ids, (i, got, want)
+    finally:
+        chat.close()
+    lines = urllib.request.urlopen(server.metrics_url).read().decode().splitlines()
+    blocks = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("mol2_speculative_blocks{"))
+    assert blocks > 0, "no speculative block was verified"

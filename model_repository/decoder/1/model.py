@@ -11,6 +11,7 @@ from tritonserver_backend import triton_decoder
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.counters import Counters
 from tritonserver_backend.decoder_service import DecoderService
+from tritonserver_backend.drafting import make_drafter
 from tritonserver_backend.scheduler import TurnScheduler
 from tritonserver_backend.session_auth import InternalKey, internal_key_path
 from tritonserver_backend.text_service import TextService
@@ -29,8 +30,11 @@ class TritonPythonModel:
         emitter = triton_decoder.Emitter(text, int(params.get("stream_interval", "1")), glue.LatencyHistograms())
         key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]), params.get("internal_key_file") or None))
         guard = triton_decoder.HandoverGuard(key)
+        glue.export_counters(counters, [k.SPECULATIVE_BLOCKS, k.DRAFTED, k.DRAFTS_ACCEPTED])
+        drafter = make_drafter(params.get("speculative", "off"), int(params.get("speculative_block", "4")))
         scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(key), emitter, triton_decoder.fail,
-                                  int(params["max_active_turns"]), int(params.get("decode_lanes", "1")))
+                                  int(params["max_active_turns"]), int(params.get("decode_lanes", "1")), drafter,
+                                  int(params.get("speculative_batch", "8")))
         self.scheduler = scheduler
         gauges = glue.SessionGauges("decoder", service.sessions)
 

@@ -59,7 +59,8 @@ class TritonPythonModel:
             return {}
         step_sessions = glue.read(request, c.STEP_SESSION_IDS, None)
         if step_sessions is not None:  # the decoder's batched step: every active session's next tokens
-            rows = self.service.encode_step(step_sessions, glue.read(request, c.STEP_TOKEN_IDS), bool(glue.read(request, c.TURN_DONE, False)))
+            rows = self.service.encode_step(step_sessions, glue.read(request, c.STEP_TOKEN_IDS), bool(glue.read(request, c.TURN_DONE, False)),
+                                            glue.read(request, c.STEP_KEEP, None), bool(glue.read(request, c.STEP_DRAFT, False)))
             return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows)), c.ISSUED_TOKEN: "", c.GRANT: ""}
         fork = glue.read(request, c.FORK_FROM, None)
         turn = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS), bool(glue.read(request, c.START)),

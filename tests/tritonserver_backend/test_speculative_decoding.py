@@ -1,0 +1,183 @@
+"""Speculative decoding through the serving path, in process on the served onnx engines: greedy replies with drafting
+equal the plain replies token for token, and every session's state after them equals, bit for bit, the state the
+plain run leaves (encoder rows and decoder rows). Multi-turn conversations with adapter switches (the bounded replay
+under the new adapter runs on the state the speculative turns left), turns batched with mixed adapters, and turns
+that end inside a block (max_tokens, a stop string) are covered. `test_serving_speculative.py` runs the exactness
+check through a real tritonserver.
+
+The drafter is prompt lookup over the reply (`NgramDrafter`). The embedded default's replies repeat themselves, so it
+drafts often and is right often; a drafter that is always wrong is checked too (every block rejected at its first
+draft must still give the plain reply).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.tritonserver_backend.in_process import onnx_pipeline
+from tritonserver_backend import counters as k
+from tritonserver_backend.drafting import NgramDrafter
+from tritonserver_backend.pipeline import DirectEncoderPort, InProcessPipeline
+from tritonserver_backend.sampling import SamplingParams
+from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
+
+pytestmark = pytest.mark.slow
+
+CONVERSATION = [  # (user turn, adapter: None = routed)
+    ("Write a haiku about the sea.", None),
+    ("Now as a python function that prints it.", "L2_code"),
+    ("Explain what the function does.", "L0_chat"),
+    ("Make the page header sticky.", "L3_design"),
+]
+PARAMS = SamplingParams(max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, default_engines) -> InProcessPipeline:  # type: ignore[no-untyped-def]
+    return onnx_pipeline(tmp_path_factory, default_engines)
+
+
+class WrongDrafter:
+    """Drafts a token the target never picks first (the one after its last token, mod the vocabulary): every block
+    is cut at its first draft, the hardest case for the rollback."""
+
+    name, block = "wrong", 3
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def draft(self, tokens: list[int], count: int) -> list[int]:
+        return [(tokens[-1] + 1 + i) % self.vocab for i in range(min(count, self.block))]
+
+
+def converse(pipeline: InProcessPipeline, session: str, params: SamplingParams = PARAMS) -> list[list[int]]:
+    replies = []
+    for i, (text, adapter) in enumerate(CONVERSATION):
+        replies.append(pipeline.chat(session, text, adapter=adapter, new_session=i == 0, params=params).token_ids)
+    return replies
+
+
+def assert_same_state(pipeline: InProcessPipeline, got: str, want: str) -> None:
+    """Both sides of two sessions, array by array, bit for bit."""
+    for side in (pipeline.encoder.sessions, pipeline.decoder.sessions):
+        a, b = side.get(got), side.get(want)
+        assert a.position == b.position
+        for name, value in vars(a).items():
+            other = vars(b)[name]
+            arrays = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            others = other.values() if isinstance(other, dict) else other if isinstance(other, list) else [other]
+            for x, y in zip(arrays, others):
+                if isinstance(x, np.ndarray):
+                    assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{type(a).__name__}.{name}"
+                else:
+                    assert x == y, f"{type(a).__name__}.{name}"
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "wrong"])
+def test_greedy_speculative_replies_and_state_equal_plain_decoding(pipeline, drafter: str) -> None:  # type: ignore[no-untyped-def]
+    pipeline.drafter = None
+    plain = converse(pipeline, f"plain-{drafter}")
+    before = {c: pipeline.counters.get(c) for c in (k.SPECULATIVE_BLOCKS, k.DRAFTED, k.DRAFTS_ACCEPTED)}
+    pipeline.drafter = NgramDrafter(block=4) if drafter == "ngram" else WrongDrafter(pipeline.engine.cfg.vocab_size)
+    try:
+        speculative = converse(pipeline, f"spec-{drafter}")
+    finally:
+        pipeline.drafter = None
+    assert speculative == plain
+    assert_same_state(pipeline, f"spec-{drafter}", f"plain-{drafter}")
+    blocks, drafted, accepted = (pipeline.counters.get(c) - before[c] for c in (k.SPECULATIVE_BLOCKS, k.DRAFTED, k.DRAFTS_ACCEPTED))
+    assert blocks > 0 and drafted >= blocks
+    if drafter == "wrong":
+        assert accepted == 0
+    else:
+        assert accepted > 0  # the default repeats itself: prompt lookup is right often
+        steps_saved = accepted
+        assert sum(len(r) for r in plain) > steps_saved
+
+
+def test_a_turn_that_ends_inside_a_block_stops_where_plain_decoding_stops(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """max_tokens and a stop string reached in the middle of accepted drafts: the reply, its finish and the state
+    that the next turn continues from are those of plain decoding."""
+    pipeline.drafter = None
+    full = pipeline.chat("probe", CONVERSATION[0][0], new_session=True, params=PARAMS)
+    pipeline.end("probe")
+    stop = pipeline.text.decode(full.token_ids[5:8])
+    for i, params in enumerate([SamplingParams(max_tokens=7), SamplingParams(max_tokens=24, stop=(stop,))]):
+        replies = {}
+        for mode, drafter in (("plain", None), ("spec", NgramDrafter(block=4))):
+            pipeline.drafter = drafter
+            session = f"cut-{i}-{mode}"
+            first = pipeline.chat(session, CONVERSATION[0][0], new_session=True, params=params)
+            second = pipeline.chat(session, CONVERSATION[1][0], adapter="L2_code", params=PARAMS)
+            replies[mode] = (first.token_ids, first.finish_reason, second.token_ids)
+        pipeline.drafter = None
+        assert replies["spec"] == replies["plain"]
+        assert_same_state(pipeline, f"cut-{i}-spec", f"cut-{i}-plain")
+
+
+def test_batched_turns_with_mixed_adapters_and_opt_outs_equal_their_plain_replies(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """Four sessions in one batch, each under another adapter, one of them opting out (`speculative` false: it
+    verifies padding it never keeps): every reply equals the session's plain reply alone."""
+    adapters = ["L0_chat", "L1_agent", "L2_code", "L3_design"]
+    prompts = [text for text, _ in CONVERSATION]
+    pipeline.drafter = None
+    alone = [pipeline.chat(f"alone-{i}", p, adapter=a, new_session=True, params=PARAMS).token_ids
+             for i, (p, a) in enumerate(zip(prompts, adapters))]
+    got: dict[str, list[int]] = {f"batch-{i}": [] for i in range(len(prompts))}
+    failures: list[BaseException] = []
+
+    def emit(turn, token: int, reason: str) -> bool:  # type: ignore[no-untyped-def]
+        if token >= 0:
+            got[turn.session_id].append(token)
+        return True
+
+    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit, lambda _, exc: failures.append(exc),
+                              drafter=NgramDrafter(block=4))
+    for i, (p, a) in enumerate(zip(prompts, adapters)):
+        ids, prefix, start = pipeline.text.render(p, True, None)
+        encoded = pipeline.encoder.encode_turn(f"batch-{i}", ids, prefix, start)
+        params = SamplingParams(max_tokens=24, speculative=i != 2)
+        pipeline.registry.refresh()
+        scheduler.submit(TurnRequest(f"batch-{i}", encoded.handover, pipeline.registry.by_name(a).hash, params))
+    while not scheduler.idle:
+        scheduler.iterate()
+    scheduler.close()
+    assert not failures
+    assert [got[f"batch-{i}"] for i in range(len(prompts))] == alone
+
+
+def test_the_encoder_refuses_a_malformed_keep_and_changes_nothing(pipeline) -> None:  # type: ignore[no-untyped-def]
+    from tritonserver_backend.errors import BadRequest
+
+    ids, prefix, start = pipeline.text.render("Hello there.", True, None)
+    pipeline.encoder.encode_turn("keep-check", ids, prefix, start)
+    position = pipeline.encoder.sessions.get("keep-check").position
+    with pytest.raises(BadRequest, match="has no speculative step waiting"):
+        pipeline.encoder.encode_step(["keep-check"], np.asarray([[5]]), keep=np.asarray([1]))
+    pipeline.encoder.encode_step(["keep-check"], np.asarray([[5, 6, 7]]), draft=True)
+    assert pipeline.encoder.sessions.get("keep-check").position == position  # a draft step waits for its kept length
+    for bad in ([0], [4], [1, 1]):
+        with pytest.raises(BadRequest, match="STEP_KEEP"):
+            pipeline.encoder.encode_step(["keep-check"], np.asarray([[9]]), keep=np.asarray(bad))
+    pipeline.encoder.encode_step(["keep-check"], np.asarray([[9]]), keep=np.asarray([2]))
+    assert pipeline.encoder.sessions.get("keep-check").position == position + 3  # two kept, then the new token
+    pipeline.encoder.rollback("keep-check")
+
+
+def test_sampled_turns_are_reproducible_and_an_opted_out_turn_is_the_plain_draw(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """At temperature > 0 the drafts go through speculative sampling: a seeded reply is the same on every run (not the
+    plain run's draw: the generator is consumed differently, docs/speculative.md), and a turn that opts out draws
+    exactly what plain decoding draws."""
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=11)
+    pipeline.drafter = None
+    plain = pipeline.chat("sampled-plain", CONVERSATION[0][0], new_session=True, params=sampled).token_ids
+    pipeline.drafter = NgramDrafter(block=4)
+    try:
+        runs = [pipeline.chat(f"sampled-{i}", CONVERSATION[0][0], new_session=True, params=sampled).token_ids for i in range(2)]
+        opted_out = pipeline.chat("sampled-out", CONVERSATION[0][0], new_session=True,
+                                  params=SamplingParams(max_tokens=24, temperature=0.8, seed=11, speculative=False)).token_ids
+    finally:
+        pipeline.drafter = None
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+    assert opted_out == plain
