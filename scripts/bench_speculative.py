@@ -1,12 +1,14 @@
 """Speculative vs plain decoding through one real tritonserver, single stream and 16 sessions, in one run.
 
-    .venv/bin/python scripts/bench_speculative.py [--sessions 1 16] [--tokens 64] [--rounds 3] [--block 4]
-                                                  [--draft-batch 8] [--out docs/speculative.md]
+    .venv/bin/python scripts/bench_speculative.py [--sessions 1 16] [--tokens 64] [--rounds 5] [--block 4]
+                                                  [--draft-batches 8 32] [--out docs/speculative.md]
 
 The server runs with `speculative=ngram` (prompt lookup over the reply); a request with `speculative` false opts out,
 so plain and speculative turns are measured on the same server and engines, in interleaved rounds (plain, then
-speculative, at each level). Each session is a thread with its own gRPC stream (tritonclient), holding a two-turn
-conversation whose turns ask for `--tokens` greedy tokens. Per level and mode: aggregate decode tokens/s (tokens after
+speculative, at each level). One server per `--draft-batches` value (the most turns a step may have going and still
+draft), one after the other. Each session is a thread with its own gRPC stream (tritonclient), holding a two-turn
+conversation whose turns ask for `--tokens` greedy tokens under an explicit adapter: session i of round r takes
+adapter (i + r) mod 5 (base, L0_chat .. L3_design), so over five rounds the single stream visits every adapter. Per level and mode: aggregate decode tokens/s (tokens after
 each turn's first, over the time in which at least one turn was decoding) and end-to-end tokens/s; medians over the
 rounds and the speculative / plain ratio. Every speculative reply must equal its plain reply (greedy: token for token),
 or the run fails. From the decoder's metrics: blocks verified, tokens drafted and accepted per adapter, and the mean
@@ -41,13 +43,17 @@ SECTION = "## Benchmark (scripts/bench_speculative.py)"
 COUNTERS = ("speculative_blocks", "speculative_drafted_tokens", "speculative_accepted_tokens")
 
 
-def conversation(chat: GrpcChat, sid: str, index: int, tokens: int, speculative: bool,
+ADAPTERS = ("base", "L0_chat", "L1_agent", "L2_code", "L3_design")
+
+
+def conversation(chat: GrpcChat, sid: str, index: int, tokens: int, speculative: bool, adapter: str,
                  windows: list[tuple[float, float, int]]) -> list[list[int]]:
     replies = []
     for turn in range(2):
         text = PROMPTS[(index + turn) % len(PROMPTS)] + f" (session {index}, turn {turn})"
         stamps: list[float] = []
-        reply = chat.turn(TurnRequest(sid, text, new_session=turn == 0, max_tokens=tokens, end_session=turn == 1, speculative=speculative),
+        reply = chat.turn(TurnRequest(sid, text, new_session=turn == 0, adapter=adapter, max_tokens=tokens, end_session=turn == 1,
+                                      speculative=speculative),
                           timeout=600, on_piece=lambda _: stamps.append(time.perf_counter()))
         if reply.error:
             raise RuntimeError(f"{sid}: {reply.error}")
@@ -57,12 +63,13 @@ def conversation(chat: GrpcChat, sid: str, index: int, tokens: int, speculative:
     return replies
 
 
-def run_level(url: str, sessions: int, tokens: int, speculative: bool, tag: str) -> tuple[float, float, dict[int, list[list[int]]]]:
+def run_level(url: str, sessions: int, tokens: int, speculative: bool, tag: str, shift: int) -> tuple[float, float, dict[int, list[list[int]]]]:
     """`sessions` conversations at once -> (decode tokens/s, end-to-end tokens/s, replies by session)."""
     windows: list[tuple[float, float, int]] = []
     chats = [GrpcChat(url) for _ in range(sessions)]
     try:
-        wall, out = run_together(sessions, lambda i: conversation(chats[i], f"{tag}-{i}", i, tokens, speculative, windows), tag)
+        wall, out = run_together(sessions, lambda i: conversation(chats[i], f"{tag}-{i}", i, tokens, speculative,
+                                                                  ADAPTERS[(i + shift) % len(ADAPTERS)], windows), tag)
     finally:
         for chat in chats:
             chat.close()
@@ -85,50 +92,58 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 16])
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--block", type=int, default=4, help="drafts per step (the server's speculative_block)")
-    p.add_argument("--draft-batch", type=int, default=8, help="most turns a step may have going and still draft (speculative_batch)")
+    p.add_argument("--draft-batches", type=int, nargs="+", default=[8, 32],
+                   help="the server's speculative_batch: most turns a step may have going and still draft (one server each)")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "bench_speculative")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1
-    params = {"model_dir": str(MODEL), "registry_root": str(args.work / "registry"), "engine_dir": str(ENGINES),
-              "max_active_turns": str(max(args.sessions)), "max_queued_turns": str(max(args.sessions)), "speculative": "ngram",
-              "speculative_block": str(args.block), "speculative_batch": str(args.draft_batch)}
-    server = TritonServer(work_dir=args.work / "server")
-    server.start(build_repository(args.work / "repo", params))
-    measured: dict[tuple[int, bool], list[tuple[float, float]]] = {}
-    try:
-        print(f"server ready after {server.wait_ready(300):.1f} s", flush=True)
-        before = counters(server.metrics_url)
-        for r in range(args.rounds):
-            for n in args.sessions:
-                replies = {}
-                for speculative in (False, True):
-                    decode, e2e, replies[speculative] = run_level(server.grpc_url, n, args.tokens, speculative, f"r{r}n{n}{'s' if speculative else 'p'}")
-                    measured.setdefault((n, speculative), []).append((decode, e2e))
-                    print(f"round {r + 1}: {n:3d} sessions, {'speculative' if speculative else 'plain      '}: {decode:7.1f} decode tokens/s, "
-                          f"{e2e:7.1f} end-to-end tokens/s", flush=True)
-                if replies[True] != replies[False]:
-                    raise RuntimeError(f"{n} sessions, round {r + 1}: speculative replies differ from plain ones")
-        after = counters(server.metrics_url)
-    finally:
-        server.stop()
-    delta = {c: {a: after[c].get(a, 0.0) - before[c].get(a, 0.0) for a in after[c]} for c in COUNTERS}
+    measured: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
+    delta: dict[str, dict[str, float]] = {c: {} for c in COUNTERS}
+    for batch in args.draft_batches:
+        params = {"model_dir": str(MODEL), "registry_root": str(args.work / "registry"), "engine_dir": str(ENGINES),
+                  "max_active_turns": str(max(args.sessions)), "max_queued_turns": str(max(args.sessions)), "speculative": "ngram",
+                  "speculative_block": str(args.block), "speculative_batch": str(batch)}
+        server = TritonServer(work_dir=args.work / f"server{batch}")
+        server.start(build_repository(args.work / f"repo{batch}", params))
+        try:
+            print(f"speculative_batch {batch}: server ready after {server.wait_ready(300):.1f} s", flush=True)
+            before = counters(server.metrics_url)
+            for r in range(args.rounds):
+                for n in args.sessions:
+                    replies = {}
+                    for speculative in (False, True):
+                        tag = f"b{batch}r{r}n{n}{'s' if speculative else 'p'}"
+                        decode, e2e, replies[speculative] = run_level(server.grpc_url, n, args.tokens, speculative, tag, r)
+                        measured.setdefault((batch, n, speculative), []).append((decode, e2e))
+                        print(f"speculative_batch {batch}, round {r + 1}: {n:3d} sessions, {'speculative' if speculative else 'plain      '}: "
+                              f"{decode:7.1f} decode tokens/s, {e2e:7.1f} end-to-end tokens/s", flush=True)
+                    if replies[True] != replies[False]:
+                        raise RuntimeError(f"{n} sessions, round {r + 1}: speculative replies differ from plain ones")
+            after = counters(server.metrics_url)
+        finally:
+            server.stop()
+        for c in COUNTERS:
+            for a in after[c]:
+                delta[c][a] = delta[c].get(a, 0.0) + after[c][a] - before[c].get(a, 0.0)
     lines = [SECTION, "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on this machine (2 CPU cores, no GPU) by "
              f"`scripts/bench_speculative.py --sessions {' '.join(map(str, args.sessions))} --tokens {args.tokens} --rounds {args.rounds} "
-             f"--block {args.block} --draft-batch {args.draft_batch}`: one tritonserver (onnx engines of the embedded default, "
-             "`speculative=ngram`), plain turns opting out with `speculative` false, in interleaved rounds; medians over the rounds. "
-             "Every speculative reply equalled its plain reply token for token.", "",
-             "| sessions | plain decode tok/s | speculative decode tok/s | ratio | plain end-to-end tok/s | speculative end-to-end tok/s | ratio |",
-             "|---|---|---|---|---|---|---|"]
-    for n in args.sessions:
-        plain = [statistics.median(v[i] for v in measured[(n, False)]) for i in (0, 1)]
-        spec = [statistics.median(v[i] for v in measured[(n, True)]) for i in (0, 1)]
-        lines.append(f"| {n} | {plain[0]:.1f} | {spec[0]:.1f} | {spec[0] / plain[0]:.2f}x | {plain[1]:.1f} | {spec[1]:.1f} | {spec[1] / plain[1]:.2f}x |")
-    lines += ["", "Drafting per adapter over the whole run (routed turns; `accepted / blocks + 1` is the tokens a drafting step gave a turn):", "",
+             f"--block {args.block} --draft-batches {' '.join(map(str, args.draft_batches))}`: a tritonserver per `speculative_batch` "
+             "(onnx engines of the embedded default, `speculative=ngram`), plain turns opting out with `speculative` false, in "
+             "interleaved rounds; medians over the rounds. Every speculative reply equalled its plain reply token for token.", "",
+             "| speculative_batch | sessions | plain decode tok/s | speculative decode tok/s | ratio | plain end-to-end tok/s | speculative end-to-end tok/s | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for batch in args.draft_batches:
+        for n in args.sessions:
+            plain = [statistics.median(v[i] for v in measured[(batch, n, False)]) for i in (0, 1)]
+            spec = [statistics.median(v[i] for v in measured[(batch, n, True)]) for i in (0, 1)]
+            lines.append(f"| {batch} | {n} | {plain[0]:.1f} | {spec[0]:.1f} | {spec[0] / plain[0]:.2f}x | {plain[1]:.1f} | {spec[1]:.1f} | "
+                         f"{spec[1] / plain[1]:.2f}x |")
+    lines += ["", "Drafting per adapter over both servers (`accepted / blocks + 1` is the tokens a drafting step gave a turn):", "",
               "| adapter | blocks | drafted | accepted | accepted per draft | tokens per drafting step |", "|---|---|---|---|---|---|"]
     for adapter in sorted(delta["speculative_blocks"]):
         blocks, drafted, accepted = (delta[c].get(adapter, 0.0) for c in COUNTERS)
