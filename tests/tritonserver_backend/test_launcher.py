@@ -842,3 +842,52 @@ def test_cli_foreground_stops_the_server_on_sigterm(tmp_path: Path) -> None:
             cli.wait()
         if server_pid is not None:
             stop_pid(server_pid, grace=5)
+
+
+_ABORTING_ONCE = """#!{python}
+# stands for a tritonserver whose Python backend aborts while models load the first time (a lock_exception), and
+# that becomes ready the next time: it answers /v2/health/ready on its --http-port
+import http.server, os, pathlib, sys
+marker = pathlib.Path("aborted-once")
+if {always} or not marker.exists():
+    marker.write_text("x")
+    print("terminate called after throwing an instance of 'boost::interprocess::lock_exception'", flush=True)
+    print("  what():  boost::interprocess::lock_exception", flush=True)
+    os.abort()
+port = int(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("--http-port=")))
+
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/v2/health/ready" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Ready).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("always", [False, True])
+def test_a_lock_exception_abort_while_loading_is_started_once_more(tmp_path: Path, always: bool) -> None:
+    """Triton 2.51's Python backend now and then aborts while models load (boost::interprocess::lock_exception, an
+    upstream race; it crashed one start of a CI run on Dec 4). wait_ready starts such a run once more and returns when
+    the second one gets ready; a second abort is an error with the log, and there is no third start."""
+    install = _fake_wheel(tmp_path)
+    install.binary.write_text(_ABORTING_ONCE.format(python=sys.executable, always=always))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    server = TritonServer(install, work_dir=tmp_path / "work")
+    server.start(repo)
+    try:
+        if always:
+            with pytest.raises(TritonServerError, match="lock_exception"):
+                server.wait_ready(30)
+        else:
+            server.wait_ready(30)
+            assert server.is_running()
+        assert server.lock_abort_restarts == 1
+        assert server.log_file is not None and server.log_file.read_text().count("starting: ") == 2
+    finally:
+        server.stop()
+    assert not server.is_running()

@@ -9,15 +9,13 @@ engines. The metrics endpoint must show drafts verified and accepted, per adapte
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 
 import pytest
 
 from tests.tritonserver_backend.in_process import onnx_pipeline
-from tests.tritonserver_backend.streams import start_server
-from tritonserver_backend.client import GrpcChat, TurnRequest
-from tritonserver_backend.sampling import SamplingParams
+from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply, start_server
+from tritonserver_backend.client import TurnRequest
 
 pytestmark = pytest.mark.slow
 
@@ -55,28 +53,10 @@ def counter(server, name: str) -> dict[str, float]:  # type: ignore[no-untyped-d
 
 def test_greedy_speculative_serving_equals_plain_decoding(server, tmp_path_factory, default_engines) -> None:  # type: ignore[no-untyped-def]
     pipeline = onnx_pipeline(tmp_path_factory, default_engines)
-    want = [[pipeline.chat(f"plain-{c}", text, adapter=adapter, new_session=t == 0, params=SamplingParams(max_tokens=n)).token_ids
-             for t, (text, adapter, n) in enumerate(turns)] for c, turns in enumerate(CONVERSATIONS)]
-    got: list[list[list[int]]] = [[] for _ in CONVERSATIONS]
-    errors: list[str] = []
-
-    def converse(c: int) -> None:
-        chat = GrpcChat(server.grpc_url)
-        try:
-            for t, (text, adapter, n) in enumerate(CONVERSATIONS[c]):
-                reply = chat.turn(TurnRequest(f"spec-{c}", text, new_session=t == 0, adapter=adapter, max_tokens=n,
-                                              speculative=(c, t) != OPTED_OUT))
-                if reply.error:
-                    errors.append(reply.error)
-                got[c].append(reply.token_ids)
-        finally:
-            chat.close()
-
-    threads = [threading.Thread(target=converse, args=(c,)) for c in range(len(CONVERSATIONS))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(600)
+    conversations = [[TurnRequest(f"spec-{c}", text, new_session=t == 0, adapter=adapter, max_tokens=n, speculative=(c, t) != OPTED_OUT)
+                      for t, (text, adapter, n) in enumerate(turns)] for c, turns in enumerate(CONVERSATIONS)]
+    want = [[reference_reply(pipeline, r).token_ids for r in turns] for turns in conversations]  # plain: no drafter in process
+    got, errors = concurrent_token_ids(server.grpc_url, conversations)
     assert not errors
     assert got == want
     blocks, accepted = counter(server, "speculative_blocks"), counter(server, "speculative_accepted_tokens")

@@ -52,6 +52,23 @@ def error_lines(path: Path | str | None, limit: int = 20, offset: int = 0) -> li
     return found
 
 
+# Triton 2.51's Python backend now and then aborts while models load ("terminate called after throwing an instance of
+# 'boost::interprocess::lock_exception'", signal 6): an upstream race on its shared-memory locks, reported for
+# other versions too (triton-inference-server/server#8882, tensorrtllm_backend#521). It depends on timing, not on
+# the repository, so the launcher starts the server once more when a run dies of it before it was ready.
+_LOAD_ABORT = "boost::interprocess::lock_exception"
+
+
+def aborted_on_lock(path: Path | str | None, offset: int = 0) -> bool:
+    """Whether the log, from byte ``offset`` on, shows the Python backend's lock_exception abort."""
+    if path is None:
+        return False
+    try:
+        return any(_LOAD_ABORT in line for line in _read_lines(path, offset))
+    except FileNotFoundError:
+        return False
+
+
 # lines after which a model never becomes ready: Triton 2.51 then keeps loading the rest and neither gets ready nor
 # exits (a stub that failed to start, e.g. a repository rendered without its model.py files), so waiting longer is
 # pointless; the line itself says why

@@ -18,7 +18,7 @@ from typing import Iterable, Sequence
 from .env import check_numpy, server_env
 from .errors import TritonServerError
 from .install import TritonInstall, find_tritonserver, prepare_backend_dir
-from .logs import LOG_TAIL_LINES, error_lines, model_failures, tail
+from .logs import LOG_TAIL_LINES, aborted_on_lock, error_lines, model_failures, tail
 from .net import HOST, free_port, http_ready
 from .process import pid_alive, stop_pid
 from .record import Cleanup, ServerRecord, clean_up_after, read_record, remove_record, write_record
@@ -69,6 +69,8 @@ class TritonServer:
         self.cleaned: Cleanup | None = None  # what start() cleaned up after a dead server named by the PID file
         self.stop_cleanup: Cleanup | None = None  # what stop() found left behind (recorded stubs, regions)
         self._log_offset = 0
+        self._start_args: dict[str, object] = {}
+        self.lock_abort_restarts = 0  # runs restarted by wait_ready after the Python backend's lock_exception abort
 
     # -- addresses ----------------------------------------------------------------------------------------------------
     @property
@@ -150,6 +152,9 @@ class TritonServer:
         10 s before SIGKILL. ``extra_args`` are appended verbatim (e.g. ``--log-verbose=1``)."""
         if self.process is not None and self.process.poll() is None:
             raise TritonServerError(f"this TritonServer already runs PID {self.pid}")
+        self._start_args = dict(model_repository=model_repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                                log_file=log_file, extra_args=extra_args, model_control_mode=model_control_mode, load_models=load_models,
+                                pid_file=pid_file, numpy_check=numpy_check, exit_timeout=exit_timeout)
         repo = Path(model_repository)
         if not repo.is_dir():
             raise TritonServerError(f"model repository {repo} is not a directory")
@@ -256,6 +261,14 @@ class TritonServer:
         while True:
             self.snapshot()  # stubs come and go while models load; a crash now must not leak them
             code = self.process.poll()
+            if code is not None and self.lock_abort_restarts == 0 and aborted_on_lock(self.log_file, self._log_offset):
+                # the Python backend's intermittent abort while models load (logs.aborted_on_lock): once more
+                log.warning("tritonserver (PID %s) aborted while loading models (boost::interprocess::lock_exception, an "
+                            "intermittent Python-backend race); starting it once more", self.pid)
+                self.lock_abort_restarts += 1
+                self.stop()  # its stubs and shared-memory regions go first
+                self.start(**self._start_args)  # type: ignore[arg-type]
+                continue
             if code is not None:
                 raise TritonServerError(self._failure(f"tritonserver (PID {self.pid}) exited with code {code} "
                                                       "before it was ready"))
