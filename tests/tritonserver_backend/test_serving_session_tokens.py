@@ -168,7 +168,9 @@ def test_direct_calls_to_the_internal_models_cannot_touch_a_session(server) -> N
                   {c.ROLLBACK.name: (np.array([True]), "BOOL")},
                   {c.DROP_SESSION.name: (np.array([True]), "BOOL"), c.INTERNAL_KEY.name: _text("x" * 43)},
                   {c.STEP_SESSION_IDS.name: (np.array([b"bob-direct"], dtype=np.object_), "BYTES"),
-                   c.STEP_TOKEN_IDS.name: (np.array([[5]], np.int64), "INT64")}):
+                   c.STEP_TOKEN_IDS.name: (np.array([[5]], np.int64), "INT64")},
+                  {c.STEP_KEEP.name: (np.array([1], np.int64), "INT64")},  # never silently ignored on a user turn
+                  {c.STEP_DRAFT.name: (np.array([True]), "BOOL")}):
         with pytest.raises(Exception, match="sent by the decoder only"):
             encoder(**extra)
     _, error = _stream(server.grpc_url, "decoder", {c.SESSION_ID.name: _text("bob-direct"), c.CONTROL.name: _text("cancel")})

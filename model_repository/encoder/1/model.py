@@ -45,9 +45,11 @@ class TritonPythonModel:
 
     def _serve(self, request):
         session = glue.read(request, c.SESSION_ID)
-        internal = glue.read(request, c.ROLLBACK, False) or glue.read(request, c.DROP_SESSION, False) or glue.read(request, c.STEP_SESSION_IDS, None) is not None
+        internal = glue.read(request, c.ROLLBACK, False) or glue.read(request, c.DROP_SESSION, False) or any(
+            glue.read(request, spec, None) is not None for spec in (c.STEP_SESSION_IDS, c.STEP_KEEP, c.STEP_DRAFT))
         if internal and not self.key.matches(glue.read(request, c.INTERNAL_KEY, None)):
-            raise BadRequest(f"{c.ROLLBACK.name}, {c.DROP_SESSION.name} and {c.STEP_SESSION_IDS.name} are sent by the decoder only")
+            raise BadRequest(f"{c.ROLLBACK.name}, {c.DROP_SESSION.name}, {c.STEP_SESSION_IDS.name}, {c.STEP_KEEP.name} and "
+                             f"{c.STEP_DRAFT.name} are sent by the decoder only")
         if glue.read(request, c.CHECK_TOKEN, False):  # session_control's cancel: the token first
             self.service.check_token(session, glue.read(request, c.SESSION_TOKEN, None), k.PATH_CANCEL)
             return {}
