@@ -51,6 +51,7 @@ class NgramDrafter:
 
 
 DRAFTERS = ("ngram", "off")
+DRAFT_BATCH = 8  # most turns a lane may have going and still draft: more cost decode speed (docs/speculative.md, 16 sessions: 0.75x)
 MAX_BLOCK = 7  # drafts per step: with the fed token, the 8 positions a TensorRT decode profile verifies (trt_build.SPEC_BLOCK)
 
 

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from . import contract as c
-from .drafting import make_drafter
+from .drafting import DRAFT_BATCH, make_drafter
 
 DEFAULT_PARAMETERS = {
     "model_dir": "embedded/mol2-small",
@@ -29,7 +29,7 @@ DEFAULT_PARAMETERS = {
     # step, and the most turns a lane may have going for its steps to draft (a loaded batch decodes plainly)
     "speculative": "off",
     "speculative_block": "4",
-    "speculative_batch": "8",
+    "speculative_batch": str(DRAFT_BATCH),
     "torch_threads": "1",
     # sessions (docs/serving.md, "Session tokens")
     "session_auth": "true",  # false: no session tokens (a trusted single-tenant deployment only; the log says so)

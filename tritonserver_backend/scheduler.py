@@ -23,7 +23,7 @@ import numpy as np
 
 from . import counters as k
 from .decoder_service import FINISH_CANCELLED, FINISH_LENGTH, DecoderService, Turn
-from .drafting import Drafter
+from .drafting import DRAFT_BATCH, Drafter
 from .encoder_service import MAX_DECODE_LANES, Handover
 from .errors import ServingError, TurnCancelled, TurnFailed, TurnRejected
 from .sampling import SamplingParams
@@ -73,7 +73,7 @@ Fail = Callable[[TurnRequest | Turn, BaseException], None]
 
 class TurnScheduler:
     def __init__(self, decoder: DecoderService, encoder: EncoderPort, emit: Emit, fail: Fail, max_active: int = 32,
-                 lanes: int = 1, drafter: Drafter | None = None, draft_batch: int = 32) -> None:
+                 lanes: int = 1, drafter: Drafter | None = None, draft_batch: int = DRAFT_BATCH) -> None:
         """`lanes`: the active turns are split into this many lanes whose steps alternate, so that one lane's encoder
         step (in the encoder's process) runs while the previous lane's decoder step runs on the engine thread; 1 = every
         active turn in one batch, encoder and decoder strictly one after the other (the default: on 2 cores two lanes

@@ -11,7 +11,7 @@ from tritonserver_backend import triton_decoder
 from tritonserver_backend import triton_glue as glue
 from tritonserver_backend.counters import Counters
 from tritonserver_backend.decoder_service import DecoderService
-from tritonserver_backend.drafting import make_drafter
+from tritonserver_backend.drafting import DRAFT_BATCH, make_drafter
 from tritonserver_backend.scheduler import TurnScheduler
 from tritonserver_backend.session_auth import InternalKey, internal_key_path
 from tritonserver_backend.text_service import TextService
@@ -34,7 +34,7 @@ class TritonPythonModel:
         drafter = make_drafter(params.get("speculative", "off"), int(params.get("speculative_block", "4")))
         scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(key), emitter, triton_decoder.fail,
                                   int(params["max_active_turns"]), int(params.get("decode_lanes", "1")), drafter,
-                                  int(params.get("speculative_batch", "8")))
+                                  int(params.get("speculative_batch", DRAFT_BATCH)))
         self.scheduler = scheduler
         gauges = glue.SessionGauges("decoder", service.sessions)
 
