@@ -1,12 +1,12 @@
 """Speculative vs plain decoding through one real tritonserver, single stream and 16 sessions, in one run.
 
-    .venv/bin/python scripts/bench_speculative.py [--sessions 1 16] [--tokens 64] [--rounds 5] [--block 4]
-                                                  [--draft-batches 8 32] [--out docs/speculative.md]
+    .venv/bin/python scripts/bench_speculative.py [--drafters dspark ngram] [--sessions 1 16] [--tokens 64]
+                                                  [--rounds 5] [--block 4] [--draft-batches 8 32] [--out docs/speculative.md]
 
-The server runs with `speculative=ngram` (prompt lookup over the reply); a request with `speculative` false opts out,
-so plain and speculative turns are measured on the same server and engines, in interleaved rounds (plain, then
-speculative, at each level). One server per `--draft-batches` value (the most turns a step may have going and still
-draft), one after the other. Each session is a thread with its own gRPC stream (tritonclient), holding a two-turn
+One server per drafter (`speculative=dspark`: the model's DSpark drafter in the engines; `ngram`: prompt lookup over
+the reply) and `--draft-batches` value (the most turns a step may have going and still draft), one after the other.
+A request with `speculative` false opts out, so plain and speculative turns are measured on the same server and
+engines, in interleaved rounds (plain, then speculative, at each level). Each session is a thread with its own gRPC stream (tritonclient), holding a two-turn
 conversation whose turns ask for `--tokens` greedy tokens under an explicit adapter: session i of round r takes
 adapter (i + r) mod 5 (base, L0_chat .. L3_design), so over five rounds the single stream visits every adapter. Per level and mode: aggregate decode tokens/s (tokens after
 each turn's first, over the time in which at least one turn was decoding) and end-to-end tokens/s; medians over the
@@ -90,10 +90,12 @@ def counters(metrics_url: str) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--drafters", nargs="+", default=["dspark", "ngram"], help="the server's speculative (one server each)")
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 16])
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--block", type=int, default=4, help="drafts per step (the server's speculative_block)")
+    p.add_argument("--confidence", type=float, default=0.0, help="the server's speculative_confidence (DSpark's block cut)")
     p.add_argument("--draft-batches", type=int, nargs="+", default=[8, 32],
                    help="the server's speculative_batch: most turns a step may have going and still draft (one server each)")
     p.add_argument("--work", type=Path, default=ROOT / "build" / "bench_speculative")
@@ -101,25 +103,26 @@ def main() -> int:
     args = p.parse_args()
     if build_engines(["--model", str(MODEL), "--out", str(ENGINES)]) != 0:
         return 1
-    measured: dict[tuple[int, int, bool], list[tuple[float, float]]] = {}
-    delta: dict[str, dict[str, float]] = {c: {} for c in COUNTERS}
-    for batch in args.draft_batches:
+    measured: dict[tuple[str, int, int, bool], list[tuple[float, float]]] = {}
+    delta: dict[str, dict[str, dict[str, float]]] = {d: {c: {} for c in COUNTERS} for d in args.drafters}
+    servers = [(drafter, batch) for drafter in args.drafters for batch in args.draft_batches]
+    for drafter, batch in servers:
         params = {"model_dir": str(MODEL), "registry_root": str(args.work / "registry"), "engine_dir": str(ENGINES),
-                  "max_active_turns": str(max(args.sessions)), "max_queued_turns": str(max(args.sessions)), "speculative": "ngram",
-                  "speculative_block": str(args.block), "speculative_batch": str(batch)}
-        server = TritonServer(work_dir=args.work / f"server{batch}")
-        server.start(build_repository(args.work / f"repo{batch}", params))
+                  "max_active_turns": str(max(args.sessions)), "max_queued_turns": str(max(args.sessions)), "speculative": drafter,
+                  "speculative_block": str(args.block), "speculative_batch": str(batch), "speculative_confidence": str(args.confidence)}
+        server = TritonServer(work_dir=args.work / f"server-{drafter}{batch}")
+        server.start(build_repository(args.work / f"repo-{drafter}{batch}", params))
         try:
-            print(f"speculative_batch {batch}: server ready after {server.wait_ready(300):.1f} s", flush=True)
+            print(f"{drafter}, speculative_batch {batch}: server ready after {server.wait_ready(300):.1f} s", flush=True)
             before = counters(server.metrics_url)
             for r in range(args.rounds):
                 for n in args.sessions:
                     replies = {}
                     for speculative in (False, True):
-                        tag = f"b{batch}r{r}n{n}{'s' if speculative else 'p'}"
+                        tag = f"{drafter}{batch}r{r}n{n}{'s' if speculative else 'p'}"
                         decode, e2e, replies[speculative] = run_level(server.grpc_url, n, args.tokens, speculative, tag, r)
-                        measured.setdefault((batch, n, speculative), []).append((decode, e2e))
-                        print(f"speculative_batch {batch}, round {r + 1}: {n:3d} sessions, {'speculative' if speculative else 'plain      '}: "
+                        measured.setdefault((drafter, batch, n, speculative), []).append((decode, e2e))
+                        print(f"{drafter}, speculative_batch {batch}, round {r + 1}: {n:3d} sessions, {'speculative' if speculative else 'plain      '}: "
                               f"{decode:7.1f} decode tokens/s, {e2e:7.1f} end-to-end tokens/s", flush=True)
                     if replies[True] != replies[False]:
                         raise RuntimeError(f"{n} sessions, round {r + 1}: speculative replies differ from plain ones")
@@ -128,27 +131,32 @@ def main() -> int:
             server.stop()
         for c in COUNTERS:
             for a in after[c]:
-                delta[c][a] = delta[c].get(a, 0.0) + after[c][a] - before[c].get(a, 0.0)
+                delta[drafter][c][a] = delta[drafter][c].get(a, 0.0) + after[c][a] - before[c].get(a, 0.0)
     lines = [SECTION, "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on this machine (2 CPU cores, no GPU) by "
-             f"`scripts/bench_speculative.py --sessions {' '.join(map(str, args.sessions))} --tokens {args.tokens} --rounds {args.rounds} "
-             f"--block {args.block} --draft-batches {' '.join(map(str, args.draft_batches))}`: a tritonserver per `speculative_batch` "
-             "(onnx engines of the embedded default, `speculative=ngram`), plain turns opting out with `speculative` false, in "
-             "interleaved rounds; medians over the rounds. Every speculative reply equalled its plain reply token for token.", "",
-             "| speculative_batch | sessions | plain decode tok/s | speculative decode tok/s | ratio | plain end-to-end tok/s | speculative end-to-end tok/s | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
-    for batch in args.draft_batches:
+             f"`scripts/bench_speculative.py --drafters {' '.join(args.drafters)} --sessions {' '.join(map(str, args.sessions))} "
+             f"--tokens {args.tokens} --rounds {args.rounds} --block {args.block} --confidence {args.confidence} --draft-batches {' '.join(map(str, args.draft_batches))}`: "
+             "a tritonserver per drafter and `speculative_batch` (onnx engines of the embedded default), plain turns opting out with "
+             "`speculative` false, in interleaved rounds; medians over the rounds. Every speculative reply equalled its plain reply "
+             "token for token.", "",
+             "| drafter | speculative_batch | sessions | plain decode tok/s | speculative decode tok/s | ratio | plain end-to-end tok/s "
+             "| speculative end-to-end tok/s | ratio |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for drafter, batch in servers:
         for n in args.sessions:
-            plain = [statistics.median(v[i] for v in measured[(batch, n, False)]) for i in (0, 1)]
-            spec = [statistics.median(v[i] for v in measured[(batch, n, True)]) for i in (0, 1)]
-            lines.append(f"| {batch} | {n} | {plain[0]:.1f} | {spec[0]:.1f} | {spec[0] / plain[0]:.2f}x | {plain[1]:.1f} | {spec[1]:.1f} | "
-                         f"{spec[1] / plain[1]:.2f}x |")
-    lines += ["", "Drafting per adapter over both servers (`accepted / blocks + 1` is the tokens a drafting step gave a turn):", "",
-              "| adapter | blocks | drafted | accepted | accepted per draft | tokens per drafting step |", "|---|---|---|---|---|---|"]
-    for adapter in sorted(delta["speculative_blocks"]):
-        blocks, drafted, accepted = (delta[c].get(adapter, 0.0) for c in COUNTERS)
-        if blocks:
-            lines.append(f"| {adapter} | {blocks:.0f} | {drafted:.0f} | {accepted:.0f} | {accepted / max(drafted, 1):.2f} | {accepted / blocks + 1:.2f} |")
+            plain = [statistics.median(v[i] for v in measured[(drafter, batch, n, False)]) for i in (0, 1)]
+            spec = [statistics.median(v[i] for v in measured[(drafter, batch, n, True)]) for i in (0, 1)]
+            lines.append(f"| {drafter} | {batch} | {n} | {plain[0]:.1f} | {spec[0]:.1f} | {spec[0] / plain[0]:.2f}x | {plain[1]:.1f} | "
+                         f"{spec[1]:.1f} | {spec[1] / plain[1]:.2f}x |")
+    lines += ["", "Drafting per drafter and adapter (`accepted / blocks + 1` is the tokens a drafting step gave a turn):", "",
+              "| drafter | adapter | blocks | drafted | accepted | accepted per draft | tokens per drafting step |",
+              "|---|---|---|---|---|---|---|"]
+    for drafter in args.drafters:
+        for adapter in sorted(delta[drafter]["speculative_blocks"]):
+            blocks, drafted, accepted = (delta[drafter][c].get(adapter, 0.0) for c in COUNTERS)
+            if blocks:
+                lines.append(f"| {drafter} | {adapter} | {blocks:.0f} | {drafted:.0f} | {accepted:.0f} | {accepted / max(drafted, 1):.2f} | "
+                             f"{accepted / blocks + 1:.2f} |")
     section = "\n".join(lines) + "\n"
     print(section)
     if args.out:

@@ -54,6 +54,24 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
 
 
 @dataclass
+class DraftRing:
+    """DSpark's input for one turn: the newest `window_size` `draft_main` rows (oldest first) and the position of the
+    newest. Filled by the turn's replay, extended by every kept position, so it is always the rows of the positions
+    the session holds, under the turn's adapter: a rejected draft's row never enters it."""
+
+    rows: np.ndarray  # (count, dim)
+    last_position: int
+
+    @property
+    def count(self) -> int:
+        return self.rows.shape[0]
+
+    def extend(self, rows: np.ndarray, last_position: int, window: int) -> None:
+        self.rows = np.concatenate((self.rows, rows))[-window:]
+        self.last_position = last_position
+
+
+@dataclass
 class SpeculativeBlock:
     """A speculative step of one turn, until its tokens are chosen: the drafts it verified, the target's logits after
     the fed token and after each draft, and what the decoder rows keep of it once the accepted length is known."""
@@ -63,6 +81,7 @@ class SpeculativeBlock:
     handover: Handover  # the step's hand-over rows (absorbed as a draft: `DecoderRow.absorb_draft`)
     ring_rows: np.ndarray  # (R, S, D) the step's decoder ring rows, written up to the kept length
     start: int  # the step's first position
+    draft_main: np.ndarray | None = None  # (S, dim) the step's DSpark rows (engines with a drafter)
 
 
 @dataclass
@@ -88,6 +107,7 @@ class Turn:
     allowed: torch.Tensor | None = None  # the grammar's allowed next tokens (vocab,) bool, filled each step
     block: "SpeculativeBlock | None" = None  # the speculative step whose tokens are not chosen yet (`choose_block`)
     keep: int = -1  # positions of the last speculative step to keep, for the encoder's next call (-1: none waiting)
+    draft_ring: DraftRing | None = None  # DSpark's rows of this turn's context (engines with a drafter)
 
     @property
     def drafts_allowed(self) -> bool:
@@ -183,6 +203,9 @@ class DecoderService:
         absorb_decoder([t.row for t in turns], out, feed, True, slots)
         for b, turn in enumerate(turns):
             turn.logits = out["logits"][b]
+            if "draft_main" in out:  # the replayed rows are the last ones of the step (padding comes first)
+                count = min(turn.row.replay_count, self.cfg.window_size)
+                turn.draft_ring = DraftRing(out["draft_main"][b, out["draft_main"].shape[1] - count:].copy(), turn.row.position - 1)
 
     def count(self, counter: str, adapter_hash: int) -> None:
         """A routing decision the decoder read (or rejected), labelled by the adapter's name."""
@@ -293,14 +316,18 @@ class DecoderService:
         feed = decoder_inputs(self.layout, [t.row for t in turns], [{f: h[f] for f in HANDOVER_FIELDS} for h in handovers], slots,
                               self.arena, verify=verify)
         out = self.engine.decoder(feed)
+        draft_main = out.get("draft_main")
         if drafts is None:
             absorb_decoder([t.row for t in turns], out, feed, False, slots)
             for b, turn in enumerate(turns):
                 turn.logits = out["logits"][b]
+                if draft_main is not None and turn.draft_ring is not None:
+                    turn.draft_ring.extend(draft_main[b], int(feed["start"][b]) + steps - 1, self.cfg.window_size)
             return
         for b, turn in enumerate(turns):
             logits = np.concatenate((out["verify_logits"][b], out["logits"][b][None]))
-            turn.block = SpeculativeBlock(list(drafts[b]), logits, handovers[b], out["ring_rows"][b], int(feed["start"][b]))
+            turn.block = SpeculativeBlock(list(drafts[b]), logits, handovers[b], out["ring_rows"][b], int(feed["start"][b]),
+                                          None if draft_main is None else draft_main[b])
             turn.logits = logits[0]
 
     def choose_block(self, turn: Turn) -> list[int]:
@@ -341,6 +368,8 @@ class DecoderService:
         turn.row.settle(self.layout, block.handover, keep)
         absorb_decoder([turn.row], {"ring_rows": block.ring_rows[None]}, {"start": np.asarray([block.start])}, False, [turn.slot],
                        keep=[keep])
+        if block.draft_main is not None and turn.draft_ring is not None:  # only kept positions' rows enter the ring
+            turn.draft_ring.extend(block.draft_main[:keep], block.start + keep - 1, self.cfg.window_size)
         turn.fed += keep
         turn.keep, turn.block = keep, None
 

@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 
 from . import contract as c
-from .drafting import DRAFT_BATCH, make_drafter
+from .drafting import DRAFT_BATCH, check_speculative
 
 DEFAULT_PARAMETERS = {
     "model_dir": "embedded/mol2-small",
@@ -25,10 +25,13 @@ DEFAULT_PARAMETERS = {
     "stream_interval": "1",  # tokens per streamed response (the last one of a turn flushes the rest); docs/load.md
     "decode_lanes": "1",  # 2: one lane's encoder step overlaps the other's decoder step (docs/load.md); 1: one batch
     "prefill_chunk": "256",
-    # speculative decoding (docs/speculative.md): the drafter (ngram: prompt lookup over the reply; off), drafts per
-    # step, and the most turns a lane may have going for its steps to draft (a loaded batch decodes plainly)
-    "speculative": "off",
-    "speculative_block": "4",
+    # speculative decoding (docs/speculative.md): the drafter (auto: the model's DSpark drafter where its engines
+    # hold one, else off; dspark; ngram: prompt lookup over the reply; off), drafts per step, the confidence below
+    # which a DSpark block is cut (0: never), and the most turns a lane may have going for its steps to draft (a
+    # loaded batch decodes plainly)
+    "speculative": "auto",
+    "speculative_block": "5",  # DSpark's block (the release's dspark_block_size)
+    "speculative_confidence": "0",
     "speculative_batch": str(DRAFT_BATCH),
     "torch_threads": "1",
     # sessions (docs/serving.md, "Session tokens")
@@ -49,7 +52,7 @@ PYTHON_MODELS_USING = {
                 "session_auth", "internal_key_file"),
     "router": ("model_dir", "registry_root", *ENGINE),
     "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes", "stream_interval",
-                "internal_key_file", "speculative", "speculative_block", "speculative_batch"),
+                "internal_key_file", "speculative", "speculative_block", "speculative_confidence", "speculative_batch"),
     "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters", "max_adapter_rank", "max_adapter_bytes"),
     "session_control": ("registry_root", "internal_key_file"),
 }
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     params = {k: getattr(args, k) for k in DEFAULT_PARAMETERS}
     try:
-        make_drafter(params["speculative"], int(params["speculative_block"]))
+        check_speculative(params["speculative"], int(params["speculative_block"]), float(params["speculative_confidence"]))
     except ValueError as exc:
         parser.error(str(exc))
     if args.out.resolve() == SOURCE_REPOSITORY.resolve():

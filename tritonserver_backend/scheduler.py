@@ -309,7 +309,10 @@ class TurnScheduler:
         a turn whose block would not fit its context."""
         if self.drafter is None or len(turns) > self.draft_batch:
             return None
-        guesses = [self.drafter.draft(t.generated, t.limit - len(t.generated) - 1) if t.drafts_allowed else [] for t in turns]
+        counts = [t.limit - len(t.generated) - 1 if t.drafts_allowed else 0 for t in turns]
+        if not any(c > 0 for c in counts):
+            return None
+        guesses = self._compute.submit(self.drafter.propose, turns, counts).result()  # a drafter may run the engines
         width = max(len(g) for g in guesses)
         if width == 0 or any(t.row.position + 1 + width > self.decoder.max_context - 1 for t in turns):
             return None

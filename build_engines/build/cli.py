@@ -97,6 +97,7 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
     from build_engines.export.layout import StepLayout
     from build_engines.export.stored_role import stores_quantized
     from build_engines.formats.checkpoint import load_config
+    from build_engines.model.drafter_files import drafter_spec
 
     from .onnx_build import build_onnx
 
@@ -136,7 +137,7 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
     if args.format == "trt":
         from .trt_build import TrtLimits, build_trt
 
-        layout = StepLayout(load_config(model_dir))
+        layout = StepLayout(load_config(model_dir), drafter_spec(model_dir) if "drafter" in graphs else None)
         plans = build_trt(onnx_dir, args.out, layout, graphs, args.quant, TrtLimits(args.max_batch, args.max_context))
         for name in graphs:
             graphs[name] = {**plans[name], "onnx": {**graphs[name], "file": f"onnx/{graphs[name]['file']}"}}
@@ -150,6 +151,7 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
         "graphs": graphs,
         "parity_max_abs": parity,
         **({"quant": quant} if quant else {}),
+        **({"drafter": drafter_spec(model_dir).to_release()} if "drafter" in graphs else {}),  # type: ignore[union-attr]
         "command": "python -m build_engines build " + shlex.join(["--model", str(args.model), "--out", str(args.out), "--format",
                                                                   args.format, "--quant", args.quant]
                                                          + (["--kv-quant", args.kv_quant] if args.kv_quant != "none" else [])),

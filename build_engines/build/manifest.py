@@ -18,12 +18,13 @@ from typing import Any
 MANIFEST = "manifest.json"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 BUILDER_SOURCES = tuple(f"build_engines/export/{m}.py" for m in ("common", "decoder_step", "encoder_step", "graph_ops", "layout",
-                                                                   "onnx_export", "pointer_step", "stored_weights", "stored_role")) + (
+                                                                   "onnx_export", "pointer_step", "stored_weights", "stored_role",
+                                                                   "draft_step")) + (
     "build_engines/build/onnx_build.py", "build_engines/build/stored_build.py", "build_engines/build/trt_build.py", "build_engines/model",
     "build_engines/routing/pointer_head.py", "plugins")  # what decides the fp32 graphs' content (not the runtime's row handling)
 QUANT_BUILDER_SOURCES = ("build_engines/build/quant_build.py", "build_engines/build/release_build.py", "build_engines/quantize")  # quantized builds only
 CHECKPOINT_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "router/router.safetensors",
-                    "router/router_config.json")  # what every engine is computed from (a release checkpoint is sharded)
+                    "router/router_config.json", "drafter/config.json", "drafter/model.safetensors")  # what every engine is computed from (a release checkpoint is sharded)
 CALIBRATION_FILES = ("heldout/val.jsonl",)  # calibration text: keys ModelOpt-calibrated builds only
 
 

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.draft_step import DraftMain, DraftStep
 from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.graph_rounding import FollowGraphRounding, RoundingMismatch, write_tapped_graph
@@ -25,6 +26,7 @@ from build_engines.export.onnx_export import data_file, export_module, export_si
 from build_engines.export.parity import Runner, decoder_case, encoder_case, max_difference, torch_runner
 from build_engines.export.pointer_step import PointerStep, option_inputs
 from build_engines.formats.checkpoint import load_checkpoint
+from build_engines.model.drafter_files import load_drafter
 from build_engines.model.network import DecoderEngine, EncoderEngine
 from build_engines.routing.pointer_head import load_router_head
 from plugins import DOMAIN
@@ -33,6 +35,7 @@ from .manifest import sha256_file
 
 PARITY_BOUND = 1e-3  # max abs difference between a graph and its module on the build's check inputs
 GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "pointer": "pointer.onnx"}
+DRAFTER_FILE = "drafter.onnx"  # the DSpark drafter's graph, built when the checkpoint ships a drafter (draft_step.py)
 
 
 class ParityError(RuntimeError):
@@ -73,17 +76,23 @@ def describe(model: onnx.ModelProto, path: Path, inputs: list[GraphTensor], outp
 
 
 def step_modules(model_dir: Path) -> tuple[StepLayout, dict[str, tuple[torch.nn.Module, list[GraphTensor], list[GraphTensor]]], torch.nn.Module]:
-    """The checkpoint's step modules to export, by graph name (with their inputs and outputs), and the router head."""
+    """The checkpoint's step modules to export, by graph name (with their inputs and outputs), and the router head.
+    A checkpoint with a DSpark drafter (`drafter_files`) also gets the drafter graph, and its decoder returns the
+    drafter's `draft_main` rows."""
     net = load_checkpoint(model_dir)
     cfg = net.cfg
-    layout = StepLayout(cfg)
+    drafter = load_drafter(model_dir)
+    layout = StepLayout(cfg, None if drafter is None else drafter.spec)
     state = net.state_dict()
     head, _ = load_router_head(model_dir, cfg.dim)
+    decoder = DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval(), None if drafter is None else DraftMain(drafter))
     modules = {
         "encoder": (EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval(), layout.encoder_inputs(), layout.encoder_outputs()),
-        "decoder": (DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval()).eval(), layout.decoder_inputs(), layout.decoder_outputs()),
+        "decoder": (decoder.eval(), layout.decoder_inputs(), layout.decoder_outputs()),
         "pointer": (PointerStep(head).eval(), layout.pointer_inputs(cfg.dim, head.cfg.width), layout.pointer_outputs()),
     }
+    if drafter is not None:
+        modules["drafter"] = (DraftStep(drafter, net.embed, net.head).eval(), layout.drafter_inputs(), layout.drafter_outputs())
     return layout, modules, head
 
 
@@ -91,7 +100,7 @@ def export_graph(name: str, module: torch.nn.Module, inputs: list[GraphTensor], 
                  out: Path, external_data: bool = False) -> dict[str, Any]:
     """Export one step module as graph `name` into `out` and describe it."""
     t0 = time.perf_counter()
-    path = out / GRAPH_FILES[name]
+    path = out / (DRAFTER_FILE if name == "drafter" else GRAPH_FILES[name])
     graph = describe(export_module(module, inputs, outputs, sizes, path, external_data), path, inputs, outputs)
     graph["export_seconds"] = round(time.perf_counter() - t0, 1)
     return graph
@@ -126,10 +135,14 @@ def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], d
             graphs[name] = future.result()
             bar.update()
     graphs = {name: graphs[name] for name in GRAPH_FILES}
+    if "drafter" in modules:
+        graphs["drafter"] = export_graph("drafter", *modules["drafter"], sizes, out)
     tqdm.write("checking each graph against its module (onnxruntime CPU)")
     rounding: dict[str, dict[str, int]] = {}
     parity = check_parity(out, layout, modules["encoder"][0], modules["decoder"][0], modules["pointer"][0], head,
                           EngramFeed.open(model_dir, layout), rounding)
+    if "drafter" in modules:
+        parity["drafter"] = drafter_parity(out, layout, modules["drafter"][0])
     worst = {name: max(d.values()) for name, d in parity.items()}
     if any(v > PARITY_BOUND for v in worst.values()):
         raise ParityError(f"exported graphs differ from their modules beyond {PARITY_BOUND}: {parity}")
@@ -208,6 +221,21 @@ def pointer_parity(out: Path, layout: StepLayout, pointer: PointerStep, head: to
     a, b = ptr_t(pfeed), ort_runner(out / GRAPH_FILES["pointer"])(pfeed)
     finite = np.isfinite(a["logits"])
     return {"logits": float(np.abs(a["logits"][finite] - b["logits"][finite]).max()) if np.array_equal(finite, np.isfinite(b["logits"])) else float("inf")}
+
+
+def drafter_parity(out: Path, layout: StepLayout, drafter: DraftStep) -> dict[str, float]:
+    """The drafter graph against its module on random rings of three rows with different fills (one full, one of a
+    single row, one half): confidence as a difference, drafts as the share that differ (0 expected; 1 per wrong one)."""
+    cfg = layout.cfg
+    generator = torch.Generator().manual_seed(4)
+    W = cfg.window_size
+    feed = {"main_x": torch.randn(3, W, cfg.dim, generator=generator).numpy(),
+            "main_count": np.array([W, 1, max(1, W // 2)], np.int64), "last_position": np.array([W + 40, 0, W // 2 + 3], np.int64),
+            "last_token": np.array([1, cfg.vocab_size - 2, 7], np.int64)}
+    want = torch_runner(drafter, layout.drafter_inputs(), layout.drafter_outputs())(feed)
+    got = ort_runner(out / DRAFTER_FILE)(feed)
+    return {"draft_confidence": float(np.abs(want["draft_confidence"] - got["draft_confidence"]).max()),
+            "draft_tokens": float((want["draft_tokens"] != got["draft_tokens"]).mean())}
 
 
 def random_bank(layout: StepLayout, slots: int, rank: int, seed: int = 3) -> dict[str, np.ndarray]:

@@ -27,7 +27,8 @@ from build_engines.quantize.kv_cache import KVScales, kv_layout, kv_runner, quan
 from build_engines.quantize.scoring import bundled_adapters, perplexity
 from build_engines.quantize.venv import run_worker
 
-from .onnx_build import GRAPH_FILES, describe, ort_runner
+from build_engines.model.drafter_files import drafter_spec
+from .onnx_build import DRAFTER_FILE, GRAPH_FILES, describe, ort_runner
 
 QUANTIZED = ("encoder", "decoder")
 CHECK_BOUND = {"fp8": 0.02, "int8": 0.03}  # relative perplexity change vs fp32 on the check text (issue #13)
@@ -49,7 +50,7 @@ def build_quantized(model_dir: Path, fp32_dir: Path, fp32_graphs: dict[str, Any]
     import onnx
 
     cfg = load_config(model_dir)
-    layout = StepLayout(cfg)
+    layout = StepLayout(cfg, drafter_spec(model_dir) if "drafter" in fp32_graphs else None)
     fp32 = {name: ort_runner(fp32_dir / GRAPH_FILES[name]) for name in QUANTIZED}
     adapters = bundled_adapters(model_dir, layout)
     val = load_heldout(model_dir, "val", data_dir)
@@ -77,6 +78,9 @@ def build_quantized(model_dir: Path, fp32_dir: Path, fp32_graphs: dict[str, Any]
     shutil.copyfile(fp32_dir / GRAPH_FILES["pointer"], out / GRAPH_FILES["pointer"])
     ios = {"encoder": (layout.encoder_inputs(), layout.encoder_outputs()), "decoder": (layout.decoder_inputs(), layout.decoder_outputs())}
     graphs = {"pointer": {**fp32_graphs["pointer"], "quantized": False}}  # the same file, copied
+    if "drafter" in fp32_graphs:  # the drafter proposes, the quantized target decides: it stays fp32, copied
+        shutil.copyfile(fp32_dir / DRAFTER_FILE, out / DRAFTER_FILE)
+        graphs["drafter"] = {**fp32_graphs["drafter"], "quantized": False}
     for name in QUANTIZED:
         path = out / GRAPH_FILES[name]
         model = onnx.load(str(path))

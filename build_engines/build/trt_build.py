@@ -20,7 +20,7 @@ from plugins.tensorrt_support import require_tensorrt_plugin
 
 from .manifest import sha256_file
 
-PLAN_FILES = {"encoder": "encoder.plan", "decoder": "decoder.plan", "pointer": "pointer.plan"}
+PLAN_FILES = {"encoder": "encoder.plan", "decoder": "decoder.plan", "pointer": "pointer.plan", "drafter": "drafter.plan"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ def profile_ranges(layout: StepLayout, graph: str, limits: TrtLimits, head_count
                            **stores, **lora},
                 "decode": {"B": B, "S": (1, 1, SPEC_BLOCK), "C": (grid, 16, SPEC_BLOCK * limits.max_batch), "K": (0, 0, SPEC_BLOCK),
                            **stores, **lora}}
+    if graph == "drafter":  # one call per drafting lane: at most `speculative_batch` rows (drafting.DRAFT_BATCH)
+        return {"draft": {"B": (1, 1, min(limits.max_batch, 16))}}
     hl = head_count * limits.max_options * limits.max_option_tokens
     return {"route": {"B": B, "n": (1, 4, limits.max_options), "HL": (1, head_count * 4 * 32, hl)}}
 

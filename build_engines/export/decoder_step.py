@@ -16,6 +16,7 @@ from build_engines.model.network import DecoderEngine
 from plugins.sparse_global_attention import sparse_global_attention
 
 from .common import FakeQuant, RopeKinds, StepModule, SublayerWiring, output_projection, pooled_top, query_and_latent
+from .draft_step import DraftMain
 from .graph_ops import (
     chunk_positions,
     collapse,
@@ -76,9 +77,17 @@ class LoraInputs:
 
 
 class DecoderStep(StepModule):
-    def __init__(self, engine: DecoderEngine) -> None:
+    """`draft_main` (a model with a DSpark drafter): the step also returns each position's `main_x` row, stage 0's
+    projection of the target layers' stream means (`draft_step.DraftMain`), for the runtime's draft ring."""
+
+    def __init__(self, engine: DecoderEngine, draft_main: DraftMain | None = None) -> None:
         super().__init__(engine)
         cfg = self.cfg
+        self.draft_main = draft_main
+        if draft_main is not None and min(draft_main.targets) <= cfg.first_decoder_layer:
+            raise ValueError(f"DSpark target layers {list(draft_main.targets)} must lie after layer "
+                             f"{cfg.first_decoder_layer}: the decoder step sees the streams entering layers "
+                             f"{cfg.first_decoder_layer + 1}..{cfg.n_layers - 1} only")
         self.groups = self.layout.lora_groups()
         layers = range(self.E, cfg.n_layers)
         self.wiring = {l: SublayerWiring(cfg, engine.layers[str(l)], self.patterns) for l in layers}
@@ -89,7 +98,7 @@ class DecoderStep(StepModule):
     def forward(self, streams: torch.Tensor, ffn_pre: torch.Tensor, topk: torch.Tensor, candidates: torch.Tensor, start: torch.Tensor,
                 ring_start: torch.Tensor, rings: torch.Tensor, kv: torch.Tensor, index_k: torch.Tensor, lora_used: torch.Tensor,
                 lora_rows: torch.Tensor, lora_at: torch.Tensor, verify: torch.Tensor,
-                *lora_bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                *lora_bank: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg, E, W = self.cfg, self.E, self.cfg.window_size
         S = streams.shape[1]
         lora = LoraInputs(self.groups, lora_used, lora_rows, lora_at, lora_bank)
@@ -98,9 +107,13 @@ class DecoderStep(StepModule):
         ropes = RopeKinds(cfg, self.attentions)
         ctx = {"topk": topk}
         ring_rows: list[torch.Tensor] = []
+        targets = () if self.draft_main is None else self.draft_main.targets
+        means: list[torch.Tensor] = []
 
         X, pre = self.wiring[E].ffn(streams.float(), ffn_pre.float(), lambda x: self._moe(E, x, lora))
         for l in range(E + 1, cfg.n_layers):
+            if l in targets:  # DSpark reads the streams entering its target layers, averaged over the copies
+                means.append(X.mean(2))
             run = lambda x, l=l: self._attention(l, x, rings[:, l - E - 1], positions, win, kv, index_k, candidates, ropes, lora, ctx, ring_rows)  # noqa: E731
             X, attn_pre = self.wiring[l].attention(X, pre, run)
             X, pre = self.wiring[l].ffn(X, attn_pre, lambda x, l=l: self._moe(l, x, lora))
@@ -113,7 +126,9 @@ class DecoderStep(StepModule):
         rows = rms_norm(collapse(torch.cat((X[:, -1:], picked_x), 1), torch.cat((pre[:, -1:], picked_pre), 1)),
                         self.engine.norm.weight, cfg.norm_eps)  # (B, 1 + K, dim)
         logits = head_logits(rows, self.engine.head.weight)
-        return logits[:, 0], logits[:, 1:], torch.stack(ring_rows, 1)
+        if self.draft_main is None:
+            return logits[:, 0], logits[:, 1:], torch.stack(ring_rows, 1)
+        return logits[:, 0], logits[:, 1:], torch.stack(ring_rows, 1), self.draft_main(torch.cat(means, -1))
 
     def _moe(self, layer: int, x: torch.Tensor, lora: LoraInputs) -> torch.Tensor:
         """Dense experts with each row's adapter on every expert's w1/w3 and w2 (LoRA on unquantized inputs)."""

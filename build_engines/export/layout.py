@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from build_engines.model.config import CEDConfig
+from build_engines.model.dspark_spec import DSparkSpec
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,10 @@ def _linear(name: str, module: str, in_f: int, out_f: int) -> LoraGroup:
 class StepLayout:
     """Everything shape-related that the step modules, the export, the runtimes and the LoRA stacking share."""
 
-    def __init__(self, cfg: CEDConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: CEDConfig, drafter: DSparkSpec | None = None) -> None:
+        """`drafter`: the DSpark drafter the engines were built with (the decoder then returns `draft_main`, and a
+        drafter graph exists); None for engines without one."""
+        self.cfg, self.drafter = cfg, drafter
         E = cfg.first_decoder_layer
         self.encoder_ring_layers = tuple(range(E + 1))
         self.decoder_ring_layers = tuple(range(E + 1, cfg.n_layers))
@@ -181,12 +184,31 @@ class StepLayout:
 
     def decoder_outputs(self) -> list[GraphTensor]:
         cfg = self.cfg
+        draft = [GraphTensor("draft_main", "float32", ("B", "S", cfg.dim), "DSpark's main_x row of each position (stage "
+                             "0's projection of the target layers' stream means), for the draft ring")] if self.drafter else []
         return [
             GraphTensor("logits", "float32", ("B", cfg.vocab_size), "next-token logits after each row's last position"),
             GraphTensor("verify_logits", "float32", ("B", "K", cfg.vocab_size), "next-token logits after each `verify` position"),
             GraphTensor("ring_rows", "float32", ("B", len(self.decoder_ring_layers), "S", cfg.head_dim),
                         "this step's latents per decoder ring layer"),
+        ] + draft
+
+    # ------------------------------------------------------------------ drafter graph (DSpark)
+    def drafter_inputs(self) -> list[GraphTensor]:
+        cfg = self.cfg
+        return [
+            GraphTensor("main_x", "float32", ("B", cfg.window_size, cfg.dim),
+                        "each row's newest `draft_main` rows, oldest first (main_count valid, the rest padding)"),
+            GraphTensor("main_count", "int64", ("B",), "valid rows of main_x (1..window)"),
+            GraphTensor("last_position", "int64", ("B",), "position of each row's newest main_x row"),
+            GraphTensor("last_token", "int64", ("B",), "the token sampled after that position (the block's first)"),
         ]
+
+    def drafter_outputs(self) -> list[GraphTensor]:
+        assert self.drafter is not None
+        K = self.drafter.block_size
+        return [GraphTensor("draft_tokens", "int64", ("B", K), "greedy drafts for the positions after last_token"),
+                GraphTensor("draft_confidence", "float32", ("B", K), "the confidence head's raw score of each draft")]
 
     # ------------------------------------------------------------------ pointer graph
     def pointer_inputs(self, model_dim: int, width: int) -> list[GraphTensor]:
@@ -213,6 +235,8 @@ def layout_markdown(layout: StepLayout, router_width: int) -> str:
     sections = [("encoder", layout.encoder_inputs(), layout.encoder_outputs()),
                 ("decoder", [t for t in layout.decoder_inputs() if not t.name.startswith(bank)], layout.decoder_outputs()),
                 ("pointer", layout.pointer_inputs(layout.cfg.dim, router_width), layout.pointer_outputs())]
+    if layout.drafter is not None:
+        sections.append(("drafter", layout.drafter_inputs(), layout.drafter_outputs()))
     for name, inputs, outputs in sections:
         out += [f"### {name}.onnx", "", "| direction | name | dtype | dims | meaning |", "|---|---|---|---|---|"]
         for t in inputs:

@@ -33,6 +33,7 @@ from onnx import TensorProto, helper
 
 from build_engines.export.layout import StepLayout
 from build_engines.export.rows import FP8_MAX, KVFormat, KVStateLayout
+from build_engines.model.dspark_spec import DSparkSpec
 
 KV_QUANT_MODES = ("none", "fp8")
 FP8_TYPE = "tensor(float8e4m3fn)"
@@ -106,9 +107,10 @@ class KVScales:
 def kv_layout(cfg, manifest: dict[str, Any] | None) -> StepLayout:  # type: ignore[no-untyped-def]
     """The rows' layout for an engine directory: fp8 state when its manifest says `quant.kv_cache`, else fp32."""
     kv = (manifest or {}).get("quant", {}).get("kv_cache")
-    if not kv:
-        return StepLayout(cfg)
-    return KVStateLayout(cfg, KVScales.from_manifest(kv).format())
+    layout = KVStateLayout(cfg, KVScales.from_manifest(kv).format()) if kv else StepLayout(cfg)
+    drafter = (manifest or {}).get("drafter")  # the build's DSpark drafter (graph `drafter`, decoder output `draft_main`)
+    layout.drafter = DSparkSpec.from_release(cfg, drafter) if drafter else None
+    return layout
 
 
 # ---------------------------------------------------------------------------------------------------------- rewrite

@@ -10,6 +10,9 @@ the exact command, timings and the perplexity tables.
 version on request -> answer pairs. It is off (0) by default: measured at 250 steps, the answer-tuned adapters do
 not yet put the request's key fact into their replies (docs/model_card.md), so the default keeps the domain-text
 adapters.
+
+`--drafter-steps N` (on by default) ends the build with the drafter stage (`drafter_stage`): the DSpark drafter
+self-distilled from the finished base and adapters into `drafter/`, skipped when that folder exists.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from build_engines.model.config import get_preset
 from build_engines.model.network import CEDNetwork, init_weights
 from build_engines.training.answer_stage import add_arguments as add_answer_arguments
 from build_engines.training.answer_stage import run_answer_stage, settings_from
+from build_engines.training.drafter_stage import DataSettings as DrafterDataSettings
+from build_engines.training.drafter_stage import TrainConfig as DrafterTraining
+from build_engines.training.drafter_stage import run_stage as run_drafter_stage
 from build_engines.training.train import (
     TrainSettings,
     perplexity,
@@ -94,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the base training step")
     add_answer_arguments(parser, steps=0)
+    parser.add_argument("--drafter-steps", type=int, default=DrafterTraining().steps, help="last stage: self-distil the "
+                        "DSpark drafter into OUT/drafter/ (drafter_stage; skipped when it exists; 0: no drafter)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; 1 while others share the machine)")
     parser.add_argument("--force", action="store_true", help="write into --out even where it holds committed files (the default "
                         "--out, embedded/mol2-small, is committed: its manifest and adapters would be rewritten)")
@@ -200,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     describe_adapters(out)
     record_smoke_generation(out)
+    if args.drafter_steps > 0 and not (out / "drafter").exists():
+        run_drafter_stage(out, args.data, work / "drafter", DrafterDataSettings(seed=args.seed),
+                          DrafterTraining(steps=args.drafter_steps, seed=args.seed), manifest["command"] + " (drafter stage)")
     print(json.dumps(manifest["perplexity"]["adapter_by_domain_test"], indent=1))
     print(f"embedded default written to {out} ({manifest['total_bytes'] / 1e6:.1f} MB)")
 

@@ -1,7 +1,9 @@
 """Speculative decoding through a real tritonserver: greedy replies equal plain decoding token for token.
 
-The server runs the n-gram drafter (`speculative=ngram`): the decoder's steps feed drafts, the encoder model absorbs
-each speculative step only up to the kept length that rides on the next BLS step call (STEP_KEEP). Four multi-turn
+Two servers: one as rendered by default (`speculative=auto`, which runs the embedded default's DSpark drafter, the
+engines' drafter graph over each turn's `draft_main` rows), and one with the n-gram drafter (`speculative=ngram`).
+The decoder's steps feed drafts; the encoder model absorbs each speculative step only up to the kept length that
+rides on the next BLS step call (STEP_KEEP). Four multi-turn
 conversations with routed turns and adapter switches run at once (their speculative steps are batched), one turn
 opts out with `speculative` false, and every reply must equal the in-process pipeline's plain reply on the same
 engines. The metrics endpoint must show drafts verified and accepted, per adapter.
@@ -32,9 +34,10 @@ CONVERSATIONS = [
 OPTED_OUT = (3, 1)  # conversation, turn: sent with speculative false
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    srv = start_server(tmp_path_factory.mktemp("speculative"), default_engines, max_context="2048", speculative="ngram")
+@pytest.fixture(scope="module", params=["default", "ngram"])
+def server(request, tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
+    extra = {} if request.param == "default" else {"speculative": request.param}
+    srv = start_server(tmp_path_factory.mktemp("speculative"), default_engines, max_context="2048", **extra)
     try:
         yield srv
     finally:

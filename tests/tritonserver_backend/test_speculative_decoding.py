@@ -5,9 +5,10 @@ under the new adapter runs on the state the speculative turns left), turns batch
 that end inside a block (max_tokens, a stop string) are covered. `test_serving_speculative.py` runs the exactness
 check through a real tritonserver.
 
-The drafter is prompt lookup over the reply (`NgramDrafter`). The embedded default's replies repeat themselves, so it
-drafts often and is right often; a drafter that is always wrong is checked too (every block rejected at its first
-draft must still give the plain reply).
+Three drafters: the embedded default's own DSpark drafter (the engines' drafter graph over each turn's ring of
+`draft_main` rows), prompt lookup over the reply (`NgramDrafter`), and a drafter that is always wrong (every block
+rejected at its first draft must still give the plain reply). The DSpark ring itself is checked too: after any
+mix of accepted and rejected blocks it holds, bit for bit, the rows a plain run computes for the same positions.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 
 from tests.tritonserver_backend.in_process import onnx_pipeline
 from tritonserver_backend import counters as k
-from tritonserver_backend.drafting import NgramDrafter
+from tritonserver_backend.drafting import DSparkDrafter, NgramDrafter
 from tritonserver_backend.pipeline import DirectEncoderPort, InProcessPipeline
 from tritonserver_backend.sampling import SamplingParams
 from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
@@ -47,8 +48,32 @@ class WrongDrafter:
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
 
-    def draft(self, tokens: list[int], count: int) -> list[int]:
-        return [(tokens[-1] + 1 + i) % self.vocab for i in range(min(count, self.block))]
+    def propose(self, turns, counts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+        return [[(t.generated[-1] + 1 + i) % self.vocab for i in range(min(c, self.block))] for t, c in zip(turns, counts)]
+
+
+class RingRecorder:
+    """Wraps a drafter (None: proposes nothing, so every step is plain) and records, at every proposal, each turn's
+    DSpark ring: (newest position, last token) -> the ring's rows."""
+
+    name, block = "recorder", 4
+
+    def __init__(self, inner=None) -> None:  # type: ignore[no-untyped-def]
+        self.inner = inner
+        self.rings: dict[tuple[int, int], np.ndarray] = {}
+
+    def propose(self, turns, counts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+        for t in turns:
+            assert t.draft_ring is not None
+            self.rings[(t.draft_ring.last_position, t.generated[-1])] = t.draft_ring.rows.copy()
+        return self.inner.propose(turns, counts) if self.inner else [[] for _ in turns]
+
+
+def make(pipeline: InProcessPipeline, drafter: str):  # type: ignore[no-untyped-def]
+    if drafter == "dspark":
+        assert pipeline.engine.has_drafter, "the embedded default ships a DSpark drafter (embedded/mol2-small/drafter)"
+        return DSparkDrafter(pipeline.engine, block=4)
+    return NgramDrafter(block=4) if drafter == "ngram" else WrongDrafter(pipeline.engine.cfg.vocab_size)
 
 
 def converse(pipeline: InProcessPipeline, session: str, params: SamplingParams = PARAMS) -> list[list[int]]:
@@ -74,12 +99,12 @@ def assert_same_state(pipeline: InProcessPipeline, got: str, want: str) -> None:
                     assert x == y, f"{type(a).__name__}.{name}"
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "wrong"])
+@pytest.mark.parametrize("drafter", ["dspark", "ngram", "wrong"])
 def test_greedy_speculative_replies_and_state_equal_plain_decoding(pipeline, drafter: str) -> None:  # type: ignore[no-untyped-def]
     pipeline.drafter = None
     plain = converse(pipeline, f"plain-{drafter}")
     before = {c: pipeline.counters.get(c) for c in (k.SPECULATIVE_BLOCKS, k.DRAFTED, k.DRAFTS_ACCEPTED)}
-    pipeline.drafter = NgramDrafter(block=4) if drafter == "ngram" else WrongDrafter(pipeline.engine.cfg.vocab_size)
+    pipeline.drafter = make(pipeline, drafter)
     try:
         speculative = converse(pipeline, f"spec-{drafter}")
     finally:
@@ -91,9 +116,25 @@ def test_greedy_speculative_replies_and_state_equal_plain_decoding(pipeline, dra
     if drafter == "wrong":
         assert accepted == 0
     else:
-        assert accepted > 0  # the default repeats itself: prompt lookup is right often
-        steps_saved = accepted
-        assert sum(len(r) for r in plain) > steps_saved
+        assert accepted > 0  # the default repeats itself (prompt lookup is right often); DSpark was trained on it
+        assert sum(len(r) for r in plain) > accepted
+
+
+def test_the_dspark_ring_holds_exactly_the_plain_rows_of_the_kept_positions(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """Every ring a speculative run drafts from (after accepted and rejected blocks, adapter switches and new turns)
+    equals, bit for bit, the ring a plain run holds at the same position: a rejected draft's row never enters it,
+    and a kept row is the row one-token steps compute (the decoder is chunk-invariant)."""
+    plain, spec = RingRecorder(), RingRecorder(make(pipeline, "dspark"))
+    for name, recorder in (("ring-plain", plain), ("ring-spec", spec)):
+        pipeline.drafter = recorder
+        try:
+            converse(pipeline, name)
+        finally:
+            pipeline.drafter = None
+    assert len(spec.rings) > 8 and set(spec.rings) < set(plain.rings)  # fewer proposals: blocks were accepted
+    for key, rows in spec.rings.items():
+        want = plain.rings[key]
+        assert rows.shape == want.shape and np.array_equal(rows.view(np.uint8), want.view(np.uint8)), key
 
 
 def test_a_turn_that_ends_inside_a_block_stops_where_plain_decoding_stops(pipeline) -> None:  # type: ignore[no-untyped-def]

@@ -57,6 +57,15 @@ class StepEngine(ABC):
     def pointer(self, feed: Arrays) -> Arrays:
         """MoL2 pointer scores of a batch of pooled H19 rows against the option cache."""
 
+    @property
+    def has_drafter(self) -> bool:
+        """Whether these engines hold a DSpark drafter (the decoder then returns `draft_main`)."""
+        return self.layout.drafter is not None
+
+    def drafter(self, feed: Arrays) -> Arrays:
+        """DSpark's block of greedy drafts (inputs/outputs as `StepLayout.drafter_inputs/outputs`)."""
+        raise EngineUnavailable(f"the {self.backend} engines of {self.model_dir} hold no DSpark drafter")
+
     def set_lora_bank(self, bank: Arrays) -> None:
         """The stacked adapter bank (`build_engines.lora.stacked`); called when the adapter set changes."""
         self.lora_bank = bank

@@ -103,6 +103,11 @@ class OnnxEngine(StepEngine):
     def pointer(self, feed: Arrays) -> Arrays:
         return self._run("pointer", feed)
 
+    def drafter(self, feed: Arrays) -> Arrays:
+        if not self.has_drafter:
+            return super().drafter(feed)
+        return self._run("drafter", feed)
+
     def set_lora_bank(self, bank: Arrays) -> None:
         """Bind the bank's arrays once; steps only rebind their own inputs."""
         super().set_lora_bank(bank)

@@ -9,11 +9,13 @@ import numpy as np
 import torch
 
 from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.draft_step import DraftMain, DraftStep
 from build_engines.export.encoder_step import EncoderStep
 from build_engines.export.lora_grid import lora_grid, row_slots
 from build_engines.export.parity import torch_runner
 from build_engines.export.pointer_step import PointerStep
 from build_engines.formats.checkpoint import load_checkpoint
+from build_engines.model.drafter_files import drafter_spec, load_drafter
 from build_engines.model.network import DecoderEngine, EncoderEngine
 from build_engines.routing.pointer_head import load_router_head
 
@@ -28,6 +30,7 @@ class TorchEngine(StepEngine):
     def __init__(self, model_dir: Path) -> None:
         super().__init__(model_dir)
         self._runners: dict[str, Callable[[Arrays], Arrays]] = {}
+        self.layout.drafter = drafter_spec(model_dir)
 
     def _runner(self, graph: str) -> Callable[[Arrays], Arrays]:
         """Built on first use, so a process that only routes never loads the network."""
@@ -38,12 +41,19 @@ class TorchEngine(StepEngine):
                 self._runners[graph] = torch_runner(PointerStep(head).eval(), layout.pointer_inputs(self.cfg.dim, head.cfg.width),
                                                     layout.pointer_outputs())
             else:
-                state = load_checkpoint(self.model_dir).state_dict()
+                net = load_checkpoint(self.model_dir)
+                state = net.state_dict()
+                drafter = load_drafter(self.model_dir) if self.has_drafter else None
                 if graph == "encoder":
                     step: torch.nn.Module = EncoderStep(EncoderEngine.from_state_dict(self.cfg, state).eval())
                     specs = layout.encoder_inputs(), layout.encoder_outputs()
+                elif graph == "drafter":
+                    assert drafter is not None
+                    step = DraftStep(drafter, net.embed, net.head)
+                    specs = layout.drafter_inputs(), layout.drafter_outputs()
                 else:
-                    step = DecoderStep(DecoderEngine.from_state_dict(self.cfg, state).eval())
+                    step = DecoderStep(DecoderEngine.from_state_dict(self.cfg, state).eval(),
+                                       None if drafter is None else DraftMain(drafter))
                     specs = layout.decoder_inputs(), layout.decoder_outputs()
                 self._runners[graph] = torch_runner(step.eval(), *specs)
         return self._runners[graph]
@@ -60,6 +70,11 @@ class TorchEngine(StepEngine):
 
     def pointer(self, feed: Arrays) -> Arrays:
         return _by_row(self._runner("pointer"), feed, batch_inputs={"h19", "option_mask"})
+
+    def drafter(self, feed: Arrays) -> Arrays:
+        if not self.has_drafter:
+            return super().drafter(feed)
+        return _by_row(self._runner("drafter"), feed, batch_inputs=set(feed))
 
 
 def _by_row(run, feed: Arrays, batch_inputs: set[str], row_inputs: Callable[[int], Arrays] | None = None) -> Arrays:  # type: ignore[no-untyped-def]

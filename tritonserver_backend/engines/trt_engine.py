@@ -12,11 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
+from build_engines.build.trt_build import SPEC_BLOCK
+from build_engines.quantize.kv_cache import kv_layout
 from plugins.tensorrt_support import TensorRTUnavailable, require_tensorrt_plugin
 
 from .interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
 
-PROFILES = {"encoder": {"prefill": None, "decode": 1}, "decoder": {"replay": None, "decode": 1}, "pointer": {"route": None}}
+PROFILES = {"encoder": {"prefill": None, "decode": 1}, "decoder": {"replay": None, "decode": 1}, "pointer": {"route": None},
+            "drafter": {"draft": None}}
+DECODE_STEPS = {"encoder": 2, "decoder": SPEC_BLOCK}  # the longest step each graph's decode profile takes (trt_build)
 
 
 class TrtEngine(StepEngine):
@@ -37,6 +41,7 @@ class TrtEngine(StepEngine):
             raise EngineUnavailable("the trt engine needs an NVIDIA GPU (torch.cuda.is_available() is False)")
         register_all()
         self.manifest = check_engine_dir(engine_dir, model_dir, "trt")
+        self.layout = kv_layout(self.cfg, self.manifest)  # with the build's drafter, when it has one
         self._trt, self._torch = trt, torch
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self.engines, self.contexts = {}, {}
@@ -58,7 +63,7 @@ class TrtEngine(StepEngine):
         if len(names) == 1:
             return 0
         steps = next(v.shape[1] for k, v in feed.items() if k in ("tokens", "streams"))
-        return names.index("decode") if steps <= 2 else 0
+        return names.index("decode") if steps <= DECODE_STEPS[graph] else 0
 
     def _run(self, graph: str, feed: Arrays, device_inputs: dict[str, object] | None = None) -> Arrays:
         trt, torch = self._trt, self._torch
@@ -95,3 +100,8 @@ class TrtEngine(StepEngine):
 
     def pointer(self, feed: Arrays) -> Arrays:
         return self._run("pointer", feed)
+
+    def drafter(self, feed: Arrays) -> Arrays:
+        if not self.has_drafter:
+            return super().drafter(feed)
+        return self._run("drafter", feed)

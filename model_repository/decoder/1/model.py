@@ -31,7 +31,8 @@ class TritonPythonModel:
         key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]), params.get("internal_key_file") or None))
         guard = triton_decoder.HandoverGuard(key)
         glue.export_counters(counters, [k.SPECULATIVE_BLOCKS, k.DRAFTED, k.DRAFTS_ACCEPTED])
-        drafter = make_drafter(params.get("speculative", "off"), int(params.get("speculative_block", "4")))
+        drafter = make_drafter(params.get("speculative", "auto"), int(params.get("speculative_block", "5")), service.engine,
+                               float(params.get("speculative_confidence", "0")))
         scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(key), emitter, triton_decoder.fail,
                                   int(params["max_active_turns"]), int(params.get("decode_lanes", "1")), drafter,
                                   int(params.get("speculative_batch", DRAFT_BATCH)))

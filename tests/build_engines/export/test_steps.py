@@ -118,6 +118,7 @@ def test_steps_follow_the_reference_network_through_turns_replays_and_decode(ste
 def test_engines_doc_carries_the_current_graph_contract() -> None:
     from build_engines.export.layout import layout_markdown
     from build_engines.formats.checkpoint import load_config
+    from build_engines.model.drafter_files import drafter_spec
     from build_engines.routing.pointer_head import load_router_head
     from tests.conftest import EMBEDDED
     from tests.tiny import PROJECT_ROOT
@@ -125,7 +126,7 @@ def test_engines_doc_carries_the_current_graph_contract() -> None:
     cfg = load_config(EMBEDDED)
     head, _ = load_router_head(EMBEDDED, cfg.dim)
     doc = (PROJECT_ROOT / "docs" / "engines.md").read_text()
-    assert layout_markdown(StepLayout(cfg), head.cfg.width) in doc, "docs/engines.md is stale: paste layout_markdown() again"
+    assert layout_markdown(StepLayout(cfg, drafter_spec(EMBEDDED)), head.cfg.width) in doc, "docs/engines.md is stale: paste layout_markdown() again"
 
 
 @pytest.mark.parametrize("trial", range(5))

@@ -1,0 +1,128 @@
+"""`ParallelCEDNetwork`: the reference network split over a tensor-parallel group, each rank holding only its shards.
+
+It *is* a `CEDNetwork` (same forward, same `SessionState`, same parameter names) whose sharded submodules are
+replaced by the classes of `modules.py`; the layer loop, hyper-connections, norms, caches and routing are the
+single-process code, run identically on every rank on replicated activations. The collectives sit where DeepSeek's
+V4.1 inference code puts them:
+
+    embedding        all-reduce of the masked vocab-parallel lookup     (B, S, dim)        weight dtype
+    engram layers    all-reduce of the masked row-parallel table lookup (B, S, cols, hd)   weight dtype
+    each attention   all-reduce after the row-parallel wo_b             (B, S, dim)        fp32
+    index layers     all-reduce of the per-head indexer scores          (B, S, n_entries)  fp32
+    each MoE / FFN   all-reduce after shared + routed experts           (B, S, dim)        fp32
+    head             all-gather of the vocab-parallel logits            (B, S, vocab / N)  fp32
+
+Per decode token (B = S = 1), the payload each rank contributes is therefore
+    4 * dim * (2 * n_layers) + b * dim + 4 * sum_index_layers(T / ratio) + 4 * vocab / N   bytes
+(b = weight bytes per element, T = context length; Engram adds b * cols * hd per engram layer). An all-reduce of a
+payload P moves 2 (N-1)/N * P per rank as a ring, (N-1) * P as the ordered all-gather (`comm.py`); the head's
+all-gather receives (N-1)/N * 4 * vocab. The KV caches are not split: V4.1 has one K=V latent per token shared by all
+heads, so every rank keeps the whole (small) cache, as in the release.
+
+Not supported here: LoRA adapters (`build_engines/lora` hooks expect whole projections; a sharded LoRA needs its B
+split like the base rows and an all-reduce after row-parallel A), and the encoder/decoder engine split (`split()`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from build_engines.formats.checkpoint import CheckpointFiles, directory_token_map
+from build_engines.formats.config_file import CheckpointError, load_config
+from build_engines.model.config import CEDConfig
+from build_engines.model.network import CEDNetwork, StepOutput
+from build_engines.model.state import SessionState
+from build_engines.parallel.comm import Comm
+from build_engines.parallel.layout import ParallelLayout, sharding_plan
+from build_engines.parallel.modules import (
+    ParallelEngramTable,
+    ParallelMoE,
+    VocabParallelEmbedding,
+    parallel_attention,
+)
+from build_engines.parallel.shards import SliceReader
+
+
+class ParallelCEDNetwork(CEDNetwork):
+    """`CEDNetwork` with this rank's shards; built on the meta device (allocate with `to_empty`, fill with
+    `load_parallel_network`). Every rank must call `forward` with the same arguments in the same order."""
+
+    bytes_read: int = 0  # checkpoint bytes the loader read from disk for this rank
+
+    def __init__(self, cfg: CEDConfig, layout: ParallelLayout, comm: Comm) -> None:
+        if (comm.world, comm.rank) != (layout.world, layout.rank):
+            raise ValueError(f"layout is rank {layout.rank} of {layout.world} but the process group is rank "
+                             f"{comm.rank} of {comm.world}")
+        layout.check(cfg)
+        with torch.device("meta"):
+            super().__init__(cfg)
+            self.layout, self.comm = layout, comm
+            start, stop = layout.even_range(cfg.vocab_size)  # the same token rows for the embedding and the head
+            self.embed = VocabParallelEmbedding(start, stop, cfg.dim, comm, "embed")
+            self.head = nn.Linear(cfg.dim, stop - start, bias=False)
+            for key, block in self.layers.items():
+                block.attn = parallel_attention(cfg, layout, int(key), comm)
+                block.ffn = ParallelMoE(cfg, layout, comm)
+                if block.engram is not None:
+                    rows, width = block.engram.embed.weight.shape
+                    block.engram.embed = ParallelEngramTable(*layout.ceil_range(rows), width, comm, "engram")
+
+    def forward(self, tokens: torch.Tensor, state: SessionState | None = None, trace: bool = False,
+                targets: Iterable[int] = ()) -> StepOutput:
+        """As `CEDNetwork.forward`; the logits come back whole (vocab-gathered) on every rank."""
+        out = super().forward(tokens, state, trace, targets)
+        out.logits = self.comm.all_gather(out.logits, -1, "head")
+        return out
+
+    def split(self) -> tuple:  # type: ignore[override]
+        raise NotImplementedError("the encoder/decoder engine split of a tensor-parallel network is not implemented")
+
+    def held_bytes(self) -> int:
+        """Bytes of the parameters this rank holds (its shards plus the replicated tensors)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
+
+def load_parallel_network(directory: str | Path, comm: Comm, expert_parallel: bool = False,
+                          dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> ParallelCEDNetwork:
+    """This rank's shards of the checkpoint in `directory`, read slice by slice into a `ParallelCEDNetwork`.
+
+    The network is cast to `dtype` while still on the meta device and only then allocated, so the rank's peak is its
+    shards in `dtype` plus one slice in flight (none when the stored dtype is `dtype`: slices are read in place).
+    The bytes read from disk are left on `net.bytes_read`.
+    """
+    directory = Path(directory)
+    cfg = load_config(directory)
+    layout = ParallelLayout(comm.world, comm.rank, expert_parallel)
+    plan = sharding_plan(cfg, layout)
+    files = CheckpointFiles(directory)
+    missing = sorted(set(plan) - set(files.names()))
+    if missing:
+        raise CheckpointError(f"{directory}: missing tensors {missing[:10]} ({len(missing)} in all)")
+    net = ParallelCEDNetwork(cfg, layout, comm).to(dtype).to_empty(device=device)
+    own = net.state_dict()
+    held = {name for name, (shard, _) in plan.items() if shard.held}
+    if set(own) != held:
+        raise AssertionError(f"network and layout disagree on held tensors: {sorted(set(own) ^ held)[:10]}")
+    reader = SliceReader(files)
+    with torch.no_grad():
+        for name, target in own.items():
+            shard, shape = plan[name]
+            if tuple(target.shape) != shard.local_shape(shape):
+                raise AssertionError(f"{name}: the module holds {tuple(target.shape)}, the layout says "
+                                     f"{shard.local_shape(shape)}")
+            if target.device.type == "cpu":
+                reader.read_into(name, shard, shape, target)
+            else:
+                host = torch.empty(target.shape, dtype=target.dtype)
+                reader.read_into(name, shard, shape, host)
+                target.copy_(host)
+    net.bytes_read = reader.bytes_read
+    if cfg.engram_layers:
+        token_map = directory_token_map(cfg, directory)
+        if token_map is not None:
+            net.set_engram_token_map(token_map)
+    return net.eval()
