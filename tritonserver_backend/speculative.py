@@ -7,13 +7,17 @@ A verified block is the target's logits after the turn's last sampled token and 
   the same call, on the same logits, with the same history for the penalties. So the reply is token for token the
   reply without drafting. The first draft that differs is replaced by the sampler's choice; when every draft is kept,
   the logits after the last one give one more token.
-- Temperature > 0: speculative sampling (Leviathan et al. 2023, Chen et al. 2023). Draft d_i, drawn from the drafter's
-  distribution q_i, is kept with probability min(1, p_i(d_i) / q_i(d_i)), where p_i is the distribution the sampler
-  draws from (penalties, bias, temperature, top-k, min-p, top-p applied: `Sampler.probabilities`). A rejected draft is
-  replaced by a draw from max(0, p_i - q_i), normalised. Every emitted token is then distributed exactly as the
-  sampler's own draw, though not the same draw: the seeded generator is consumed differently, so a seeded reply is
-  reproducible with drafting on, and another reply than with it off. A drafter that proposes greedily has a one-hot
-  q_i (`draft_probs` None).
+- Temperature > 0, a drafter that proposes one token per position (both of the server's drafters: DSpark drafts
+  greedily, prompt lookup copies; `draft_probs` None): the same rule. The turn's sampler draws at each position as
+  plain decoding would, and the draft is kept while the draw equals it. This IS speculative sampling (Leviathan et
+  al. 2023, Chen et al. 2023) for a one-hot drafter distribution q: the draft d is kept with probability p(d) =
+  min(1, p(d) / q(d)), and a rejected position emits a draw from p conditioned on "not d", which is max(0, p - q)
+  normalised. And since the seeded generator is consumed exactly as without drafting (one draw per emitted token,
+  on bitwise the same logits and history), a sampled reply with drafting is the plain reply, token for token.
+- A drafter with a real distribution (`draft_probs`): draft d_i is kept with probability min(1, p_i(d_i) / q_i(d_i)),
+  where p_i is what the sampler draws from (penalties, bias, temperature, top-k, min-p, top-p applied:
+  `Sampler.probabilities`); a rejected draft is replaced by a draw from max(0, p_i - q_i), normalised. Every token is
+  distributed as the sampler's own draw, though not the same draw (the generator is consumed differently).
 
 Grammar-constrained turns are not drafted (their mask follows every token), and the caller trims what this returns at
 the end of the turn (end-of-turn, a stop token, max_tokens), as it does for one token.
@@ -39,17 +43,18 @@ def accept_block(sampler: Sampler, verify_logits: torch.Tensor, drafts: list[int
     if draft_probs is not None and draft_probs.shape[0] != len(drafts):
         raise ValueError(f"draft_probs has {draft_probs.shape[0]} rows for {len(drafts)} drafts")
     out: list[int] = []
-    greedy = sampler.params.temperature == 0.0
+    own_draws = sampler.params.temperature == 0.0 or draft_probs is None
     for i, draft in enumerate(drafts):
         history = generated + out
-        if greedy:
+        if own_draws:
             chosen = sampler(verify_logits[i], history)
             out.append(chosen)
             if chosen != draft:
                 return out
             continue
         p = sampler.probabilities(sampler.shaped(verify_logits[i], history))
-        q = _one_hot(draft, p) if draft_probs is None else draft_probs[i].float()
+        assert draft_probs is not None
+        q = draft_probs[i].float()
         ratio = p[draft] / q[draft] if q[draft] > 0 else torch.tensor(0.0)
         if torch.rand((), generator=sampler.generator) < ratio:
             out.append(draft)
@@ -63,8 +68,3 @@ def accept_block(sampler: Sampler, verify_logits: torch.Tensor, drafts: list[int
     out.append(sampler(verify_logits[len(drafts)], generated + out))
     return out
 
-
-def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
-    q = torch.zeros_like(like)
-    q[token] = 1.0
-    return q

@@ -77,3 +77,19 @@ def test_sampling_emits_the_targets_distribution_whatever_the_drafts(drafter: st
     # resampling from p instead of the residual) is off by 0.05 or more
     assert torch.allclose(frequencies, target, atol=4.5 * (0.25 / trials) ** 0.5), (frequencies, target)
     assert 0 < kept < trials  # drafts were both kept and corrected
+
+
+def test_sampled_blocks_of_a_one_hot_drafter_are_the_plain_draws() -> None:
+    """At temperature > 0 a drafter of single tokens (DSpark drafts greedily, prompt lookup copies) is checked against
+    the turn's own draws: a seeded sampler emits, through a block, exactly the tokens it emits one step at a time."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]])
+    params = dict(temperature=0.9, top_k=5, repetition_penalty=1.2)
+    lengths = set()
+    for seed in range(200):
+        out = accept_block(Sampler(SamplingParams(seed=seed, **params)), logits, [0, 5], [4])
+        plain, history = Sampler(SamplingParams(seed=seed, **params)), [4]
+        for i, token in enumerate(out):
+            assert token == plain(logits[i], history)
+            history.append(token)
+        lengths.add(len(out))
+    assert lengths == {1, 2, 3}  # blocks cut at the first and second draft, and fully kept

@@ -206,19 +206,23 @@ def test_the_encoder_refuses_a_malformed_keep_and_changes_nothing(pipeline) -> N
     pipeline.encoder.rollback("keep-check")
 
 
-def test_sampled_turns_are_reproducible_and_an_opted_out_turn_is_the_plain_draw(pipeline) -> None:  # type: ignore[no-untyped-def]
-    """At temperature > 0 the drafts go through speculative sampling: a seeded reply is the same on every run (not the
-    plain run's draw: the generator is consumed differently, docs/speculative.md), and a turn that opts out draws
-    exactly what plain decoding draws."""
+@pytest.mark.parametrize("drafter", ["dspark", "ngram"])
+def test_sampled_turns_with_drafting_are_the_plain_draws(pipeline, drafter: str) -> None:  # type: ignore[no-untyped-def]
+    """At temperature > 0 a draft is kept while the turn's own seeded draw equals it (speculative sampling for a
+    one-hot drafter, docs/speculative.md): the generator is consumed as without drafting, so a seeded reply with
+    drafting is the plain reply token for token, and so is a turn that opts out."""
     sampled = SamplingParams(max_tokens=24, temperature=0.8, seed=11)
     pipeline.drafter = None
     plain = pipeline.chat("sampled-plain", CONVERSATION[0][0], new_session=True, params=sampled).token_ids
-    pipeline.drafter = NgramDrafter(block=4)
+    blocks = pipeline.counters.get(k.SPECULATIVE_BLOCKS)
+    pipeline.drafter = make(pipeline, drafter)
     try:
-        runs = [pipeline.chat(f"sampled-{i}", CONVERSATION[0][0], new_session=True, params=sampled).token_ids for i in range(2)]
-        opted_out = pipeline.chat("sampled-out", CONVERSATION[0][0], new_session=True,
+        runs = [pipeline.chat(f"sampled-{drafter}-{i}", CONVERSATION[0][0], new_session=True, params=sampled).token_ids
+                for i in range(2)]
+        opted_out = pipeline.chat(f"sampled-{drafter}-out", CONVERSATION[0][0], new_session=True,
                                   params=SamplingParams(max_tokens=24, temperature=0.8, seed=11, speculative=False)).token_ids
     finally:
         pipeline.drafter = None
-    assert runs[0] == runs[1] and len(runs[0]) > 0
+    assert runs[0] == runs[1] == plain and len(plain) > 0
     assert opted_out == plain
+    assert pipeline.counters.get(k.SPECULATIVE_BLOCKS) > blocks  # the sampled turns did draft

@@ -47,7 +47,9 @@ def test_an_up_to_date_directory_is_reused_and_a_modified_one_is_stale(default_e
     assert again.returncode == 0 and "up to date" in again.stdout
     manifest = read_manifest(default_engines)
     assert manifest is not None and manifest["settings"] == BuildSettings("onnx", "none", OPSET).as_dict()
-    assert set(manifest["graphs"]) == {"encoder", "decoder", "pointer"} and manifest["source"]["files"]["model.safetensors"]
+    # the embedded default ships a DSpark drafter: its graph is built, its files key the engines too
+    assert set(manifest["graphs"]) == {"encoder", "decoder", "pointer", "drafter"} and manifest["source"]["files"]["model.safetensors"]
+    assert manifest["source"]["files"]["drafter/model.safetensors"] and manifest["drafter"]["dspark_block_size"] == 5
     copy = tmp_path / "copy"
     copy.mkdir()
     for f in default_engines.iterdir():

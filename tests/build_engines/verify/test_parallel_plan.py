@@ -8,6 +8,8 @@ import pytest
 from build_engines.model.config import get_preset
 from build_engines.verify.parallel_plan import Layout, _model_bytes, plan_markdown, role_plans
 
+pytestmark = pytest.mark.slow  # the release-sized meta network takes ~10-30 s to build
+
 
 def test_one_gpu_per_role_holds_exactly_the_release_weights_split_by_role() -> None:
     cfg = get_preset("deepseek-v4.1-flash")
