@@ -4,8 +4,9 @@ gRPC streaming gives, token for token, what the in-process pipeline gives on the
 Why a separate module: the fixtures of `test_serving_triton.py` serve the fp32 engines (onnx and torch backends);
 here one server per quantization mode is started on `engine_dir` = the quantized directory, and only the
 conversation and the batched-sessions check run on it (the transport and error paths do not depend on the engine).
-The fp8-KV server runs with speculative decoding (n-gram drafts): its replies must still be the in-process plain
-pipeline's, token for token, and its metrics must show drafts verified. The int8 build is checked in process (`tests/build_engines/quantize/`) but not served: it loads and runs through
+The fp8-KV server runs with speculative decoding (the DSpark drafter, which quantized builds copy unquantized, drafting
+from the quantized decoder's `draft_main` rows): its replies must still be the in-process plain pipeline's, token
+for token, and its metrics must show drafts verified. The int8 build is checked in process (`tests/build_engines/quantize/`) but not served: it loads and runs through
 the same onnxruntime path as fp8 (standard Q/DQ), and a third server costs CI about 25 s.
 """
 
@@ -58,7 +59,7 @@ def server(tmp_path_factory, quantized_dir):  # type: ignore[no-untyped-def]
     params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
               "engine_backend": "onnx", "engine_dir": str(engine_dir),
               # the fp8-KV server decodes speculatively: every check below then also holds with drafting on
-              "speculative": "ngram" if engine_dir.name.endswith("kv8") else "off"}
+              "speculative": "dspark" if engine_dir.name.endswith("kv8") else "off"}
     repo = build_repository(work / "repo", params)
     try:
         srv = TritonServer(work_dir=work / "server")
