@@ -80,8 +80,7 @@ class DSparkDrafter:
         if engine.layout.drafter is None:
             raise ValueError("speculative dspark: these engines hold no DSpark drafter (the checkpoint ships none, "
                              "or the engines were built before it had one)")
-        if not 0.0 <= confidence < 1.0:
-            raise ValueError(f"speculative_confidence must lie in [0, 1), got {confidence}")
+        check_confidence(confidence)
         self.engine, self.cfg = engine, engine.cfg
         self.block = min(block, engine.layout.drafter.block_size)
         self.cut = -math.inf if confidence == 0 else math.log(confidence / (1 - confidence))
@@ -97,7 +96,7 @@ class DSparkDrafter:
         for i, b in enumerate(asked):
             ring = turns[b].draft_ring
             assert ring is not None
-            main_x[i, :ring.count] = ring.rows[:ring.count]
+            main_x[i, :ring.count] = ring.rows
             count[i], last_position[i], last_token[i] = ring.count, ring.last_position, turns[b].generated[-1]
         result = self.engine.drafter({"main_x": main_x, "main_count": count, "last_position": last_position,
                                       "last_token": last_token})
@@ -121,6 +120,10 @@ def check_speculative(name: str, block: int, confidence: float = 0.0) -> None:
     if not 1 <= block <= MAX_BLOCK:
         raise ValueError(f"speculative_block must lie in 1..{MAX_BLOCK} (the fed token and the drafts fill at most "
                          f"{MAX_BLOCK + 1} positions of a decode step), got {block}")
+    check_confidence(confidence)
+
+
+def check_confidence(confidence: float) -> None:
     if not 0.0 <= confidence < 1.0:
         raise ValueError(f"speculative_confidence must lie in [0, 1), got {confidence}")
 

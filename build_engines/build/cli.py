@@ -134,10 +134,11 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
                 graphs, quant = build_quantized(model_dir, fp32_dir, fp32_graphs, onnx_dir, args.quant, args.data, args.kv_quant)
             finally:
                 shutil.rmtree(fp32_dir, ignore_errors=True)
+    drafter = drafter_spec(model_dir) if "drafter" in graphs else None  # the build made a drafter graph
     if args.format == "trt":
         from .trt_build import TrtLimits, build_trt
 
-        layout = StepLayout(load_config(model_dir), drafter_spec(model_dir) if "drafter" in graphs else None)
+        layout = StepLayout(load_config(model_dir), drafter)
         plans = build_trt(onnx_dir, args.out, layout, graphs, args.quant, TrtLimits(args.max_batch, args.max_context))
         for name in graphs:
             graphs[name] = {**plans[name], "onnx": {**graphs[name], "file": f"onnx/{graphs[name]['file']}"}}
@@ -151,7 +152,7 @@ def build(args: argparse.Namespace, settings: BuildSettings) -> dict:
         "graphs": graphs,
         "parity_max_abs": parity,
         **({"quant": quant} if quant else {}),
-        **({"drafter": drafter_spec(model_dir).to_release()} if "drafter" in graphs else {}),  # type: ignore[union-attr]
+        **({"drafter": drafter.to_release()} if drafter is not None else {}),
         "command": "python -m build_engines build " + shlex.join(["--model", str(args.model), "--out", str(args.out), "--format",
                                                                   args.format, "--quant", args.quant]
                                                          + (["--kv-quant", args.kv_quant] if args.kv_quant != "none" else [])),

@@ -24,7 +24,7 @@ from plugins.swa_replay_attention import swa_replay_attention
 
 from .common import FakeQuant, SinkhornPatterns, SublayerWiring, plain_linear
 from .graph_ops import collapse, pair_swap, rms_norm, rope_apply, rope_tables
-from .stored_weights import experts_for
+from .stored_weights import experts_for, head_logits
 
 DRAFT_FIELDS = ("main_x", "main_count", "last_position", "last_token")
 
@@ -82,18 +82,15 @@ class DraftStep(nn.Module):
             X, pre = wiring.ffn(X, attn_pre, lambda x, s=s: self._moe(s, x))
         last = self.drafter.mtp[-1]
         h = collapse(X, pre)  # (B, K, dim)
-        logits = rms_norm(h, last.norm.weight, cfg.norm_eps) @ self.head.weight.float().t()  # (B, K, vocab)
-        markov = last.markov_head
+        logits = head_logits(rms_norm(h, last.norm.weight, cfg.norm_eps), self.head.weight)  # (B, K, vocab)
         previous = last_token
         tokens, embeds = [], []
-        for i in range(K):
-            e = markov.embed(previous)
-            token = (logits[:, i] + e.float() @ markov.head.weight.float().t()).argmax(-1)
-            tokens.append(token)
+        for i in range(K):  # each draft's Markov bias reads the draft before it
+            bias, e = last.markov_head(previous)
+            previous = (logits[:, i] + bias).argmax(-1)
+            tokens.append(previous)
             embeds.append(e)
-            previous = token
-        confidence = torch.cat((h, torch.stack(embeds, 1).float()), -1) @ last.confidence_head.proj.weight.float().t()
-        return torch.stack(tokens, 1), confidence.squeeze(-1)
+        return torch.stack(tokens, 1), last.confidence_head(h, torch.stack(embeds, 1))
 
     def _keys(self, attn: nn.Module, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         kv = rms_norm(plain_linear(x, "wkv", attn.wkv), attn.kv_norm.weight, self.cfg.norm_eps)

@@ -155,6 +155,7 @@ class Indexer(nn.Module):
     def __init__(self, cfg: CEDConfig, owns_keys: bool) -> None:
         super().__init__()
         self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.scale_heads = cfg.index_n_heads  # the head count the scores are scaled by (all heads, also when split)
         self.wq_b = ActQuantLinear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, cfg.runtime_fake_quant)
         self.weights_proj = nn.Linear(cfg.dim, cfg.index_n_heads, bias=False)
         if owns_keys:
@@ -172,9 +173,14 @@ class Indexer(nn.Module):
         q = apply_rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), rope_dim)
         if quant:
             q = fp4_qdq_ue8m0(q)
-        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.scale_heads ** -0.5)
         logits = torch.einsum("bshd,bnd->bshn", q.float(), keys.float()).relu()
-        return (logits * w.unsqueeze(-1)).sum(2)
+        return self.sum_heads((logits * w.unsqueeze(-1)).sum(2))
+
+    def sum_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores summed over this module's heads are the scores (a tensor-parallel indexer adds the other
+        ranks' heads here: build_engines/parallel)."""
+        return scores
 
 
 class Attention(nn.Module):

@@ -20,13 +20,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from build_engines.formats.checkpoint import CheckpointFiles, check_tensors
+from build_engines.formats.checkpoint import WEIGHTS_FILE, CheckpointFiles, check_tensors
 from build_engines.formats.config_file import CONFIG_FILE, CheckpointError, load_config
 from build_engines.model.config import CEDConfig, ConfigError
 from build_engines.model.dspark import DSpark, DSparkSpec, dspark_spec_of, load_dspark
 
 DRAFTER_DIR = "drafter"
-WEIGHTS_FILE = "model.safetensors"
 
 
 def save_drafter(drafter: DSpark, model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

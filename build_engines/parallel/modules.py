@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from build_engines.formats.quant_formats import fp4_qdq_ue8m0
 from build_engines.model.attention import Attention, Indexer
 from build_engines.model.config import CEDConfig
 from build_engines.model.moe import Expert, Gate
-from build_engines.model.primitives import ActQuantLinear, apply_rope_tail
+from build_engines.model.primitives import ActQuantLinear
 from build_engines.parallel.comm import Comm
 from build_engines.parallel.layout import ParallelLayout
 
@@ -86,18 +85,10 @@ class ParallelIndexer(Indexer):
 
     def __init__(self, local_cfg: CEDConfig, owns_keys: bool, total_heads: int, comm: Comm) -> None:
         super().__init__(local_cfg, owns_keys)
-        self.total_heads, self.comm = total_heads, comm
+        self.scale_heads, self.comm = total_heads, comm
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               rope_dim: int, quant: bool) -> torch.Tensor:
-        B, S, _ = x.shape
-        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
-        q = apply_rope_tail(q, cos.unsqueeze(1), sin.unsqueeze(1), rope_dim)
-        if quant:
-            q = fp4_qdq_ue8m0(q)
-        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.total_heads ** -0.5)
-        per_head = torch.einsum("bshd,bnd->bshn", q.float(), keys.float()).relu()
-        return self.comm.all_reduce((per_head * w.unsqueeze(-1)).sum(2), "index")
+    def sum_heads(self, scores: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(scores, "index")
 
 
 def parallel_attention(cfg: CEDConfig, layout: ParallelLayout, layer: int, comm: Comm) -> Attention:

@@ -53,6 +53,7 @@ from build_engines.lora import Adapter, AdapterBank
 from build_engines.model.drafter_files import DRAFTER_DIR, WEIGHTS_FILE, load_drafter, save_drafter
 from build_engines.model.dspark import DSpark, DSparkSpec
 from build_engines.model.network import CEDNetwork, init_weights
+from build_engines.training.train import lr_at, save_atomic
 
 FORMAT_VERSION = 1  # bump when the generated data changes for the same model, data and settings
 BASE = "BASE"
@@ -236,13 +237,6 @@ def data_key(model_dir: Path, data_dir: Path, settings: DataSettings) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _save_atomic(payload: Any, path: Path) -> None:
-    """Write then rename, so an interrupted write never leaves a truncated file that a re-run would trust."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-
-
 def _as_rows(seqs: list[Conversation]) -> list[dict[str, Any]]:
     return [asdict(s) for s in seqs]
 
@@ -278,7 +272,7 @@ def prepare_data(model_dir: Path, data_dir: Path, work: Path, settings: DataSett
               "train": sequence_stats(train, spec.block_size, tok.end_of_turn_id),
               "heldout": sequence_stats(heldout, spec.block_size, tok.end_of_turn_id)}
     work.mkdir(parents=True, exist_ok=True)
-    _save_atomic({"train": _as_rows(train), "heldout": _as_rows(heldout), "record": record}, path)
+    save_atomic({"train": _as_rows(train), "heldout": _as_rows(heldout), "record": record}, path)
     return DrafterData(train, heldout, record)
 
 
@@ -367,14 +361,6 @@ def drafter_loss(drafter: DSpark, net: CEDNetwork, hidden: torch.Tensor, last: t
     return ce + confidence_weight * bce, parts
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine to a tenth of the peak."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
-
 def _optimizer(drafter: DSpark, cfg: TrainConfig) -> torch.optim.AdamW:
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
@@ -426,7 +412,7 @@ def train_drafter(drafter: DSpark, net: CEDNetwork, seqs: Sequence[Conversation]
 
     def save(step: int) -> None:
         work.mkdir(parents=True, exist_ok=True)
-        _save_atomic({"settings": asdict(cfg), "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
+        save_atomic({"settings": asdict(cfg), "drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
                       "generator": generator.get_state(), "step": step, "history": history}, state_path)
 
     drafter.train()

@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -47,12 +47,27 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def lr_at(step: int, s: TrainSettings) -> float:
+class Schedule(Protocol):
+    """What the learning-rate schedule reads of a stage's settings."""
+
+    lr: float
+    warmup: int
+    steps: int
+
+
+def lr_at(step: int, s: Schedule) -> float:
     """Linear warm-up, then cosine decay to 10% of the peak."""
     if step < s.warmup:
         return s.lr * (step + 1) / s.warmup
     progress = (step - s.warmup) / max(1, s.steps - s.warmup)
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def save_atomic(payload: Any, path: Path) -> None:
+    """Write then rename, so an interrupted write never leaves a truncated file that a re-run would trust."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
 
 
 def lm_loss(net: CEDNetwork, batch: torch.Tensor) -> torch.Tensor:
@@ -126,9 +141,7 @@ def run_training(
             "step": step,
             "history": history,
         }
-        tmp = state_path.with_suffix(".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, state_path)
+        save_atomic(payload, state_path)
 
     net.train()
     bar = tqdm(range(start, settings.steps), initial=start, total=settings.steps, desc=desc)

@@ -31,12 +31,9 @@ import math
 import re
 from dataclasses import dataclass
 
-import torch
-
 from build_engines.model.config import CEDConfig, get_preset
-from build_engines.model.network import CEDNetwork
 
-from .plan import MemoryPlan, _stored_bytes, plan
+from .plan import MemoryPlan, _stored_bytes, plan, state_shapes
 
 HBM_BYTES = 141e9  # an H200
 RESERVE = 0.10  # kept for activations, workspaces, the runtime
@@ -115,9 +112,8 @@ class RolePlan:
 @functools.lru_cache(maxsize=4)
 def _model_bytes(cfg: CEDConfig) -> tuple[MemoryPlan, dict[str, int]]:
     """The memory plan and each tensor's release bytes (building the meta network takes ~10 s at the release's size)."""
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in CEDNetwork(cfg).state_dict().items()}
-    return plan(cfg), {k: sum(_stored_bytes(k, s).values()) for k, s in shapes.items()}
+    shapes = state_shapes(cfg)
+    return plan(cfg, shapes), {k: sum(_stored_bytes(k, s).values()) for k, s in shapes.items()}
 
 
 def role_plans(cfg: CEDConfig, gpus: int, layouts: tuple[Layout, ...] = LAYOUTS) -> list[RolePlan]:

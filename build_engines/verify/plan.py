@@ -58,10 +58,15 @@ def fp4_bytes(channels: int, scale_block: int) -> float:
     return channels / 2 + channels / scale_block
 
 
-def plan(cfg: CEDConfig) -> MemoryPlan:
+def state_shapes(cfg: CEDConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from a network on the meta device (nothing allocated; ~10 s at the release's size)."""
     with torch.device("meta"):
-        net = CEDNetwork(cfg)
-    shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+        return {k: tuple(v.shape) for k, v in CEDNetwork(cfg).state_dict().items()}
+
+
+def plan(cfg: CEDConfig, shapes: dict[str, tuple[int, ...]] | None = None) -> MemoryPlan:
+    """`shapes`: `state_shapes(cfg)` when the caller has them already."""
+    shapes = state_shapes(cfg) if shapes is None else shapes
     total = sum(math.prod(s) for s in shapes.values())
     experts = sum(math.prod(s) for k, s in shapes.items() if ".ffn.experts." in k)
     embed_head = sum(math.prod(shapes[k]) for k in ("embed.weight", "head.weight"))

@@ -16,6 +16,7 @@ from build_engines.export.parity import torch_runner
 from build_engines.export.pointer_step import PointerStep
 from build_engines.formats.checkpoint import load_checkpoint
 from build_engines.model.drafter_files import drafter_spec, load_drafter
+from build_engines.model.dspark import DSpark
 from build_engines.model.network import DecoderEngine, EncoderEngine
 from build_engines.routing.pointer_head import load_router_head
 
@@ -43,20 +44,23 @@ class TorchEngine(StepEngine):
             else:
                 net = load_checkpoint(self.model_dir)
                 state = net.state_dict()
-                drafter = load_drafter(self.model_dir) if self.has_drafter else None
                 if graph == "encoder":
                     step: torch.nn.Module = EncoderStep(EncoderEngine.from_state_dict(self.cfg, state).eval())
                     specs = layout.encoder_inputs(), layout.encoder_outputs()
                 elif graph == "drafter":
-                    assert drafter is not None
-                    step = DraftStep(drafter, net.embed, net.head)
+                    step = DraftStep(self._drafter(), net.embed, net.head)
                     specs = layout.drafter_inputs(), layout.drafter_outputs()
                 else:
                     step = DecoderStep(DecoderEngine.from_state_dict(self.cfg, state).eval(),
-                                       None if drafter is None else DraftMain(drafter))
+                                       DraftMain(self._drafter()) if self.has_drafter else None)
                     specs = layout.decoder_inputs(), layout.decoder_outputs()
                 self._runners[graph] = torch_runner(step.eval(), *specs)
         return self._runners[graph]
+
+    def _drafter(self) -> DSpark:
+        drafter = load_drafter(self.model_dir)
+        assert drafter is not None, "the layout has a drafter spec, so the model directory ships a drafter"
+        return drafter
 
     def encoder(self, feed: Arrays) -> Arrays:
         stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_", "engram_rows_"))}
