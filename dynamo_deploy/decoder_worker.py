@@ -65,7 +65,8 @@ class DecoderWorker:
         self.settings, self.loop = settings, loop
         self.counters = Counters()
         self.stats = WorkerStats(settings, self.counters)
-        engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir)
+        engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir, settings.tensor_parallel_size,
+                             settings.expert_parallel)
         tokenizer = ChatTokenizer.load(settings.model_dir)
         self.decoder = DecoderService(engine, Registry(settings.registry_root), tokenizer, self.counters, max_context=settings.max_context)
         self.key = load_internal_key(settings.internal_key_path)

@@ -102,7 +102,8 @@ class EncoderWorker:
         self.settings, self.decoders = settings, decoders
         self.counters = Counters()
         self.stats = WorkerStats(settings, self.counters)
-        engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir)
+        engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir, settings.tensor_parallel_size,
+                             settings.expert_parallel)
         # the client's token is checked here, per x-dynamo-session-id, which outlives the service's internal session ids
         # (a rebuild starts a new one); the service is reached only through this worker's endpoints
         self.encoder = EncoderService(engine, max_context=settings.max_context, counters=self.counters, session_auth=False)

@@ -42,6 +42,8 @@ class Deployment:
     nixl_threshold_bytes: int = 0  # hand-overs from this size move through NIXL (0: NIXL off, all inline; transfer.py)
     record_logprobs: bool = False  # turns.jsonl keeps each token's log-probability (tests compare them bit for bit)
     session_auth: bool = True  # session tokens (session_guard.py); off only for a trusted single-tenant deployment
+    tensor_parallel_size: int = 1  # each worker leads a group of this many ranks (torch backend; docs/parallel.md)
+    expert_parallel: bool = False
     python: Path = field(default_factory=lambda: Path(os.environ.get("MOL2_DYNAMO_PYTHON", DYNAMO_PYTHON)))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -77,7 +79,9 @@ class Deployment:
             "--model-dir", str(self.model_dir), "--engine-dir", str(self.engine_dir),
             "--registry-root", str(self.run_dir / "registry"), "--backend", self.backend, "--max-context", str(self.max_context),
             "--nixl-threshold-bytes", str(self.nixl_threshold_bytes), *(["--record-logprobs"] if self.record_logprobs else []),
-            *([] if self.session_auth else ["--no-session-auth"])])
+            *([] if self.session_auth else ["--no-session-auth"]),
+            *(["--tensor-parallel-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1 else []),
+            *(["--enable-expert-parallel"] if self.expert_parallel else [])])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")

@@ -41,6 +41,8 @@ class WorkerSettings:
     record_logprobs: bool = False  # every turn computes its tokens' log-probabilities and turns.jsonl keeps them
     session_auth: bool = True  # a live session id's later turns need the token issued when it started (session_guard.py)
     internal_key_file: Path | None = None  # the workers' shared secret; default <run_dir>/internal.key
+    tensor_parallel_size: int = 1  # the worker leads a group of this many ranks (torch backend; docs/parallel.md)
+    expert_parallel: bool = False  # routed experts placed whole over those ranks
 
     @property
     def internal_key_path(self) -> Path:
@@ -69,9 +71,13 @@ class WorkerSettings:
         p.add_argument("--internal-key-file", type=Path, default=None,
                        help="the secret the workers share (a 0600 file; created when missing); default "
                             "<run-dir>/internal.key")
+        p.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="run this worker's role on N ranks, which the worker starts and leads (torch backend)")
+        p.add_argument("--enable-expert-parallel", action="store_true", help="place routed experts whole over the ranks")
         a = p.parse_args(argv)
         return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context,
-                   a.nixl_threshold_bytes, a.record_logprobs, a.session_auth, a.internal_key_file)
+                   a.nixl_threshold_bytes, a.record_logprobs, a.session_auth, a.internal_key_file,
+                   a.tensor_parallel_size, a.enable_expert_parallel)
 
     @property
     def name(self) -> str:

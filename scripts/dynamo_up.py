@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from dynamo_deploy.launcher import Deployment, read_stats, stop_recorded  # noqa: E402
 from tritonserver_backend.counters import TOKEN_REFUSALS  # noqa: E402
+from tritonserver_backend.repository import parallel_backend  # noqa: E402
 
 DEFAULT_RUN_DIR = ROOT / "artifacts" / "dynamo"
 
@@ -37,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--model-dir", type=Path, default=ROOT / "embedded" / "mol2-small")
     p.add_argument("--engine-dir", type=Path, default=ROOT / "artifacts" / "engines" / "mol2-small")
-    p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
+    p.add_argument("--backend", default=None, choices=["onnx", "torch"], help="default onnx; torch with --tensor-parallel-size above 1")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="each encoder and decoder worker runs its role on N ranks it starts and leads (docs/parallel.md)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="place routed experts whole over those ranks")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--nixl-threshold-bytes", type=int, default=0,
                    help="hand-overs from this size move through NIXL (e.g. 4194304); 0 (default): NIXL off, all inline")
@@ -45,12 +49,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="no session tokens: any client that sends a session id continues that conversation (a trusted "
                         "single-tenant deployment only; the workers' calls to each other stay signed)")
     a = p.parse_args(argv)
+    try:
+        a.backend = parallel_backend(a.backend, a.tensor_parallel_size, a.enable_expert_parallel)
+    except ValueError as exc:
+        p.error(str(exc))
     if a.command == "start":
         if (a.run_dir / "deployment.json").exists():
             print(f"a deployment is already recorded in {a.run_dir}; stop it first", file=sys.stderr)
             return 1
         d = Deployment(a.run_dir, a.model_dir, a.engine_dir, a.encoders, a.decoders, a.port, a.backend, a.max_context,
-                       nixl_threshold_bytes=a.nixl_threshold_bytes, session_auth=a.session_auth)
+                       nixl_threshold_bytes=a.nixl_threshold_bytes, session_auth=a.session_auth,
+                       tensor_parallel_size=a.tensor_parallel_size, expert_parallel=a.enable_expert_parallel)
         t0 = time.monotonic()
         print(f"starting {a.encoders} encoder + {a.decoders} decoder workers and the frontend (logs in {a.run_dir / 'logs'}) ...", flush=True)
         try:

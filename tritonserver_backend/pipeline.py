@@ -54,13 +54,15 @@ class DirectEncoderPort:
 
 class InProcessPipeline:
     def __init__(self, model_dir: str | Path, registry_root: str | Path, max_context: int = 8192, backend: str = "torch",
-                 engine_dir: str | Path | None = None, session_auth: bool = False, drafter: Drafter | None = None) -> None:
+                 engine_dir: str | Path | None = None, session_auth: bool = False, drafter: Drafter | None = None,
+                 tensor_parallel_size: int = 1, expert_parallel: bool = False) -> None:
         """`session_auth` off by default: the in-process pipeline has one caller (the server's models default to on).
-        `drafter`: speculative decoding with it (None: plain decoding)."""
+        `drafter`: speculative decoding with it (None: plain decoding). `tensor_parallel_size` > 1: the encoder and
+        the decoder each run on that many ranks (this process leads; `engines.rank_group`)."""
         self.drafter = drafter
         self.counters = Counters()
         self.registry = Registry(registry_root)
-        self.engine = open_engine(backend, model_dir, engine_dir)
+        self.engine = open_engine(backend, model_dir, engine_dir, tensor_parallel_size, expert_parallel)
         self.text = TextService(model_dir)
         self.encoder = EncoderService(self.engine, max_context=max_context, session_auth=session_auth)
         self.router = RouterService(model_dir, Registry(registry_root), self.counters, self.engine)

@@ -34,6 +34,10 @@ DEFAULT_PARAMETERS = {
     "speculative_confidence": "0",
     "speculative_batch": str(DRAFT_BATCH),
     "torch_threads": "1",
+    # tensor / expert parallelism (docs/parallel.md): the encoder and the decoder each run on this many ranks, which
+    # their Triton model instance starts and leads; expert parallel places routed experts whole. Torch engine only.
+    "tensor_parallel_size": "1",
+    "enable_expert_parallel": "false",
     # sessions (docs/serving.md, "Session tokens")
     "session_auth": "true",  # false: no session tokens (a trusted single-tenant deployment only; the log says so)
     "internal_key_file": "",  # empty: <registry_root>/internal.key (0600, created at the first start): signs calls between the models
@@ -46,16 +50,33 @@ DEFAULT_PARAMETERS = {
     "max_adapter_bytes": str(1 << 30),  # size of adapter_model.safetensors, checked before it is read
 }
 ENGINE = ("engine_backend", "engine_dir", "torch_threads")
+PARALLEL = ("tensor_parallel_size", "enable_expert_parallel")  # the encoder and the decoder; the router's pointer head stays one process
 PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
-    "encoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk",
+    "encoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk",
                 "session_auth", "internal_key_file"),
     "router": ("model_dir", "registry_root", *ENGINE),
-    "decoder": ("model_dir", "registry_root", *ENGINE, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes", "stream_interval",
+    "decoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes", "stream_interval",
                 "internal_key_file", "speculative", "speculative_block", "speculative_confidence", "speculative_batch"),
     "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters", "max_adapter_rank", "max_adapter_bytes"),
     "session_control": ("registry_root", "internal_key_file"),
 }
+
+
+def parallel_backend(backend: str | None, tensor_parallel_size: int, expert_parallel: bool) -> str:
+    """The engine backend a rendering gets: the one asked for, else the default, else torch when the roles run on
+    several ranks (the only engine that serves them; docs/parallel.md). A contradiction is a ValueError."""
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+    if expert_parallel and tensor_parallel_size < 2:
+        raise ValueError("--enable-expert-parallel places experts over the tensor-parallel ranks: it needs "
+                         "--tensor-parallel-size 2 or more")
+    if tensor_parallel_size == 1:
+        return backend or DEFAULT_PARAMETERS["engine_backend"]
+    if backend not in (None, "torch"):
+        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} runs on the torch engine, not {backend}: "
+                         "onnxruntime has no collective op (docs/parallel.md)")
+    return "torch"
 
 
 def _io(kind: str, specs: tuple[c.TensorSpec, ...]) -> str:
@@ -144,11 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder of the repository to write")
     parser.add_argument("--force", action="store_true", help="allowed to rewrite the committed model_repository/")
     for key, value in DEFAULT_PARAMETERS.items():
-        parser.add_argument(f"--{key.replace('_', '-')}", default=value)
+        if key == "enable_expert_parallel":  # a flag, as vLLM's
+            parser.add_argument("--enable-expert-parallel", action="store_const", const="true", default=value,
+                                help="place routed experts whole over the tensor-parallel ranks")
+        elif key == "engine_backend":
+            parser.add_argument("--engine-backend", default=None, help=f"torch | onnx | trt (default {value}; torch "
+                                "with --tensor-parallel-size above 1)")
+        else:
+            parser.add_argument(f"--{key.replace('_', '-')}", default=value)
     args = parser.parse_args(argv)
     params = {k: getattr(args, k) for k in DEFAULT_PARAMETERS}
     try:
         check_speculative(params["speculative"], int(params["speculative_block"]), float(params["speculative_confidence"]))
+        params["engine_backend"] = parallel_backend(args.engine_backend, int(params["tensor_parallel_size"]),
+                                                    params["enable_expert_parallel"] == "true")
     except ValueError as exc:
         parser.error(str(exc))
     if args.out.resolve() == SOURCE_REPOSITORY.resolve():

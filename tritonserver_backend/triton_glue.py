@@ -74,7 +74,8 @@ def engine(args: dict, params: dict[str, str], model_dir: Path):  # type: ignore
     backend = params.get("engine_backend", "torch")
     engine_dir = resolve(args, params["engine_dir"]) if params.get("engine_dir") else None
     os.environ.setdefault("MOL2_ORT_THREADS", params.get("torch_threads", "1"))
-    opened = open_engine(backend, model_dir, engine_dir)
+    opened = open_engine(backend, model_dir, engine_dir, int(params.get("tensor_parallel_size", "1")),
+                         params.get("enable_expert_parallel", "false") == "true", int(params.get("torch_threads", "1")))
     LOG.info("engine: %s", opened.describe())
     return opened
 

@@ -12,6 +12,7 @@ from build_engines.model.attention import Attention
 from build_engines.model.config import CEDConfig
 from build_engines.model.network import Block
 from build_engines.model.primitives import ACT_QUANT_BLOCK, quantizes_input
+from build_engines.parallel.comm import Comm
 
 from .graph_ops import (
     HcMix,
@@ -34,12 +35,17 @@ from .layout import StepLayout
 class StepModule(nn.Module):
     """What both step modules hold: the engine component (its weights), the config, the layout, the Sinkhorn patterns.
 
-    With `cfg.runtime_fake_quant` the steps run V4.1's runtime fake-quant as the reference does (see `FakeQuant`)."""
+    With `cfg.runtime_fake_quant` the steps run V4.1's runtime fake-quant as the reference does (see `FakeQuant`).
+
+    `comm`: the engine's tensor-parallel group when it is a rank's shard (`parallel.load_parallel_component`), else a
+    group of one. The steps sum attention and MoE outputs and gather the head's logits through it, where DeepSeek's
+    code has its all-reduces; alone every call is the identity, so the exported graphs hold no collective."""
 
     def __init__(self, engine: nn.Module) -> None:
         super().__init__()
         cfg: CEDConfig = engine.cfg  # type: ignore[assignment]
         self.cfg, self.engine, self.layout = cfg, engine, StepLayout(cfg)
+        self.comm: Comm = getattr(engine, "comm", None) or Comm.single()
         self.E = cfg.first_decoder_layer
         self.patterns = SinkhornPatterns(cfg.hc_mult, cfg.hc_eps)
 
@@ -150,9 +156,9 @@ def index_scores(attn: Attention, x: torch.Tensor, qr: torch.Tensor, keys: torch
     ix = attn.indexer
     q = linear(qr, f"{prefix}.indexer.wq_b", ix.wq_b).view(B, S, ix.n_heads, ix.head_dim)
     q = FakeQuant.index(ropes.apply(q, ropes.tables(positions, layer, cfg.index_head_dim), heads=True), cfg)
-    w = linear(x, f"{prefix}.indexer.weights_proj", ix.weights_proj) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
+    w = linear(x, f"{prefix}.indexer.weights_proj", ix.weights_proj) * (ix.head_dim ** -0.5 * ix.scale_heads ** -0.5)
     logits = torch.relu(q @ keys.unsqueeze(1).transpose(-1, -2))  # (B, S, Hi, N)
-    return (logits * w.unsqueeze(-1)).sum(2)
+    return ix.sum_heads((logits * w.unsqueeze(-1)).sum(2))  # a rank's heads: summed over the group there
 
 
 def output_projection(attn: Attention, o: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], ropes: RopeKinds, linear: Linear,
@@ -195,9 +201,9 @@ def pooled_top(attn: Attention, x: torch.Tensor, qr: torch.Tensor, keys: torch.T
     ix = attn.indexer
     q = linear(qr, f"{prefix}.indexer.wq_b", ix.wq_b).view(B, S, ix.n_heads, ix.head_dim)
     q = FakeQuant.index(ropes.apply(q, ropes.tables(positions, layer, cfg.index_head_dim), heads=True), cfg)
-    w = linear(x, f"{prefix}.indexer.weights_proj", ix.weights_proj) * (ix.head_dim ** -0.5 * ix.n_heads ** -0.5)
+    w = linear(x, f"{prefix}.indexer.weights_proj", ix.weights_proj) * (ix.head_dim ** -0.5 * ix.scale_heads ** -0.5)
     logits = torch.relu(q @ pool_keys.transpose(-1, -2))  # (B, S, Hi, P)
-    scores = (logits * w.unsqueeze(-1)).sum(2)  # (B, S, P)
+    scores = ix.sum_heads((logits * w.unsqueeze(-1)).sum(2))  # (B, S, P)
     keep = (ids >= 0) & (ids < (positions + 1).unsqueeze(-1))  # visible entries of a ratio-1 store
     picked = select_top(torch.where(keep, scores, torch.full_like(scores, float("-inf"))), min(cfg.index_topk, P))
     absolute = torch.where(picked < 0, picked, torch.gather(ids, -1, picked.clamp(min=0)))

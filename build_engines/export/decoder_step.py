@@ -114,7 +114,7 @@ class DecoderStep(StepModule):
         for l in range(E + 1, cfg.n_layers):
             if l in targets:  # DSpark reads the streams entering its target layers, averaged over the copies
                 means.append(X.mean(2))
-            run = lambda x, l=l: self._attention(l, x, rings[:, l - E - 1], positions, win, kv, index_k, candidates, ropes, lora, ctx, ring_rows)  # noqa: E731
+            run = lambda x, l=l: self.comm.all_reduce(self._attention(l, x, rings[:, l - E - 1], positions, win, kv, index_k, candidates, ropes, lora, ctx, ring_rows), "attn")  # noqa: E731
             X, attn_pre = self.wiring[l].attention(X, pre, run)
             X, pre = self.wiring[l].ffn(X, attn_pre, lambda x, l=l: self._moe(l, x, lora))
         # the last position and the positions a speculative step verifies go through the norm and head together:
@@ -125,7 +125,7 @@ class DecoderStep(StepModule):
         picked_pre = torch.gather(pre, 1, verify.view(B, K, 1).expand(B, K, pre.shape[2]))
         rows = rms_norm(collapse(torch.cat((X[:, -1:], picked_x), 1), torch.cat((pre[:, -1:], picked_pre), 1)),
                         self.engine.norm.weight, cfg.norm_eps)  # (B, 1 + K, dim)
-        logits = head_logits(rows, self.engine.head.weight)
+        logits = self.comm.all_gather(head_logits(rows, self.engine.head.weight), -1, "head")  # a rank's vocab rows
         if self.draft_main is None:
             return logits[:, 0], logits[:, 1:], torch.stack(ring_rows, 1)
         return logits[:, 0], logits[:, 1:], torch.stack(ring_rows, 1), self.draft_main(torch.cat(means, -1))
@@ -142,7 +142,7 @@ class DecoderStep(StepModule):
         act = experts.activations(h13, experts.routing_weights(x))  # (B, S, G*I)
         a2, b2 = lora.experts[f"layers.{layer}.ffn.experts_w2"]  # (U, G, I, R), (U, G, R, dim)
         v = (lora.gather(act).view(U, C, G, inter).transpose(1, 2) @ a2).transpose(1, 2).reshape(U, C, -1)  # (U, C, G*R)
-        return experts.down(experts.gemm_input(act)) + lora.scatter(v @ b2.flatten(1, 2), x)
+        return self.comm.all_reduce(experts.down(experts.gemm_input(act)) + lora.scatter(v @ b2.flatten(1, 2), x), "ffn")
 
     def _attention(self, l: int, x: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, win: torch.Tensor, kv_store: torch.Tensor,
                    index_store: torch.Tensor, candidates: torch.Tensor, ropes: RopeKinds, lora: LoraInputs, ctx: dict[str, torch.Tensor],

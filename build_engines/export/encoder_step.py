@@ -80,7 +80,7 @@ class EncoderStep(StepModule):
                 h19 = X
             if l in engram_rows:  # before the block, on the streams entering it, as the reference network
                 X = self._engram(l, X, engram_rows[l])
-            run = lambda x, l=l: self._attention(l, x, rings[:, l], positions, win, sources, ropes, ctx, ring_rows)  # noqa: E731
+            run = lambda x, l=l: self.comm.all_reduce(self._attention(l, x, rings[:, l], positions, win, sources, ropes, ctx, ring_rows), "attn")  # noqa: E731
             X, attn_pre = self.wiring[l].attention(X, pre, run)
             if l < E:
                 X, pre = self.wiring[l].ffn(X, attn_pre, lambda x, l=l: self._moe(l, x))
@@ -121,7 +121,7 @@ class EncoderStep(StepModule):
     def _moe(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         experts = self.experts[layer]
         act = experts.activations(experts.up(experts.gemm_input(x)), experts.routing_weights(x))
-        return experts.down(experts.gemm_input(act))
+        return self.comm.all_reduce(experts.down(experts.gemm_input(act)), "ffn")
 
     def _attention(self, l: int, x: torch.Tensor, ring: torch.Tensor, positions: torch.Tensor, win: torch.Tensor,
                    sources: dict[int, _Source], ropes: RopeKinds, ctx: dict[str, torch.Tensor], ring_rows: list[torch.Tensor]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from build_engines.model.attention import select_top as reference_select_top
 from build_engines.model.config import CEDConfig
@@ -250,6 +251,20 @@ def expand(y: torch.Tensor, post: torch.Tensor, C: torch.Tensor, X: torch.Tensor
 # ----------------------------------------------------------------------------------------------- MoE
 
 
+def expert_members(moe: nn.Module) -> tuple[list[nn.Module], list[int] | None]:
+    """The experts a MoE computes here, routed then shared, and their columns among the gate's weights (routed ids,
+    then n_routed for the shared expert); None when it computes all of them. A tensor-parallel rank's MoE
+    (`parallel.modules.ParallelMoE`) holds slices of all of them, an expert-parallel rank only its own experts
+    (and rank 0 the shared one)."""
+    owned = getattr(moe, "owned", None)
+    if owned is None:
+        return list(moe.experts) + [moe.shared_experts], None  # type: ignore[arg-type, operator]
+    shared = [] if moe.shared_experts is None else [moe.shared_experts]
+    columns = list(owned) + ([len(moe.gate.weight)] if shared else [])
+    members = [moe.experts[str(e)] for e in owned] + shared  # type: ignore[index]
+    return members, None if columns == list(range(len(moe.gate.weight) + 1)) else columns
+
+
 class DenseExperts:
     """Every expert of one MoE (routed, then shared) as two concatenated weight matrices.
 
@@ -259,7 +274,7 @@ class DenseExperts:
     """
 
     def __init__(self, moe: MoE) -> None:
-        experts = list(moe.experts) + [moe.shared_experts]
+        experts, self.columns = expert_members(moe)
         self.count = len(experts)
         self.inter = experts[0].w1.out_features
         if any(e.w1.out_features != self.inter for e in experts):
@@ -286,7 +301,8 @@ class DenseExperts:
         picked = scores.gather(-1, idx)
         picked = picked / plus_eps(picked.sum(-1, keepdim=True), 1e-20) * self.route_scale
         routed = torch.zeros_like(scores).scatter(-1, idx, picked)
-        return torch.cat((routed, torch.ones_like(scores[..., :1])), -1)
+        weights = torch.cat((routed, torch.ones_like(scores[..., :1])), -1)
+        return weights if self.columns is None else weights[..., self.columns]
 
     def up(self, xq: torch.Tensor) -> torch.Tensor:
         """(…, dim) GEMM input -> (…, G*2*I) every expert's w1 | w3 products."""

@@ -262,7 +262,7 @@ class StoredExperts(DenseExperts):
             raise StoredWeightError("StoredExperts needs routed experts")
         if not all(isinstance(w, StoredLinear) for e in experts for w in (e.w1, e.w2, e.w3)):
             raise StoredWeightError("StoredExperts needs every expert projection stored (StoredLinear)")
-        self.count = len(experts)
+        self.count, self.columns = len(experts), None  # every expert of the MoE (a parallel rank's are dequantized)
         self.inter = experts[0].w1.out_features
         if any(e.w1.out_features != self.inter for e in experts):
             raise StoredWeightError("dense experts need one intermediate width for routed and shared experts")
@@ -351,7 +351,8 @@ def expert_chunk_bytes() -> int:
 
 def experts_for(moe: MoE) -> DenseExperts:
     """The step's experts of one MoE: `StoredExperts` when its projections stay stored, else `DenseExperts`."""
-    return StoredExperts(moe, expert_chunk_bytes()) if isinstance(moe.shared_experts.w1, StoredLinear) else DenseExperts(moe)
+    stored = isinstance(getattr(moe.shared_experts, "w1", None), StoredLinear)  # an expert-parallel rank may hold no shared expert
+    return StoredExperts(moe, expert_chunk_bytes()) if stored else DenseExperts(moe)
 
 
 def stored_chunks(experts: dict[int, DenseExperts]) -> nn.ModuleList:

@@ -26,7 +26,10 @@ can check the per-token communication against the formula in the package docs.
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,14 +39,27 @@ class Comm:
     """Collectives over one process group; with no initialised group (or a group of one) every call is the identity."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, ordered: bool = True) -> None:
+        """`group`: a process group (also one made by `open_group`, which torch does not register); None: the
+        default group when this process has joined one."""
         self.group = group
         self.ordered = ordered
-        if dist.is_available() and dist.is_initialized():
+        if group is not None:
+            self.world, self.rank = group.size(), group.rank()
+        elif dist.is_available() and dist.is_initialized():
             self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         else:
             self.world, self.rank = 1, 0
         self.traffic: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
+
+    @classmethod
+    def single(cls) -> "Comm":
+        """A group of one, whatever process group this process has joined: the identity collectives of a step run
+        alone (the single-process engines, the ONNX export)."""
+        comm = cls.__new__(cls)
+        comm.group, comm.ordered, comm.world, comm.rank = None, True, 1, 0
+        comm.traffic, comm.calls = Counter(), Counter()
+        return comm
 
     def _count(self, tag: str, t: torch.Tensor) -> None:
         self.traffic[tag] += t.numel() * t.element_size()
@@ -78,3 +94,30 @@ class Comm:
     def reset_traffic(self) -> None:
         self.traffic.clear()
         self.calls.clear()
+
+
+def open_group(port: int, rank: int, world: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of `world` local processes meeting at a TCP store on `port` (rank 0 serves it).
+
+    Not the process's default group: one process may lead several groups (an in-process pipeline leads the encoder's
+    and the decoder's) and start a group again after losing a rank, which torch's single default group allows
+    neither. Torch's collectives take it as `group=`; the object broadcast (`broadcast_object`) and the barrier call
+    its own methods, because torch's helpers for those look groups up in a registry this one is not in."""
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=timeout_s))
+    return dist.ProcessGroupGloo(store, rank, world, timedelta(seconds=timeout_s))
+
+
+def broadcast_object(group: dist.ProcessGroup, value: Any = None) -> Any:
+    """Rank 0's `value` on every rank of `group` (pickled: its length, then its bytes)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if group.rank() == 0 else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    group.broadcast([size], options).wait()
+    buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(int(size), dtype=torch.uint8)
+    group.broadcast([buffer], options).wait()
+    return value if group.rank() == 0 else pickle.loads(buffer.numpy().tobytes())
+
+
+def barrier(group: dist.ProcessGroup) -> None:
+    group.barrier().wait()

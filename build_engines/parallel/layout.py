@@ -12,11 +12,14 @@ right after the row-parallel projections, and vLLM's flags (`tensor_parallel_siz
   LoRA down-projection every head reads) and the sliding-window/global caches are replicated, as in the release;
 - the lightning indexer: its query heads (`wq_b` rows, `weights_proj` rows) are split and the per-head ReLU scores
   are all-reduced before top-k (the release does the same); its key path (`wk`, `k_norm`) is replicated;
-- MoE: the gate is replicated (every rank routes every token identically); the shared expert is sliced along the
-  intermediate dim (w1/w3 rows, w2 columns); each routed expert is sliced the same way (tensor parallel) or, with
-  `expert_parallel`, owned whole by one rank in contiguous blocks: rank r owns experts [r*E/N, (r+1)*E/N). Contiguous
-  blocks are what the release's own code uses, so its per-rank expert files map one to one; round-robin would spread
-  neighbouring hot experts but nothing in V4.1's router says neighbours are correlated;
+- MoE: the gate is replicated (every rank routes every token identically). Tensor parallel slices the shared expert
+  and every routed expert along the intermediate dim (w1/w3 rows, w2 columns). With `expert_parallel` each routed
+  expert is owned whole by one rank in contiguous blocks, rank r owning experts [r*E/N, (r+1)*E/N) (what the
+  release's own code uses, so its per-rank expert files map one to one; round-robin would spread neighbouring hot
+  experts but nothing in V4.1's router says neighbours are correlated), and the shared expert is owned whole by rank
+  0. The release slices the shared expert there too; we keep it whole because the step engines compute a rank's
+  experts as one dense GEMM over experts of one width (`graph_ops.DenseExperts`), and a 1/N shared slice beside
+  whole routed experts would break that. It costs rank 0 one expert more (1/(E+1) of a MoE layer: 1/257 in V4.1);
 - Engram tables: rows split in ceil(rows/N) chunks (table sizes are sums of primes, never divisible), masked lookup
   and all-reduce as the release does; the Engram gate (`wkv`, `q_weight`, `k_weight`) is replicated;
 - everything without a head, vocabulary, expert or intermediate axis (norms, hyper-connection mixers) is replicated.
@@ -38,6 +41,9 @@ if TYPE_CHECKING:
 ACT_QUANT_BLOCK = 32
 
 Kind = Literal["replicated", "split", "owned"]
+
+#: The rank that holds the shared expert whole under expert parallelism (see the module docs).
+SHARED_EXPERT_OWNER = 0
 
 
 class ParallelLayoutError(ValueError):
@@ -69,7 +75,8 @@ class Shard:
 
 _ROW, _COL = 0, 1
 # (pattern, rule): "rep" replicated, "row"/"col" split along dim 0/1 evenly, "rows_ceil" dim 0 in ceil chunks,
-# "expert_row"/"expert_col" a routed expert's slice (tensor parallel) or its owner's (expert parallel)
+# "expert_row"/"expert_col" a routed expert's slice (tensor parallel) or its owner's (expert parallel),
+# "shared_row"/"shared_col" the shared expert's slice (tensor parallel) or rank 0's whole (expert parallel)
 _RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), r) for p, r in (
     (r"embed\.weight", "row"),
     (r"head\.weight", "row"),
@@ -86,8 +93,8 @@ _RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p), r) for p
     (r"layers\.\d+\.attn\.indexer\.(wq_b|weights_proj)\.weight", "row"),
     (r"layers\.\d+\.attn\.indexer\.(wk|k_norm)\.weight", "rep"),
     (r"layers\.\d+\.ffn\.gate\.(weight|bias|bias_vl)", "rep"),
-    (r"layers\.\d+\.ffn\.shared_experts\.(w1|w3)\.weight", "row"),
-    (r"layers\.\d+\.ffn\.shared_experts\.w2\.weight", "col"),
+    (r"layers\.\d+\.ffn\.shared_experts\.(w1|w3)\.weight", "shared_row"),
+    (r"layers\.\d+\.ffn\.shared_experts\.w2\.weight", "shared_col"),
     (r"layers\.\d+\.ffn\.experts\.\d+\.(w1|w3)\.weight", "expert_row"),
     (r"layers\.\d+\.ffn\.experts\.\d+\.w2\.weight", "expert_col"),
     (r"layers\.\d+\.engram\.embed\.weight", "rows_ceil"),
@@ -124,17 +131,16 @@ class ParallelLayout:
         need("n_heads", cfg.n_heads, "query heads are split")
         need("o_groups", cfg.o_groups, "the grouped output projection wo_a is split by group")
         need("index_n_heads", cfg.index_n_heads, "the indexer's query heads are split")
-        need("moe_inter_dim * n_shared_experts", cfg.moe_inter_dim * cfg.n_shared_experts,
-             "the shared expert is sliced along its intermediate dim")
         if self.expert_parallel:
             need("n_routed_experts", cfg.n_routed_experts, "expert parallel places whole experts, E/N per rank")
         else:
+            need("moe_inter_dim * n_shared_experts", cfg.moe_inter_dim * cfg.n_shared_experts,
+                 "the shared expert is sliced along its intermediate dim")
             need("moe_inter_dim", cfg.moe_inter_dim, "routed experts are sliced along their intermediate dim")
         if cfg.runtime_fake_quant and not out:
-            shared = cfg.moe_inter_dim * cfg.n_shared_experts // N
-            k_slices = {"o_groups * o_lora_rank / N (wo_b input)": cfg.o_groups * cfg.o_lora_rank // N,
-                        "moe_inter_dim * n_shared_experts / N (shared w2 input)": shared}
+            k_slices = {"o_groups * o_lora_rank / N (wo_b input)": cfg.o_groups * cfg.o_lora_rank // N}
             if not self.expert_parallel:
+                k_slices["moe_inter_dim * n_shared_experts / N (shared w2 input)"] = cfg.moe_inter_dim * cfg.n_shared_experts // N
                 k_slices["moe_inter_dim / N (routed w2 input)"] = cfg.moe_inter_dim // N
             for key, k in k_slices.items():
                 if k % ACT_QUANT_BLOCK:
@@ -180,12 +186,11 @@ class ParallelLayout:
                                       "build_engines/parallel/layout.py")
         if rule == "rep" or self.world == 1:
             return Shard("replicated")
-        if rule in ("expert_row", "expert_col") and self.expert_parallel:
+        if rule in ("expert_row", "expert_col", "shared_row", "shared_col") and self.expert_parallel:
             match = _EXPERT.match(name)
-            assert match is not None
-            owner = self.expert_owner(cfg, int(match.group(1)))
+            owner = SHARED_EXPERT_OWNER if match is None else self.expert_owner(cfg, int(match.group(1)))
             return Shard("owned", owner=owner, held=owner == self.rank)
-        dim = _COL if rule in ("col", "expert_col") else _ROW
+        dim = _COL if rule in ("col", "expert_col", "shared_col") else _ROW
         start, stop = (self.ceil_range if rule == "rows_ceil" else self.even_range)(shape[dim])
         return Shard("split", dim=dim, start=start, stop=stop)
 

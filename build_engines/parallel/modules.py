@@ -17,7 +17,7 @@ from build_engines.model.config import CEDConfig
 from build_engines.model.moe import Expert, Gate
 from build_engines.model.primitives import ActQuantLinear
 from build_engines.parallel.comm import Comm
-from build_engines.parallel.layout import ParallelLayout
+from build_engines.parallel.layout import SHARED_EXPERT_OWNER, ParallelLayout
 
 
 def rank_config(cfg: CEDConfig, layout: ParallelLayout) -> CEDConfig:
@@ -103,8 +103,8 @@ def parallel_attention(cfg: CEDConfig, layout: ParallelLayout, layer: int, comm:
 
 
 class ParallelMoE(nn.Module):
-    """The MoE with this rank's experts: the shared expert's slice, and every routed expert's slice (tensor parallel)
-    or its own whole experts (expert parallel). The gate is replicated, so every rank picks the same experts; each
+    """The MoE with this rank's experts: the shared expert's slice and every routed expert's slice (tensor parallel),
+    or its own whole experts and, on rank 0, the whole shared expert (expert parallel; `layout.py` says why). The gate is replicated, so every rank picks the same experts; each
     rank adds the partial outputs it can compute in fp32, and one all-reduce after the FFN sums them."""
 
     def __init__(self, cfg: CEDConfig, layout: ParallelLayout, comm: Comm) -> None:
@@ -115,13 +115,20 @@ class ParallelMoE(nn.Module):
         routed_inter = cfg.moe_inter_dim if layout.expert_parallel else cfg.moe_inter_dim // N
         self.owned = tuple(layout.owned_experts(cfg))
         self.experts = nn.ModuleDict({str(e): Expert(cfg.dim, routed_inter, limit, quant) for e in self.owned})
-        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts // N, limit, quant)
+        shared = cfg.moe_inter_dim * cfg.n_shared_experts
+        self.shared_experts: Expert | None = None
+        if not layout.expert_parallel:
+            self.shared_experts = Expert(cfg.dim, shared // N, limit, quant)
+        elif layout.rank == SHARED_EXPERT_OWNER:
+            self.shared_experts = Expert(cfg.dim, shared, limit, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights = self.gate(flat)
-        out = self.shared_experts(flat).float()
+        out = flat.new_zeros(flat.shape, dtype=torch.float32)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat).float()
         chosen = (weights > 0).any(0)
         for e in self.owned:
             if bool(chosen[e]):

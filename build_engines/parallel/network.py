@@ -19,8 +19,9 @@ payload P moves 2 (N-1)/N * P per rank as a ring, (N-1) * P as the ordered all-g
 all-gather receives (N-1)/N * 4 * vocab. The KV caches are not split: V4.1 has one K=V latent per token shared by all
 heads, so every rank keeps the whole (small) cache, as in the release.
 
-Not supported here: LoRA adapters (`build_engines/lora` hooks expect whole projections; a sharded LoRA needs its B
-split like the base rows and an all-reduce after row-parallel A), and the encoder/decoder engine split (`split()`).
+The engine roles are loaded per rank with `load_parallel_component` (each rank reads only its slices of only its
+role) and run by the step modules, which add LoRA (sharded by `lora_shards.py`) and call the same collectives through
+the component's `comm`. `split()` of a whole parallel network is not offered: a rank serves one role.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch import nn
 from build_engines.formats.checkpoint import CheckpointFiles, directory_token_map
 from build_engines.formats.config_file import CheckpointError, load_config
 from build_engines.model.config import CEDConfig
-from build_engines.model.network import CEDNetwork, StepOutput
+from build_engines.model.network import CEDNetwork, DecoderEngine, EncoderEngine, StepOutput
 from build_engines.model.state import SessionState
 from build_engines.parallel.comm import Comm
 from build_engines.parallel.layout import ParallelLayout, sharding_plan
@@ -60,16 +61,10 @@ class ParallelCEDNetwork(CEDNetwork):
         layout.check(cfg)
         with torch.device("meta"):
             super().__init__(cfg)
-            self.layout, self.comm = layout, comm
-            start, stop = layout.even_range(cfg.vocab_size)  # the same token rows for the embedding and the head
-            self.embed = VocabParallelEmbedding(start, stop, cfg.dim, comm, "embed")
-            self.head = nn.Linear(cfg.dim, stop - start, bias=False)
-            for key, block in self.layers.items():
-                block.attn = parallel_attention(cfg, layout, int(key), comm)
-                block.ffn = ParallelMoE(cfg, layout, comm)
-                if block.engram is not None:
-                    rows, width = block.engram.embed.weight.shape
-                    block.engram.embed = ParallelEngramTable(*layout.ceil_range(rows), width, comm, "engram")
+            shard_modules(self, cfg, layout, comm)
+
+    layout: ParallelLayout
+    comm: Comm
 
     def forward(self, tokens: torch.Tensor, state: SessionState | None = None, trace: bool = False,
                 targets: Iterable[int] = ()) -> StepOutput:
@@ -86,6 +81,26 @@ class ParallelCEDNetwork(CEDNetwork):
         return sum(t.numel() * t.element_size() for t in self.state_dict().values())
 
 
+def shard_modules(module: nn.Module, cfg: CEDConfig, layout: ParallelLayout, comm: Comm) -> None:
+    """Replace, in place, every sharded submodule of a network or engine component (`embed`, `head`, each block's
+    attention, MoE and Engram table, whichever it has) by this rank's parallel one; the rest stays as built. Call on
+    the meta device. Leaves `layout` and `comm` on the module."""
+    module.layout, module.comm = layout, comm
+    start, stop = layout.even_range(cfg.vocab_size)  # the same token rows for the embedding and the head
+    if hasattr(module, "embed"):
+        module.embed = VocabParallelEmbedding(start, stop, cfg.dim, comm, "embed")
+    if hasattr(module, "head"):
+        module.head = nn.Linear(cfg.dim, stop - start, bias=False)
+    for key, block in module.layers.items():  # type: ignore[union-attr]
+        if hasattr(block, "attn"):
+            block.attn = parallel_attention(cfg, layout, int(key), comm)
+        if hasattr(block, "ffn"):
+            block.ffn = ParallelMoE(cfg, layout, comm)
+        if block.engram is not None:
+            rows, width = block.engram.embed.weight.shape
+            block.engram.embed = ParallelEngramTable(*layout.ceil_range(rows), width, comm, "engram")
+
+
 def load_parallel_network(directory: str | Path, comm: Comm, expert_parallel: bool = False,
                           dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> ParallelCEDNetwork:
     """This rank's shards of the checkpoint in `directory`, read slice by slice into a `ParallelCEDNetwork`.
@@ -97,14 +112,44 @@ def load_parallel_network(directory: str | Path, comm: Comm, expert_parallel: bo
     directory = Path(directory)
     cfg = load_config(directory)
     layout = ParallelLayout(comm.world, comm.rank, expert_parallel)
+    net = ParallelCEDNetwork(cfg, layout, comm)
+    return load_shards(net, directory, cfg, layout, dtype, device)  # type: ignore[return-value]
+
+
+def load_parallel_component(role: str, directory: str | Path, comm: Comm, expert_parallel: bool = False,
+                            dtype: torch.dtype = torch.float32,
+                            device: str | torch.device = "cpu") -> EncoderEngine | DecoderEngine:
+    """This rank's shards of one engine role (`encoder`: embedding, layers 0..E-1 and layer E's attention;
+    `decoder`: layer E's FFN, the decoder layers and the head), and nothing of the other role: what a rank of a
+    tensor-parallel encoder or decoder holds. The step modules (`build_engines.export`) run on it unchanged; its
+    collectives are the parallel modules' own plus those the steps call through `comm`."""
+    directory = Path(directory)
+    cfg = load_config(directory)
+    layout = ParallelLayout(comm.world, comm.rank, expert_parallel)
+    layout.check(cfg)
+    kinds = {"encoder": EncoderEngine, "decoder": DecoderEngine}
+    if role not in kinds:
+        raise ValueError(f"role {role!r} must be one of {sorted(kinds)}")
+    with torch.device("meta"):
+        component = kinds[role](cfg)
+        shard_modules(component, cfg, layout, comm)
+    return load_shards(component, directory, cfg, layout, dtype, device)  # type: ignore[return-value]
+
+
+def load_shards(module: nn.Module, directory: Path, cfg: CEDConfig, layout: ParallelLayout, dtype: torch.dtype,
+                device: str | torch.device) -> nn.Module:
+    """Allocate the meta-device `module` (cast to `dtype` first) and fill each of its tensors with this rank's slice
+    of the checkpoint; sets the Engram token map where the module hashes. The bytes read go to `module.bytes_read`."""
     plan = sharding_plan(cfg, layout)
     files = CheckpointFiles(directory)
     missing = sorted(set(plan) - set(files.names()))
     if missing:
         raise CheckpointError(f"{directory}: missing tensors {missing[:10]} ({len(missing)} in all)")
-    net = ParallelCEDNetwork(cfg, layout, comm).to(dtype).to_empty(device=device)
+    net = module.to(dtype).to_empty(device=device)
     own = net.state_dict()
     held = {name for name, (shard, _) in plan.items() if shard.held}
+    if not isinstance(net, ParallelCEDNetwork):  # a component holds the held tensors of its own part
+        held &= set(own)
     if set(own) != held:
         raise AssertionError(f"network and layout disagree on held tensors: {sorted(set(own) ^ held)[:10]}")
     reader = SliceReader(files)
@@ -120,9 +165,9 @@ def load_parallel_network(directory: str | Path, comm: Comm, expert_parallel: bo
                 host = torch.empty(target.shape, dtype=target.dtype)
                 reader.read_into(name, shard, shape, host)
                 target.copy_(host)
-    net.bytes_read = reader.bytes_read
-    if cfg.engram_layers:
+    net.bytes_read = reader.bytes_read  # type: ignore[assignment]
+    if cfg.engram_layers and getattr(net, "engram_hasher", None) is not None:
         token_map = directory_token_map(cfg, directory)
         if token_map is not None:
-            net.set_engram_token_map(token_map)
+            net.set_engram_token_map(token_map)  # type: ignore[operator]
     return net.eval()

@@ -37,6 +37,28 @@ def test_a_repository_rendered_elsewhere_is_complete_with_absolute_paths(tmp_pat
     assert (out / c.ENSEMBLE_NAME / "config.pbtxt").is_file()
 
 
+def _parameter(config: str, key: str) -> str:
+    return config.split(f'key: "{key}"', 1)[1].split('"', 2)[1]
+
+
+def test_tensor_parallel_renders_torch_roles_and_refuses_contradictions(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """`--tensor-parallel-size 2 --enable-expert-parallel` reaches the encoder and decoder models (on the torch engine,
+    the one that runs ranks); asking for onnx with it, or expert parallel on one rank, is refused with the reason."""
+    out = tmp_path / "repo"
+    assert main(["--out", str(out), "--tensor-parallel-size", "2", "--enable-expert-parallel"]) == 0
+    for model in ("encoder", "decoder"):
+        config = (out / model / "config.pbtxt").read_text()
+        assert (_parameter(config, "engine_backend"), _parameter(config, "tensor_parallel_size"),
+                _parameter(config, "enable_expert_parallel")) == ("torch", "2", "true"), model
+    assert main(["--out", str(tmp_path / "plain")]) == 0
+    assert _parameter((tmp_path / "plain" / "decoder" / "config.pbtxt").read_text(), "engine_backend") == "onnx"
+    for argv, reason in ((["--tensor-parallel-size", "2", "--engine-backend", "onnx"], "runs on the torch engine"),
+                         (["--enable-expert-parallel"], "needs --tensor-parallel-size 2 or more")):
+        with pytest.raises(SystemExit):
+            main(["--out", str(tmp_path / "refused"), *argv])
+        assert reason in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_rendered_elsewhere_it_serves_and_a_broken_model_fails_the_launch_at_once(tmp_path: Path, default_engines) -> None:  # type: ignore[no-untyped-def]
     from tritonserver_backend.client import GrpcChat, TurnRequest

@@ -74,8 +74,23 @@ class StepEngine(ABC):
         return self.backend
 
 
-def open_engine(backend: str, model_dir: str | Path, engine_dir: str | Path | None = None) -> StepEngine:
-    """The engine of `backend` for the checkpoint in `model_dir` (`engine_dir` holds the onnx graphs or trt plans)."""
+def open_engine(backend: str, model_dir: str | Path, engine_dir: str | Path | None = None, tensor_parallel_size: int = 1,
+                expert_parallel: bool = False, threads: int = 1) -> StepEngine:
+    """The engine of `backend` for the checkpoint in `model_dir` (`engine_dir` holds the onnx graphs or trt plans).
+    `tensor_parallel_size` > 1 runs the encoder and the decoder each on that many ranks (`expert_parallel`: routed
+    experts placed whole), on the torch engine (docs/parallel.md says why)."""
+    if tensor_parallel_size < 1:
+        raise EngineUnavailable(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > 1 or expert_parallel:
+        if backend != "torch":
+            raise EngineUnavailable(f"tensor_parallel_size {tensor_parallel_size} runs on the torch engine, not {backend!r}: "
+                                    "onnxruntime has no collective op (docs/parallel.md); use engine_backend torch")
+        if tensor_parallel_size == 1:
+            raise EngineUnavailable("expert parallelism places experts over the tensor-parallel ranks: it needs "
+                                    "tensor_parallel_size of at least 2")
+        from .parallel_engine import ParallelTorchEngine
+
+        return ParallelTorchEngine(Path(model_dir), tensor_parallel_size, expert_parallel, threads)
     if backend == "torch":
         from .torch_engine import TorchEngine
 

@@ -63,14 +63,10 @@ class TorchEngine(StepEngine):
         return drafter
 
     def encoder(self, feed: Arrays) -> Arrays:
-        stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_", "engram_rows_"))}
-        return _by_row(self._runner("encoder"), feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
+        return run_encoder_rows(self._runner("encoder"), feed)
 
     def decoder(self, feed: Arrays) -> Arrays:
-        """Row by row like every step here, each row with its own one-slot LoRA grid."""
-        slots, steps = row_slots(feed), feed["streams"].shape[1]
-        return _by_row(self._runner("decoder"), {**feed, **self.lora_bank}, batch_inputs=set(PER_ROW["decoder"]),
-                       row_inputs=lambda b: lora_grid([int(slots[b])], steps))
+        return run_decoder_rows(self._runner("decoder"), feed, self.lora_bank)
 
     def pointer(self, feed: Arrays) -> Arrays:
         return _by_row(self._runner("pointer"), feed, batch_inputs={"h19", "option_mask"})
@@ -79,6 +75,19 @@ class TorchEngine(StepEngine):
         if not self.has_drafter:
             return super().drafter(feed)
         return _by_row(self._runner("drafter"), feed, batch_inputs=set(feed))
+
+
+def run_encoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays) -> Arrays:
+    """An encoder step, row by row (each row's stores and Engram rows are its own)."""
+    stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_", "engram_rows_"))}
+    return _by_row(run, feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
+
+
+def run_decoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, bank: Arrays) -> Arrays:
+    """A decoder step, row by row like every step here, each row with its own one-slot LoRA grid over `bank`."""
+    slots, steps = row_slots(feed), feed["streams"].shape[1]
+    return _by_row(run, {**feed, **bank}, batch_inputs=set(PER_ROW["decoder"]),
+                   row_inputs=lambda b: lora_grid([int(slots[b])], steps))
 
 
 def _by_row(run, feed: Arrays, batch_inputs: set[str], row_inputs: Callable[[int], Arrays] | None = None) -> Arrays:  # type: ignore[no-untyped-def]

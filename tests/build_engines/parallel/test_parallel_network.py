@@ -262,7 +262,7 @@ def test_the_ranks_shards_partition_every_tensor(expert_parallel: bool) -> None:
             assert shards[0].start == 0 and shards[-1].stop == shape[shard.dim]
             assert all(a.stop == b.start for a, b in zip(shards, shards[1:])), name
         elif shard.kind == "owned":
-            assert expert_parallel and ".experts." in name
+            assert expert_parallel and ("experts." in name), name
             assert sum(s.held for s in shards) == 1, name
         else:
             assert all(s.kind == "replicated" for s in shards), name

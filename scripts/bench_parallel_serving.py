@@ -1,0 +1,118 @@
+"""The scripted conversation served by tensor-parallel roles against one process, side by side (issue 30).
+
+    .venv/bin/python scripts/bench_parallel_serving.py [--tokens 32] [--rounds 2] [--out docs/parallel_serving.md]
+
+For each layout (1 rank; TP = 2; TP = 2 with expert parallel) the serving library in process (`InProcessPipeline`, the
+services the Triton models run) plays the main job's conversation (`scripts/run_main.py`: routed turns and an
+explicit adapter) on the torch engine; a parallel layout's encoder and decoder each lead a group of ranks
+(`tritonserver_backend.engines.rank_group`). Prints, and writes as a markdown table: whether every turn's tokens equal
+the single-rank ones, wall time per conversation (best of --rounds, groups already started), the time to start the
+groups, the weights each rank holds per role, and each worker rank's peak RSS (VmHWM). On this 2-core machine the
+ranks share the cores, so the time column measures overhead (collectives, per-call broadcast), not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tqdm import tqdm  # noqa: E402
+
+from scripts.run_main import CONVERSATION  # noqa: E402
+from tritonserver_backend.pipeline import InProcessPipeline  # noqa: E402
+from tritonserver_backend.registry_init import ensure_registry  # noqa: E402
+from tritonserver_backend.sampling_params import SamplingParams  # noqa: E402
+
+MB = 1e6
+LAYOUTS = [("1 rank", 1, False), ("TP = 2", 2, False), ("TP = 2 + EP", 2, True)]
+
+
+def role_bytes(model: Path, world: int, rank: int, expert_parallel: bool) -> dict[str, int]:
+    """Weight bytes one rank holds per role: the role's parallel component built on the meta device (no data)."""
+    import torch
+
+    from build_engines.formats.config_file import load_config
+    from build_engines.model.network import DecoderEngine, EncoderEngine
+    from build_engines.parallel.comm import Comm
+    from build_engines.parallel.layout import ParallelLayout
+    from build_engines.parallel.network import shard_modules
+
+    cfg, comm = load_config(model), Comm.single()
+    comm.world, comm.rank = world, rank  # placement only: nothing is communicated on the meta device
+    out = {}
+    for role, kind in (("encoder", EncoderEngine), ("decoder", DecoderEngine)):
+        with torch.device("meta"):
+            component = kind(cfg)
+            if world > 1:
+                shard_modules(component, cfg, ParallelLayout(world, rank, expert_parallel), comm)
+        out[role] = sum(t.numel() * 4 for t in component.state_dict().values())  # the torch engine holds fp32
+    return out
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / MB
+    return float("nan")
+
+
+def conversation(pipe: InProcessPipeline, session: str, tokens: int) -> list[list[int]]:
+    return [list(pipe.chat(session, text, adapter=adapter, new_session=i == 0, params=SamplingParams(max_tokens=tokens)).token_ids)
+            for i, (adapter, text) in enumerate(CONVERSATION)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, default=ROOT / "embedded" / "mol2-small")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None, help="markdown file for the table")
+    a = p.parse_args(argv)
+    rows, reference = [], None
+    for name, world, ep in tqdm(LAYOUTS, desc="layouts"):
+        root = Path(tempfile.mkdtemp(prefix="bench-parallel-"))
+        ensure_registry(root, a.model)
+        pipe = InProcessPipeline(a.model, root, max_context=4096, tensor_parallel_size=world, expert_parallel=ep)
+        t0 = time.perf_counter()
+        first = conversation(pipe, "warm", a.tokens)  # starts the groups (parallel) and warms the caches
+        start_s = time.perf_counter() - t0
+        times = []
+        for r in range(a.rounds):
+            t0 = time.perf_counter()
+            got = conversation(pipe, f"round-{r}", a.tokens)
+            times.append(time.perf_counter() - t0)
+            assert got == first, "a rerun changed the tokens"
+        reference = reference or first
+        held = [role_bytes(a.model, world, rank, ep) for rank in range(world)]
+        workers = {role: g.worker_pids() for role, g in getattr(pipe.engine, "groups", {}).items()}
+        rss = {role: [peak_rss_mb(pid) for pid in pids] for role, pids in workers.items()}
+        tokens = sum(len(t) for t in first)
+        rows.append((name, first == reference, min(times), tokens, start_s, held, rss))
+        if world > 1:
+            pipe.engine.close()  # type: ignore[attr-defined]
+    lines = [f"Scripted conversation ({len(CONVERSATION)} turns, up to {a.tokens} tokens each), torch engine, in process; "
+             f"best of {a.rounds} rounds.", "",
+             "| layout | tokens equal 1 rank | conversation s (tokens) | vs 1 rank | first conversation s (starts the groups) "
+             "| held per rank, encoder / decoder | worker rank peak RSS, encoder / decoder |",
+             "|---|---|---|---|---|---|---|"]
+    base = rows[0][2]
+    for name, equal, best, tokens, start_s, held, rss in rows:
+        held_s = ", ".join(f"{h['encoder'] / MB:.1f} / {h['decoder'] / MB:.1f} MB" for h in held)
+        rss_s = ", ".join(f"{e:.0f} / {d:.0f} MB" for e, d in zip(rss.get("encoder", []), rss.get("decoder", []))) or "-"
+        lines.append(f"| {name} | {'yes' if equal else 'NO'} | {best:.2f} ({tokens}) | {best / base:.2f}x | {start_s:.1f} "
+                     f"| {held_s} | {rss_s} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+    return 0 if all(r[1] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""What one rank of a tensor-parallel encoder or decoder runs: the step module on its shard of the role.
+
+Every rank of a group builds one of these and runs the same calls in the same order (the leader broadcasts them, see
+`rank_group.py`); the step modules' collectives (`build_engines.parallel.comm`) meet inside each call. Rows run one at
+a time as in the single-process torch engine (`torch_engine.run_encoder_rows` / `run_decoder_rows`), so every rank
+issues the same sequence of collectives whatever the batch.
+
+Why the torch engine and not rank-local ONNX graphs: onnxruntime has no collective op, so a rank-local graph would
+have to stop at each of a step's ~2 * n_layers collectives and hand its tensors to Python (docs/parallel.md, "Why
+the torch engine"); on GPUs the same split runs as TensorRT engines with NCCL plugin nodes, which cannot be built here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from build_engines.export.decoder_step import DecoderStep
+from build_engines.export.encoder_step import EncoderStep
+from build_engines.export.layout import StepLayout
+from build_engines.export.parity import torch_runner
+from build_engines.formats.config_file import load_config
+from build_engines.parallel.comm import Comm
+from build_engines.parallel.layout import ParallelLayout
+from build_engines.parallel.lora_shards import LoraShards
+from build_engines.parallel.network import load_parallel_component
+
+from .interface import Arrays
+from .torch_engine import run_decoder_rows, run_encoder_rows
+
+ROLES = ("encoder", "decoder")
+
+
+class ShardSteps:
+    """The `role` step of rank `comm.rank` of `comm.world`, holding only that rank's slices of the role's weights."""
+
+    def __init__(self, model_dir: Path, role: str, comm: Comm, expert_parallel: bool) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} must be one of {ROLES}")
+        cfg = load_config(model_dir)
+        self.role, self.comm = role, comm
+        self.lora = LoraShards(cfg, ParallelLayout(comm.world, comm.rank, expert_parallel))
+        self.bank: Arrays = {}
+        component = load_parallel_component(role, model_dir, comm, expert_parallel)
+        self.held_bytes = sum(t.numel() * t.element_size() for t in component.state_dict().values())
+        layout = StepLayout(cfg)
+        step: torch.nn.Module
+        if role == "encoder":
+            step, specs = EncoderStep(component), (layout.encoder_inputs(), layout.encoder_outputs())
+        else:
+            step, specs = DecoderStep(component), (layout.decoder_inputs(), layout.decoder_outputs())
+        self._run = torch_runner(step.eval(), *specs)
+
+    def set_bank(self, bank: Arrays) -> None:
+        """The whole stacked adapter bank; the rank keeps its cut (`lora_shards.py`)."""
+        self.bank = self.lora.cut(bank)
+
+    def step(self, feed: Arrays) -> Arrays:
+        if self.role == "encoder":
+            return run_encoder_rows(self._run, feed)
+        return run_decoder_rows(self._run, feed, self.bank)
