@@ -46,6 +46,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="checkpoints with fp8/fp4 weights: most fp32 bytes of routed experts one MoE dequantizes at once "
                         "(at least one expert; default 16 MiB). Smaller: less memory in flight, more graph nodes")
     p.add_argument("--force", action="store_true", help="rebuild even when the directory is up to date")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N > 1: write each rank's slices of the encoder and decoder weights for the torch engine's "
+                        "multi-rank serving (rank<r>/<role>.safetensors + manifest.json; docs/parallel.md)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size: whole experts per rank")
     p.add_argument("--max-batch", type=int, default=64, help="TensorRT profiles: most rows per step")
     p.add_argument("--max-context", type=int, default=8192, help="TensorRT profiles: longest session")
     return p.parse_args(argv)
@@ -53,6 +57,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.tensor_parallel_size != 1 or args.enable_expert_parallel:
+        return build_ranks(args)
     try:
         check_quant(args.quant, args.kv_quant, args.format)
         if args.format == "trt":
@@ -89,6 +95,47 @@ def main(argv: list[str] | None = None) -> int:
         write_manifest(args.out, manifest)
     for name, graph in manifest["graphs"].items():
         print(f"  {name:8s} {graph['file']:14s} {graph['bytes'] / 1e6:6.1f} MB  {graph.get('nodes', '-')} nodes  mol2 ops {graph.get('custom_ops', {})}")
+    print(f"wrote {args.out / 'manifest.json'} in {manifest['build_seconds']:.0f} s")
+    return 0
+
+
+def build_ranks(args: argparse.Namespace) -> int:
+    """`--tensor-parallel-size N`: rank-local weights for the torch engine (`rank_build.py`), not graphs."""
+    N = args.tensor_parallel_size
+    if N < 2:
+        print(f"error: --tensor-parallel-size {N}: rank-local weights need 2 or more ranks (expert parallel too)", file=sys.stderr)
+        return 2
+    if args.format != "onnx" or args.quant != "none" or args.kv_quant != "none":
+        print("error: --tensor-parallel-size writes rank-local weights for the torch engine, the one that serves several "
+              "ranks; --format trt, --quant and --kv-quant do not apply (rank-local TensorRT engines need NCCL plugin "
+              "collectives: docs/parallel.md)", file=sys.stderr)
+        return 2
+    if not (args.model / "config.json").exists():
+        print(f"error: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
+        return 2
+    from build_engines.build.rank_build import build_rank_shards
+    from build_engines.build.rank_build import stale_reason as ranks_stale_reason
+    from build_engines.formats.config_file import load_config
+    from build_engines.parallel.layout import ParallelLayout, ParallelLayoutError
+
+    try:
+        ParallelLayout(N, 0, args.enable_expert_parallel).check(load_config(args.model))
+    except ParallelLayoutError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        reason = ranks_stale_reason(args.out, args.model, N, args.enable_expert_parallel)
+        if reason is None and not args.force:
+            print(f"rank-local weights in {args.out} are up to date; reusing them")
+            return 0
+        print(f"writing rank-local weights of {args.model} for {N} ranks into {args.out} ({reason or 'forced'})", flush=True)
+        manifest = build_rank_shards(args.model, args.out, N, args.enable_expert_parallel)
+        write_manifest(args.out, manifest)
+    for entry in manifest["ranks"]:
+        sizes = ", ".join(f"{role} {size / 1e6:.1f} MB" for role, size in entry["bytes"].items())
+        print(f"  rank {entry['rank']}: {sizes}")
     print(f"wrote {args.out / 'manifest.json'} in {manifest['build_seconds']:.0f} s")
     return 0
 

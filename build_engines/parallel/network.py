@@ -117,12 +117,14 @@ def load_parallel_network(directory: str | Path, comm: Comm, expert_parallel: bo
 
 
 def load_parallel_component(role: str, directory: str | Path, comm: Comm, expert_parallel: bool = False,
-                            dtype: torch.dtype = torch.float32,
-                            device: str | torch.device = "cpu") -> EncoderEngine | DecoderEngine:
+                            dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                            rank_files: Path | None = None) -> EncoderEngine | DecoderEngine:
     """This rank's shards of one engine role (`encoder`: embedding, layers 0..E-1 and layer E's attention;
     `decoder`: layer E's FFN, the decoder layers and the head), and nothing of the other role: what a rank of a
     tensor-parallel encoder or decoder holds. The step modules (`build_engines.export`) run on it unchanged; its
-    collectives are the parallel modules' own plus those the steps call through `comm`."""
+    collectives are the parallel modules' own plus those the steps call through `comm`. `rank_files`: a rank-local
+    build (`build_engines.build.rank_build`) to read this rank's tensors from, whole, instead of slicing the
+    checkpoint."""
     directory = Path(directory)
     cfg = load_config(directory)
     layout = ParallelLayout(comm.world, comm.rank, expert_parallel)
@@ -133,7 +135,35 @@ def load_parallel_component(role: str, directory: str | Path, comm: Comm, expert
     with torch.device("meta"):
         component = kinds[role](cfg)
         shard_modules(component, cfg, layout, comm)
-    return load_shards(component, directory, cfg, layout, dtype, device)  # type: ignore[return-value]
+    if rank_files is None:
+        return load_shards(component, directory, cfg, layout, dtype, device)  # type: ignore[return-value]
+    return _load_rank_file(component, Path(rank_files) / f"rank{comm.rank}" / f"{role}.safetensors", directory, cfg,
+                           dtype, device)  # type: ignore[return-value]
+
+
+def _load_rank_file(module: nn.Module, path: Path, directory: Path, cfg: CEDConfig, dtype: torch.dtype,
+                    device: str | torch.device) -> nn.Module:
+    """Fill the meta-device `module` from its rank file, tensor by tensor; every tensor must be there at its shape."""
+    from safetensors import safe_open
+
+    net = module.to(dtype).to_empty(device=device)
+    own = net.state_dict()
+    with safe_open(str(path), framework="pt") as f, torch.no_grad():
+        stored = set(f.keys())
+        if stored != set(own):
+            raise CheckpointError(f"{path}: holds {len(stored)} tensors, the rank needs {len(own)}; differing: "
+                                  f"{sorted(stored ^ set(own))[:10]}")
+        for name, target in own.items():
+            tensor = f.get_tensor(name)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"{path}: {name} is {tuple(tensor.shape)}, the rank needs {tuple(target.shape)}")
+            target.copy_(tensor)
+            net.bytes_read = getattr(net, "bytes_read", 0) + tensor.numel() * tensor.element_size()  # type: ignore[assignment]
+    if cfg.engram_layers and getattr(net, "engram_hasher", None) is not None:
+        token_map = directory_token_map(cfg, directory)
+        if token_map is not None:
+            net.set_engram_token_map(token_map)  # type: ignore[operator]
+    return net.eval()
 
 
 def load_shards(module: nn.Module, directory: Path, cfg: CEDConfig, layout: ParallelLayout, dtype: torch.dtype,

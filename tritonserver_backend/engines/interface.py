@@ -90,7 +90,8 @@ def open_engine(backend: str, model_dir: str | Path, engine_dir: str | Path | No
                                     "tensor_parallel_size of at least 2")
         from .parallel_engine import ParallelTorchEngine
 
-        return ParallelTorchEngine(Path(model_dir), tensor_parallel_size, expert_parallel, threads)
+        return ParallelTorchEngine(Path(model_dir), tensor_parallel_size, expert_parallel, threads,
+                                   Path(engine_dir) if engine_dir is not None else None)
     if backend == "torch":
         from .torch_engine import TorchEngine
 

@@ -19,15 +19,19 @@ from .rank_group import RankGroup
 class ParallelTorchEngine(StepEngine):
     backend = "torch"
 
-    def __init__(self, model_dir: Path, tensor_parallel_size: int, expert_parallel: bool = False, threads: int = 1) -> None:
+    def __init__(self, model_dir: Path, tensor_parallel_size: int, expert_parallel: bool = False, threads: int = 1,
+                 engine_dir: Path | None = None) -> None:
+        """`engine_dir`: where a rank-local build (`python -m build_engines build --tensor-parallel-size N`) may be;
+        without one (e.g. the default's ONNX engines) every rank reads its slices of the checkpoint."""
         super().__init__(model_dir)
         try:  # refuse an impossible split at once, naming the config keys
             ParallelLayout(tensor_parallel_size, 0, expert_parallel).check(self.cfg)
         except ParallelLayoutError as error:
             raise EngineUnavailable(str(error)) from None
         self.size, self.expert_parallel = tensor_parallel_size, expert_parallel
-        self.groups = {role: RankGroup(self.model_dir, role, tensor_parallel_size, expert_parallel, threads)
-                       for role in ("encoder", "decoder")}
+        self.rank_files = rank_build_in(engine_dir, self.model_dir, tensor_parallel_size, expert_parallel)
+        self.groups = {role: RankGroup(self.model_dir, role, tensor_parallel_size, expert_parallel, threads,
+                                       rank_files=self.rank_files) for role in ("encoder", "decoder")}
         self._pointer: StepEngine | None = None
 
     def encoder(self, feed: Arrays) -> Arrays:
@@ -53,4 +57,24 @@ class ParallelTorchEngine(StepEngine):
 
     def describe(self) -> str:
         mode = " + expert parallel" if self.expert_parallel else ""
-        return f"torch, tensor parallel {self.size}{mode}"
+        source = f"rank-local weights in {self.rank_files}" if self.rank_files else "slices of the checkpoint"
+        return f"torch, tensor parallel {self.size}{mode}, {source}"
+
+
+def rank_build_in(engine_dir: Path | None, model_dir: Path, world: int, expert_parallel: bool) -> Path | None:
+    """`engine_dir` when it holds a current rank-local build for this layout; None when it holds none (each rank then
+    slices the checkpoint); a rank-local build that is stale or for another layout is an error naming the command."""
+    if engine_dir is None or not (Path(engine_dir) / "manifest.json").exists():
+        return None
+    import json
+
+    from build_engines.build.rank_build import KIND, stale_reason
+
+    if json.loads((Path(engine_dir) / "manifest.json").read_text()).get("kind") != KIND:
+        return None  # single-rank engines (the default's ONNX graphs): not for the ranks
+    reason = stale_reason(Path(engine_dir), model_dir, world, expert_parallel)
+    if reason is not None:
+        command = (f"python -m build_engines build --model {model_dir} --out {engine_dir} --tensor-parallel-size {world}"
+                   + (" --enable-expert-parallel" if expert_parallel else ""))
+        raise EngineUnavailable(f"the rank-local weights in {engine_dir} cannot be used ({reason}); build them with `{command}`")
+    return Path(engine_dir)

@@ -69,11 +69,12 @@ class RankGroup:
     """Ranks 1..world-1 of one role as child processes, this process as rank 0 (`local` runs its share)."""
 
     def __init__(self, model_dir: Path, role: str, world: int, expert_parallel: bool, threads: int = 1,
-                 group_timeout_s: float = GROUP_TIMEOUT_S) -> None:
+                 group_timeout_s: float = GROUP_TIMEOUT_S, rank_files: Path | None = None) -> None:
         if world < 2:
             raise ValueError(f"a rank group needs at least 2 ranks, got {world}")
         self.model_dir, self.role, self.world = Path(model_dir), role, world
         self.expert_parallel, self.threads, self.group_timeout_s = expert_parallel, threads, group_timeout_s
+        self.rank_files = rank_files  # a rank-local build, or None: each rank slices the checkpoint
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         self.local: Any = None  # this process's ShardSteps
@@ -81,6 +82,9 @@ class RankGroup:
         self.starts = 0  # how many times a group was started (restarts included)
         self._bank: Arrays | None = None
         self._bank_sent = False
+        # one call at a time: the ranks must see the calls in one order (the services call from one engine thread;
+        # this also holds if a bank arrives from another thread mid-step)
+        self._lock = threading.RLock()
 
     @property
     def running(self) -> bool:
@@ -107,7 +111,8 @@ class RankGroup:
             command = [python, "-m", "tritonserver_backend.engines.rank_worker", "--model-dir", str(self.model_dir),
                        "--role", self.role, "--rank", str(rank), "--world", str(self.world), "--port", str(port),
                        "--threads", str(self.threads), "--timeout-s", str(self.group_timeout_s),
-                       "--leader-pid", str(os.getpid())] + (["--expert-parallel"] if self.expert_parallel else [])
+                       "--leader-pid", str(os.getpid())] + (["--expert-parallel"] if self.expert_parallel else []) \
+                + (["--rank-files", str(self.rank_files)] if self.rank_files else [])
             with open(log, "wb") as out:
                 self.procs.append(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
                                                    env=env, cwd=str(PROJECT_ROOT)))
@@ -120,7 +125,7 @@ class RankGroup:
         def join_and_load() -> None:
             try:
                 self.group = open_group(port, 0, self.world, self.group_timeout_s)
-                self.local = ShardSteps(self.model_dir, self.role, Comm(self.group), self.expert_parallel)
+                self.local = ShardSteps(self.model_dir, self.role, Comm(self.group), self.expert_parallel, self.rank_files)
                 barrier(self.group)  # every rank has loaded its shard
             except BaseException as error:  # noqa: BLE001 - reported to the caller below
                 failure.append(error)
@@ -160,15 +165,17 @@ class RankGroup:
     # ------------------------------------------------------------------ calls
     def set_bank(self, bank: Arrays) -> None:
         """Remembered and sent with the next step (and again after a restart)."""
-        self._bank, self._bank_sent = bank, False
+        with self._lock:
+            self._bank, self._bank_sent = bank, False
 
     def step(self, feed: Arrays) -> Arrays:
-        if not self.running:
-            self.start()
-        if self._bank is not None and not self._bank_sent:
-            self._call("bank", self._bank)
-            self._bank_sent = True
-        return self._call("step", feed)
+        with self._lock:
+            if not self.running:
+                self.start()
+            if self._bank is not None and not self._bank_sent:
+                self._call("bank", self._bank)
+                self._bank_sent = True
+            return self._call("step", feed)
 
     def _call(self, op: str, payload: Any) -> Any:
         from build_engines.parallel.comm import broadcast_object

@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--leader-pid", type=int, required=True)
     parser.add_argument("--expert-parallel", action="store_true")
+    parser.add_argument("--rank-files", type=Path, default=None, help="a rank-local build to read the weights from")
     args = parser.parse_args(argv)
     _die_with_leader(args.leader_pid)
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     group = open_group(args.port, args.rank, args.world, args.timeout_s)
-    steps = ShardSteps(args.model_dir, args.role, Comm(group), args.expert_parallel)
+    steps = ShardSteps(args.model_dir, args.role, Comm(group), args.expert_parallel, args.rank_files)
     print(f"rank {args.rank} of {args.world} ({args.role}): {steps.held_bytes / 1e6:.1f} MB of weights", flush=True)
     barrier(group)
     for _ in sys.stdin.buffer:  # one line per call; no timeout while the server idles

@@ -35,14 +35,15 @@ ROLES = ("encoder", "decoder")
 class ShardSteps:
     """The `role` step of rank `comm.rank` of `comm.world`, holding only that rank's slices of the role's weights."""
 
-    def __init__(self, model_dir: Path, role: str, comm: Comm, expert_parallel: bool) -> None:
+    def __init__(self, model_dir: Path, role: str, comm: Comm, expert_parallel: bool, rank_files: Path | None = None) -> None:
+        """`rank_files`: a rank-local build to read the rank's weights from (else its slices of the checkpoint)."""
         if role not in ROLES:
             raise ValueError(f"role {role!r} must be one of {ROLES}")
         cfg = load_config(model_dir)
         self.role, self.comm = role, comm
         self.lora = LoraShards(cfg, ParallelLayout(comm.world, comm.rank, expert_parallel))
         self.bank: Arrays = {}
-        component = load_parallel_component(role, model_dir, comm, expert_parallel)
+        component = load_parallel_component(role, model_dir, comm, expert_parallel, rank_files=rank_files)
         self.held_bytes = sum(t.numel() * t.element_size() for t in component.state_dict().values())
         layout = StepLayout(cfg)
         step: torch.nn.Module
