@@ -121,12 +121,14 @@ class RankGroup:
         LOG.info("%s: started tensor-parallel ranks 1..%d (pids %s, logs in %s)", self.role, self.world - 1,
                  self.worker_pids(), log_dir)
         failure: list[BaseException] = []
+        made: dict[str, Any] = {}  # filled by the joiner, taken only once it succeeded (an abandoned one changes nothing)
 
         def join_and_load() -> None:
             try:
-                self.group = open_group(port, 0, self.world, self.group_timeout_s)
-                self.local = ShardSteps(self.model_dir, self.role, Comm(self.group), self.expert_parallel, self.rank_files)
-                barrier(self.group)  # every rank has loaded its shard
+                made["group"] = open_group(port, 0, self.world, self.group_timeout_s)
+                made["local"] = ShardSteps(self.model_dir, self.role, Comm(made["group"]), self.expert_parallel,
+                                           self.rank_files)
+                barrier(made["group"])  # every rank has loaded its shard
             except BaseException as error:  # noqa: BLE001 - reported to the caller below
                 failure.append(error)
 
@@ -139,8 +141,8 @@ class RankGroup:
             if dead is not None or time.monotonic() > deadline:
                 self._fail(dead or f"the {self.role} ranks did not start within {START_TIMEOUT_S:g} s")
         if failure:
-            time.sleep(0.5)  # a crashed rank's exit status can lag the closed connection that reported it
-            self._fail(self._dead() or f"starting the group failed: {failure[0]}")
+            self._fail(self._dead_soon() or f"starting the group failed: {failure[0]}")
+        self.group, self.local = made["group"], made["local"]
         self._bank_sent = False
         LOG.info("%s: tensor-parallel group of %d ranks ready (this rank holds %.1f MB)", self.role, self.world,
                  self.local.held_bytes / 1e6)
@@ -194,8 +196,7 @@ class RankGroup:
                 return None
             return self.local.step(payload)
         except Exception as error:  # noqa: BLE001 - whatever broke the call, the ranks are no longer in step
-            time.sleep(0.5)  # a killed peer's exit status can lag the closed connection that reported it
-            self._fail(self._dead() or f"the call failed on rank 0: {type(error).__name__}: {error}")
+            self._fail(self._dead_soon() or f"the call failed on rank 0: {type(error).__name__}: {error}")
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ failures
@@ -206,6 +207,16 @@ class RankGroup:
                 tail = self._log_tail(rank)
                 return f"rank {rank} of {self.world} {_describe_exit(code)}" + (f"; its last output: {tail}" if tail else "")
         return None
+
+    def _dead_soon(self, within_s: float = 5.0) -> str | None:
+        """`_dead()`, waiting a little: a rank's closed connection reaches us before its exit status does (a crashing
+        rank still prints its traceback and tears down torch), and the dead rank is the reason worth reporting."""
+        deadline = time.monotonic() + within_s
+        while True:
+            dead = self._dead()
+            if dead is not None or time.monotonic() > deadline:
+                return dead
+            time.sleep(0.05)
 
     def _log_tail(self, rank: int) -> str:
         try:

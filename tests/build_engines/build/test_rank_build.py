@@ -70,3 +70,26 @@ def test_a_parallel_engine_serves_from_the_rank_files(tmp_path: Path) -> None:
     assert replies[0] == replies[1]
     with pytest.raises(EngineUnavailable, match="built for tensor_parallel_size 2"):
         InProcessPipeline(EMBEDDED, tmp_path / "registry1", engine_dir=out, tensor_parallel_size=2, expert_parallel=True)
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_start_fails_the_step_with_its_reason(tmp_path: Path) -> None:
+    """Rank 1's file is cut short: the worker dies while loading, and the first step reports that rank, how it ended
+    and its last output within seconds, instead of waiting for a group that never forms."""
+    import time
+
+    from tritonserver_backend.engines.rank_group import RankLost
+    from tritonserver_backend.pipeline import InProcessPipeline
+    from tritonserver_backend.registry_init import ensure_registry
+
+    out = tmp_path / "ranks"
+    assert main(["--model", str(EMBEDDED), "--out", str(out), "--tensor-parallel-size", "2"]) == 0
+    broken = rank_file(out, 1, "encoder")
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])
+    ensure_registry(tmp_path / "registry", EMBEDDED)
+    pipe = InProcessPipeline(EMBEDDED, tmp_path / "registry", engine_dir=out, tensor_parallel_size=2)
+    started = time.monotonic()
+    with pytest.raises(RankLost, match=r"encoder group lost a rank: rank 1 of 2 exited with code 1; its last output: .*"):
+        pipe.chat("s", "hello there", new_session=True)
+    assert time.monotonic() - started < 60
+    pipe.engine.close()  # type: ignore[attr-defined]
