@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -208,10 +209,27 @@ def test_busy_server_answers_429_and_recovers(client) -> None:  # type: ignore[n
     assert done.usage.completion_tokens >= 1
 
 
+def _settled(read, quiet_s: float = 1.0, within_s: float = 30.0) -> int:  # type: ignore[no-untyped-def]
+    """`read()` once it has not changed for `quiet_s`."""
+    deadline = time.monotonic() + within_s
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        again = read()
+        if again == value:
+            return value
+        value = again
+    raise AssertionError(f"the count kept changing for {within_s:g} s")
+
+
 def _leave_after_three_chunks(client, triton, messages: list[dict], long: int) -> tuple[int, str]:  # type: ignore[no-untyped-def]
     """Stream a turn of up to `long` tokens, close the stream after three chunks, wait until the server ended the
-    turn; the steps it encoded and whether it continued a session (the x-mol2-session-reused header)."""
-    steps_before = encoded_tokens(triton, "step")
+    turn; the steps it encoded and whether it continued a session (the x-mol2-session-reused header).
+
+    The count is read once it has settled: the encoder counts a turn's steps when the turn ends on its side, which can
+    land a moment after the client got the previous turn's last token (CI read a previous 600-token turn's 601 steps
+    as the abandoned turn's)."""
+    steps_before = _settled(lambda: encoded_tokens(triton, "step"))
     raw = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=long, stream=True,
                                                            extra_body={"ignore_eos": True})
     stream = raw.parse()
@@ -236,7 +254,9 @@ def test_client_that_leaves_mid_stream_cancels_its_turn(client, triton) -> None:
     session (the cancel names the token the server issued for it) and for a continuing one (the cached token).
 
     The turns ignore end-of-turn and are long (600 tokens): with DSpark drafting by default a 120-token turn takes
-    about half a second, and on a loaded machine it could end before the cancel arrived (CI saw 121 steps)."""
+    about half a second, little room for the cancel on a loaded machine. (CI's two failures, 121 and 601 steps, were
+    the previous turn's count landing late, read as the abandoned turn's; `_leave_after_three_chunks` now waits for
+    the count to settle first.)"""
     long, story, more = 600, [{"role": "user", "content": "Tell me a long story."}], "Go on, and make it longer."
     whole = client.chat.completions.create(model="mol2", messages=story, max_tokens=long, extra_body={"ignore_eos": True})
     assert whole.usage.completion_tokens == long, "left alone, this turn runs to max_tokens (else the test proves nothing)"
