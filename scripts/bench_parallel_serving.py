@@ -14,6 +14,7 @@ ranks share the cores, so the time column measures overhead (collectives, per-ca
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -34,25 +35,13 @@ LAYOUTS = [("1 rank", 1, False), ("TP = 2", 2, False), ("TP = 2 + EP", 2, True)]
 
 
 def role_bytes(model: Path, world: int, rank: int, expert_parallel: bool) -> dict[str, int]:
-    """Weight bytes one rank holds per role: the role's parallel component built on the meta device (no data)."""
-    import torch
-
+    """Weight bytes one rank holds per role, in fp32 as the torch engine holds them (shapes only, no data)."""
+    from build_engines.build.rank_build import ROLES, role_names
     from build_engines.formats.config_file import load_config
-    from build_engines.model.network import DecoderEngine, EncoderEngine
-    from build_engines.parallel.comm import Comm
     from build_engines.parallel.layout import ParallelLayout
-    from build_engines.parallel.network import shard_modules
 
-    cfg, comm = load_config(model), Comm.single()
-    comm.world, comm.rank = world, rank  # placement only: nothing is communicated on the meta device
-    out = {}
-    for role, kind in (("encoder", EncoderEngine), ("decoder", DecoderEngine)):
-        with torch.device("meta"):
-            component = kind(cfg)
-            if world > 1:
-                shard_modules(component, cfg, ParallelLayout(world, rank, expert_parallel), comm)
-        out[role] = sum(t.numel() * 4 for t in component.state_dict().values())  # the torch engine holds fp32
-    return out
+    cfg, layout = load_config(model), ParallelLayout(world, rank, expert_parallel)
+    return {role: 4 * sum(math.prod(shape) for shape in role_names(cfg, layout, role).values()) for role in ROLES}
 
 
 def peak_rss_mb(pid: int) -> float:
