@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-from build_engines.parallel.launch import _describe_exit as describe_exit
 
 from ..errors import ServingError
 from .interface import Arrays, EngineUnavailable
@@ -55,6 +54,15 @@ def worker_python() -> str:
         if candidate.name.startswith("python") and candidate.exists():
             return str(candidate)
     raise EngineUnavailable(f"no Python interpreter found for the tensor-parallel ranks under {sys.prefix}")
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class RankGroup:
@@ -197,7 +205,7 @@ class RankGroup:
             code = p.poll()
             if code is not None:
                 tail = self._log_tail(rank)
-                return f"rank {rank} of {self.world} {describe_exit(code)}" + (f"; its last output: {tail}" if tail else "")
+                return f"rank {rank} of {self.world} {_describe_exit(code)}" + (f"; its last output: {tail}" if tail else "")
         return None
 
     def _dead_soon(self, within_s: float = 5.0) -> str | None:
