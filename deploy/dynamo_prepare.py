@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dynamo_deploy.tokenizer_files import write_model_folder
 from dynamo_deploy.worker_common import MODEL_NAME
-from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.adapters.registry_init import ensure_registry
 
 
 def prepare(run_dir: Path, model_dir: Path, max_context: int) -> list[str]:

@@ -44,7 +44,7 @@ class SizingInputs:
 
 @dataclass(frozen=True)
 class PlannerFigures:
-    """What the sizing reads from the planner (build_engines/verify/plan.py MemoryPlan)."""
+    """What the sizing reads from the planner (ced/plan.py MemoryPlan)."""
 
     weight_bytes: int
     global_kv_bytes_per_token: float
@@ -53,8 +53,8 @@ class PlannerFigures:
 
 def planner_figures(preset: str, weights: str) -> PlannerFigures:
     """Run the memory planner for ``preset`` (slow: imports torch, builds the network on the meta device)."""
-    from build_engines.model.config import get_preset
-    from build_engines.verify.plan import plan
+    from ced.model.config import get_preset
+    from ced.plan import plan
 
     p = plan(get_preset(preset))
     weight_bytes = {"release": p.weight_bytes_release, "bf16": p.weight_bytes_bf16, "fp32": 4 * p.params_total}[weights]

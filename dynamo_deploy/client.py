@@ -13,8 +13,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from .session_guard import client_nvext, issued_token
-from .worker_common import MODEL_NAME
+from dynamo_deploy.session_guard import client_nvext, issued_token
+from dynamo_deploy.worker_common import MODEL_NAME
 
 
 @dataclass
@@ -26,7 +26,8 @@ class Conversation:
     session_token: str | None = None  # issued on the turn that started the session; a later issue replaces it
 
     def _headers(self) -> dict[str, str]:
-        return {"content-type": "application/json", **({"x-dynamo-session-id": self.session_id} if self.session_id else {})}
+        return {"content-type": "application/json",
+                **({"x-dynamo-session-id": self.session_id} if self.session_id else {})}
 
     def _take_token(self, nvext: dict[str, Any] | None) -> None:
         token = issued_token(nvext)
@@ -49,15 +50,16 @@ class Conversation:
         self._take_token(out.get("nvext"))
         choice = out["choices"][0]
         self.messages.append({"role": "assistant", "content": choice["message"]["content"] or ""})
-        return {"text": choice["message"]["content"] or "", "finish_reason": choice["finish_reason"], "usage": out.get("usage")}
+        return {"text": choice["message"]["content"] or "", "finish_reason": choice["finish_reason"],
+                "usage": out.get("usage")}
 
     def leave_mid_stream(self, text: str, after_chunks: int, max_tokens: int = 256, timeout_s: float = 300.0) -> str:
         """A streamed turn whose client disconnects after `after_chunks` content chunks: -> the text it received. The
         user message stays in `messages`; what the assistant message should be is the caller's choice (the server
         keeps the partial reply it generated, which may be longer than what reached the client)."""
         self.messages.append({"role": "user", "content": text})
-        body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                "nvext": client_nvext(self.session_token)}
+        body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0,
+                "stream": True, "nvext": client_nvext(self.session_token)}
         url = urllib.parse.urlparse(self.url)
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
         conn.request("POST", "/v1/chat/completions", json.dumps(body), self._headers())

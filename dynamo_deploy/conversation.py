@@ -3,10 +3,10 @@
 Dynamo's frontend sends the whole conversation as token ids each turn, rendered by the model's own chat format (the
 default's: `<|bos|>` then `<|role|> text <|end|>` per message, then `<|assistant|>`; a release's: DeepSeek-V4.1's
 markers). Where a user turn starts and how a reply is resent are read off that format (`TurnMarkers`), so any model
-directory we serve splits its prompts the way its format writes them. A session holds what its encoder has absorbed; it continues only when the prompt
-starts with the conversation as the client will resend it (`expected`: the earlier prompts plus each reply as the
-template tokenizes its text). Anything else, an edited history, another worker's session, a lost one, is rebuilt
-from the prompt: never continued from a state that does not match.
+directory we serve splits its prompts the way its format writes them. A session holds what its encoder has absorbed; it
+continues only when the prompt starts with the conversation as the client will resend it (`expected`: the earlier
+prompts plus each reply as the template tokenizes its text). Anything else, an edited history, another worker's session,
+a lost one, is rebuilt from the prompt: never continued from a state that does not match.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from build_engines.data.tokenizer import ChatTokenizer
-from build_engines.data.turn_markers import TurnMarkers
+from ced.text.tokenizer import ChatTokenizer
+from ced.text.turn_markers import TurnMarkers
 
 
 @dataclass
@@ -37,8 +37,8 @@ def markers(tokenizer: ChatTokenizer) -> TurnMarkers:
 
 
 def split_turn(tokenizer: ChatTokenizer, prompt: Sequence[int]) -> tuple[list[int], list[int]]:
-    """prompt -> (history: <|bos|> + earlier messages, turn: the last user message + the assistant prompt), the split the
-    single-server path uses (its H19 is pooled over the turn only)."""
+    """prompt -> (history: <|bos|> + earlier messages, turn: the last user message + the assistant prompt), the split
+    the single-server path uses (its H19 is pooled over the turn only)."""
     return markers(tokenizer).split(prompt)
 
 

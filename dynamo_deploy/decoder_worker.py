@@ -21,21 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from build_engines.data.tokenizer import ChatTokenizer
-from tritonserver_backend import counters as k
-from tritonserver_backend.counters import Counters
-from tritonserver_backend.decoder_service import DecoderService, Turn
-from tritonserver_backend.engines import open_engine
-from tritonserver_backend.registry import Registry
-from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
-from tritonserver_backend.session_auth import GrantLedger, SessionRefused, refusal
-
-from .remote_encoder import RemoteEncoderPort
-from .requests import params_from_json
-from .session_guard import PATH_HANDOVER, CallAuth, load_internal_key
-from .transfer import HandoverChannel
-from .wire import nbytes
-from .worker_common import (
+from ced.text.tokenizer import ChatTokenizer
+from dynamo_deploy.remote_encoder import RemoteEncoderPort
+from dynamo_deploy.requests import params_from_json
+from dynamo_deploy.session_guard import PATH_HANDOVER, CallAuth, load_internal_key
+from dynamo_deploy.transfer import HandoverChannel
+from dynamo_deploy.wire import nbytes
+from dynamo_deploy.worker_common import (
     DECODER_TURN,
     ENCODER_CONTROL,
     ENCODER_STEP,
@@ -44,6 +36,13 @@ from .worker_common import (
     announce_ready,
     make_runtime,
 )
+from tritonserver_backend.adapters.registry import Registry
+from tritonserver_backend.auth.session_auth import GrantLedger, SessionRefused, refusal
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.core.counters import Counters
+from tritonserver_backend.core.decoder_service import DecoderService, Turn
+from tritonserver_backend.core.scheduler import TurnScheduler, TurnStart
+from tritonserver_backend.engines import open_engine
 
 LOG = logging.getLogger("mol2.decoder")
 
@@ -61,20 +60,22 @@ class Sink:
 
 
 class DecoderWorker:
-    def __init__(self, settings: WorkerSettings, step_client: Any, control_client: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, settings: WorkerSettings, step_client: Any, control_client: Any,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.settings, self.loop = settings, loop
         self.counters = Counters()
         self.stats = WorkerStats(settings, self.counters)
         engine = open_engine(settings.backend, settings.model_dir, settings.engine_dir, settings.tensor_parallel_size,
                              settings.expert_parallel)
         tokenizer = ChatTokenizer.load(settings.model_dir)
-        self.decoder = DecoderService(engine, Registry(settings.registry_root), tokenizer, self.counters, max_context=settings.max_context)
+        self.decoder = DecoderService(engine, Registry(settings.registry_root), tokenizer, self.counters,
+                                      max_context=settings.max_context)
         self.key = load_internal_key(settings.internal_key_path)
         self.ledger = GrantLedger()
         self.port = RemoteEncoderPort(step_client, control_client, loop, self.stats, CallAuth(self.key))
         self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
         self.scheduler = TurnScheduler(self.decoder, self.port, self._emit, self._fail)
-        self.inbox: queue.SimpleQueue[TurnRequest] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[TurnStart] = queue.SimpleQueue()
         self.wake = threading.Event()
         threading.Thread(target=self._loop, name="decoder-scheduler", daemon=True).start()
 
@@ -98,7 +99,7 @@ class DecoderWorker:
         sink.put(("token", token, reason, logprob))
         return not sink.closed
 
-    def _fail(self, request: TurnRequest | Turn, exc: BaseException) -> None:
+    def _fail(self, request: TurnStart | Turn, exc: BaseException) -> None:
         sink: Sink = request.context  # type: ignore[assignment]
         sink.put(("error", f"{type(exc).__name__}: {exc}", None, None))
 
@@ -126,11 +127,13 @@ class DecoderWorker:
         if not rows["positions"].size or int(rows["positions"][0]) != first:
             yield {"error": f"the hand-over of session {sid!r} does not start at its granted position {first}"}
             return
-        self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(rows), handover_turn_rows=int(rows["positions"].size),
+        self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(rows),
+                       handover_turn_rows=int(rows["positions"].size),
                        handover_turn_transfer_s=time.time() - float(request["sent_at"]))
         self.port.encoder_of[sid] = int(request["encoder"])
         sink = Sink(asyncio.get_running_loop())
-        self.inbox.put(TurnRequest(sid, rows, int(request["adapter_hash"]), params_from_json(request["params"]), False, sink))
+        self.inbox.put(TurnStart(sid, rows, int(request["adapter_hash"]), params_from_json(request["params"]), False,
+                                   sink))
         self.wake.set()
         generated = 0
         watcher = asyncio.ensure_future(self._stop_when_told(context, sink))

@@ -34,20 +34,11 @@ from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 
-from build_engines.data.tokenizer import ChatTokenizer
-from tritonserver_backend import counters as k
-from tritonserver_backend.counters import Counters
-from tritonserver_backend.encoder_service import EncoderService
-from tritonserver_backend.engines import open_engine
-from tritonserver_backend.errors import BadRequest, ServingError, UnknownSession
-from tritonserver_backend.registry import Registry
-from tritonserver_backend.router_service import RouterService
-from tritonserver_backend.session_auth import SessionRefused, SessionTokens, refusal
-
-from .conversation import SessionRecord, continuation, fingerprint, is_chat_prompt, reply_ids, split_turn
-from .model_ids import explicit_adapter, explicit_ids
-from .requests import openai_finish, params_to_json, sampling_params
-from .session_guard import (
+from ced.text.tokenizer import ChatTokenizer
+from dynamo_deploy.conversation import SessionRecord, continuation, fingerprint, is_chat_prompt, reply_ids, split_turn
+from dynamo_deploy.model_ids import explicit_adapter, explicit_ids
+from dynamo_deploy.requests import openai_finish, params_to_json, sampling_params
+from dynamo_deploy.session_guard import (
     ENGINE_DATA_FIELD,
     ENGINE_DATA_KEY,
     PATH_CONTROL,
@@ -59,9 +50,9 @@ from .session_guard import (
     presented_token,
     wants_engine_data,
 )
-from .transfer import HandoverChannel
-from .wire import nbytes, pack
-from .worker_common import (
+from dynamo_deploy.transfer import HandoverChannel
+from dynamo_deploy.wire import nbytes, pack
+from dynamo_deploy.worker_common import (
     ENCODER_CONTROL,
     ENCODER_STEP,
     MODEL_NAME,
@@ -71,11 +62,20 @@ from .worker_common import (
     announce_ready,
     make_runtime,
 )
+from tritonserver_backend.adapters.registry import Registry
+from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens, refusal
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.core.counters import Counters
+from tritonserver_backend.core.encoder_service import EncoderService
+from tritonserver_backend.core.router_service import RouterService
+from tritonserver_backend.engines import open_engine
+from tritonserver_backend.errors import BadRequest, ServingError, UnknownSession
 
 LOG = logging.getLogger("mol2.encoder")
 MAX_RECORDS = 10_000
 SETTLE_TIMEOUT_S = 120.0  # a cancelled turn's decoder has this long to end it; else the session is rebuilt next turn
-Slot = tuple[bool, str]  # where a record is kept: (anonymous, key); key = the x-dynamo-session-id, or anonymous_key(history)
+# where a record is kept: (anonymous, key); key = the x-dynamo-session-id, or anonymous_key(history)
+Slot = tuple[bool, str]
 
 
 class DecoderLost(RuntimeError):
@@ -106,8 +106,10 @@ class EncoderWorker:
                              settings.expert_parallel)
         # the client's token is checked here, per x-dynamo-session-id, which outlives the service's internal session ids
         # (a rebuild starts a new one); the service is reached only through this worker's endpoints
-        self.encoder = EncoderService(engine, max_context=settings.max_context, counters=self.counters, session_auth=False)
-        self.tokens = SessionTokens(settings.session_auth)  # x-dynamo-session-id -> its token's digest, while its record lives
+        self.encoder = EncoderService(engine, max_context=settings.max_context, counters=self.counters,
+                                      session_auth=False)
+        # x-dynamo-session-id -> its token's digest, while its record lives
+        self.tokens = SessionTokens(settings.session_auth)
         self.key = load_internal_key(settings.internal_key_path)
         self.calls = CallAuth(self.key)
         self.router = RouterService(settings.model_dir, Registry(settings.registry_root), self.counters, engine)
@@ -116,7 +118,8 @@ class EncoderWorker:
         self.records: OrderedDict[Slot, SessionRecord] = OrderedDict()
         self.dead: set[int] = set()
         self.absorbed: dict[str, list[int]] = {}  # internal session id -> the tokens its turn in flight fed back here
-        self.settling: dict[str, asyncio.Future] = {}  # internal session id -> its turn's end: the reply it kept, or None
+        # internal session id -> its turn's end: the reply it kept, or None
+        self.settling: dict[str, asyncio.Future] = {}
         self._settles: set[asyncio.Task] = set()
         self._serial = itertools.count()
         self._next = itertools.count()
@@ -141,7 +144,8 @@ class EncoderWorker:
             key = str(session_id)
             slot: Slot = (False, key)
             try:
-                issued = self._admit(key, presented_token(request), wants_engine_data(request))  # before anything is read
+                # before anything is read
+                issued = self._admit(key, presented_token(request), wants_engine_data(request))
             except ServingError as exc:
                 raise for_client(exc) from None
         else:
@@ -154,7 +158,8 @@ class EncoderWorker:
         try:
             for _ in range(1 + len(self.decoders.instance_ids())):
                 try:
-                    async with contextlib.aclosing(self._turn(slot, key, prompt, params, explicit, context, issued)) as turn:
+                    async with contextlib.aclosing(self._turn(slot, key, prompt, params, explicit, context,
+                                                              issued)) as turn:
                         async for chunk in turn:  # a client that leaves closes this generator, and so the turn's
                             handed.append(True)
                             yield chunk
@@ -228,7 +233,8 @@ class EncoderWorker:
         encoded = None
         if record is not None and new is not None and record.decoder_instance in live:
             try:
-                encoded = await self.run(self.encoder.encode_turn, record.session_id, np.asarray(new, np.int64), None, False)
+                encoded = await self.run(self.encoder.encode_turn, record.session_id, np.asarray(new, np.int64), None,
+                                         False)
                 sid, target, rebuilt = record.session_id, record.decoder_instance, False
             except UnknownSession:  # evicted here meanwhile: rebuild below
                 encoded = None
@@ -236,10 +242,12 @@ class EncoderWorker:
             history, turn = split_turn(self.tokenizer, prompt)
             if record is not None:
                 await self.run(self.encoder.end, record.session_id)
-            sid = f"{key}#{self.stats.instance_id}.{next(self._serial)}"  # unique across restarts: never meets a stale session
+            # unique across restarts: never meets a stale session
+            sid = f"{key}#{self.stats.instance_id}.{next(self._serial)}"
             target = live[next(self._next) % len(live)]
             rebuilt = len(history) > 1
-            encoded = await self.run(self.encoder.encode_turn, sid, np.asarray(turn, np.int64), np.asarray(history, np.int64), True)
+            encoded = await self.run(self.encoder.encode_turn, sid, np.asarray(turn, np.int64),
+                                     np.asarray(history, np.int64), True)
         h19, handover = encoded.h19, encoded.handover
         routed = (await self.run(self.router.route, [h19], [explicit]))[0]
         if isinstance(routed, Exception):
@@ -254,15 +262,18 @@ class EncoderWorker:
         first = int(handover["positions"][0])
         payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": int(routed),
                    "params": params_to_json(params), "handover": wire, "sent_at": sent_at,
-                   "first_position": first, "grant": self.key.grant(sid, first)}  # the decoder takes rows under a grant only
+                   # the decoder takes rows under a grant only
+                   "first_position": first, "grant": self.key.grant(sid, first)}
         token_data = {"engine_data": {ENGINE_DATA_KEY: issued}} if issued else {}  # rides on the first chunk
-        self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(handover), handover_turn_rows=int(handover["positions"].size),
+        self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(handover),
+                       handover_turn_rows=int(handover["positions"].size),
                        handover_turn_pack_s=time.perf_counter() - t0)
         generated: list[int] = []
         logprobs: list[float] = []
         started = False
-        log = dict(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id), decoder=target,
-                   rebuilt=rebuilt, prompt_tokens=len(prompt), new_tokens=int(handover["positions"].size), adapter_hash=int(routed),
+        log = dict(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id),
+                   decoder=target, rebuilt=rebuilt, prompt_tokens=len(prompt),
+                   new_tokens=int(handover["positions"].size), adapter_hash=int(routed),
                    explicit=explicit, transport=next(iter(wire)), handover_bytes=nbytes(handover))
         self.absorbed[sid] = []
         self.settling[sid] = asyncio.get_running_loop().create_future()
@@ -297,8 +308,8 @@ class EncoderWorker:
         except (GeneratorExit, asyncio.CancelledError, ClientLeft) as exc:  # the client left mid-turn
             if sid in self.settling:
                 settle_later = True
-                LOG.warning("%s: the client of %s left mid-turn (%s); stopping the decoder's turn", self.settings.name, key,
-                            type(exc).__name__)
+                LOG.warning("%s: the client of %s left mid-turn (%s); stopping the decoder's turn", self.settings.name,
+                            key, type(exc).__name__)
                 downstream.stop_generating()  # the decoder ends the turn as "cancelled" and keeps the partial reply
                 task = asyncio.ensure_future(self._settle_cancelled(slot, record, prompt, generated, log))
                 self._settles.add(task)
@@ -338,7 +349,8 @@ class EncoderWorker:
         if context is not None:
             await context.async_killed_or_stopped()
 
-    async def _settle_cancelled(self, slot: Slot, record: SessionRecord, prompt: list[int], streamed: list[int], log: dict[str, Any]) -> None:
+    async def _settle_cancelled(self, slot: Slot, record: SessionRecord, prompt: list[int], streamed: list[int],
+                                log: dict[str, Any]) -> None:
         """A turn whose client left: once the decoder has ended it (its trailing step reached `step` with turn_done),
         the session holds the prompt plus the partial reply as the encoder absorbed it, like a reply cut by max_tokens
         (the Triton path's rule). The record then continues under exactly that history; if the turn failed instead
@@ -373,16 +385,16 @@ class EncoderWorker:
             return
         t0 = time.perf_counter()
         try:
-            rows = await self.run(self.encoder.encode_step, list(request["sessions"]), np.asarray(request["tokens"], np.int64),
-                                  bool(request["turn_done"]))
+            rows = await self.run(self.encoder.encode_step, list(request["sessions"]),
+                                  np.asarray(request["tokens"], np.int64), bool(request["turn_done"]))
         except ServingError as exc:
             yield {"error": str(exc)}
             return
         compute = time.perf_counter() - t0
         self._absorbed(list(request["sessions"]), request["tokens"], bool(request["turn_done"]))
         packed = [pack(r) for r in rows]
-        self.stats.add(step_calls=1, step_rows=sum(int(r["positions"].size) for r in rows), step_bytes=sum(nbytes(r) for r in rows),
-                       step_compute_s=compute)
+        self.stats.add(step_calls=1, step_rows=sum(int(r["positions"].size) for r in rows),
+                       step_bytes=sum(nbytes(r) for r in rows), step_compute_s=compute)
         yield {"rows": packed, "compute_s": compute}
 
     def _absorbed(self, sessions: list[str], tokens: list[list[int]], turn_done: bool) -> None:
@@ -438,7 +450,8 @@ async def serve(settings: WorkerSettings) -> None:
                          model_path, MODEL_NAME, worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
     for name in explicit_ids(Registry(settings.registry_root)):  # one LoRA card per explicit choice (model_ids.py)
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, generate, model_path,
-                             worker_type=WorkerType.Aggregated, kv_cache_block_size=16, lora_name=name, base_model_path=model_path)
+                             worker_type=WorkerType.Aggregated, kv_cache_block_size=16, lora_name=name,
+                             base_model_path=model_path)
     LOG.warning("%s serving (instance %s)", settings.name, worker.stats.instance_id)
     await asyncio.gather(generate.serve_endpoint(worker.generate), step.serve_endpoint(worker.step),
                          control.serve_endpoint(worker.control),

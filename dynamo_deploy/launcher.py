@@ -18,11 +18,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.session_auth import INTERNAL_KEY_FILE, InternalKey
-
-from .tokenizer_files import write_model_folder
-from .worker_common import MODEL_NAME, discovery_env
+from dynamo_deploy.tokenizer_files import write_model_folder
+from dynamo_deploy.worker_common import MODEL_NAME, discovery_env
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.auth.session_auth import INTERNAL_KEY_FILE, InternalKey
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DYNAMO_PYTHON = PROJECT_ROOT / ".venv-dynamo" / "bin" / "python"
@@ -67,8 +66,8 @@ class Deployment:
             self.start_worker("decoder", i)
         self.procs["frontend"] = self._spawn("frontend", [
             "-m", "dynamo.frontend", "--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq",
-            "--http-host", "127.0.0.1", "--http-port", str(self.http_port), "--router-mode", "kv", "--no-router-kv-events",
-            "--router-session-affinity-ttl-secs", str(self.affinity_ttl_s)])
+            "--http-host", "127.0.0.1", "--http-port", str(self.http_port), "--router-mode", "kv",
+            "--no-router-kv-events", "--router-session-affinity-ttl-secs", str(self.affinity_ttl_s)])
         self.wait_ready(timeout_s)
         self._write_state()
 
@@ -77,16 +76,17 @@ class Deployment:
         self.procs[f"{role}-{index}"] = self._spawn(f"{role}-{index}", [
             "-m", f"dynamo_deploy.{role}_worker", "--index", str(index), "--run-dir", str(self.run_dir),
             "--model-dir", str(self.model_dir), "--engine-dir", str(self.engine_dir),
-            "--registry-root", str(self.run_dir / "registry"), "--backend", self.backend, "--max-context", str(self.max_context),
-            "--nixl-threshold-bytes", str(self.nixl_threshold_bytes), *(["--record-logprobs"] if self.record_logprobs else []),
+            "--registry-root", str(self.run_dir / "registry"), "--backend", self.backend,
+            "--max-context", str(self.max_context), "--nixl-threshold-bytes", str(self.nixl_threshold_bytes),
+            *(["--record-logprobs"] if self.record_logprobs else []),
             *([] if self.session_auth else ["--no-session-auth"]),
             *(["--tensor-parallel-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1 else []),
             *(["--enable-expert-parallel"] if self.expert_parallel else [])])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
-        return subprocess.Popen([str(self.python), *args], cwd=PROJECT_ROOT, env=self.env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen([str(self.python), *args], cwd=PROJECT_ROOT, env=self.env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Every worker listed in discovery, and the frontend serving the model."""

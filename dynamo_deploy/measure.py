@@ -14,13 +14,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from build_engines.export.rows import DecoderRow
+from ced.steps.rows import DecoderRow
+from dynamo_deploy.client import Conversation
+from dynamo_deploy.launcher import PROJECT_ROOT, Deployment, read_turns
 
-from .client import Conversation
-from .launcher import PROJECT_ROOT, Deployment, read_turns
-
-TEXTS = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "Make the header sticky with a shadow.",
-         "git log --oneline shows nothing, why?", "Can you explain that again, more slowly please?", "Thanks, that helps."]
+TEXTS = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)",
+         "Make the header sticky with a shadow.", "git log --oneline shows nothing, why?",
+         "Can you explain that again, more slowly please?", "Thanks, that helps."]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,19 +56,26 @@ def main(argv: list[str] | None = None) -> int:
     print("| measured on loopback (1 encoder + 1 decoder worker, ONNX engines) | value |")
     print("|---|---|")
     print(f"| turns / generated tokens / final context | {len(turns)} / {generated} / {context} positions |")
-    print(f"| turn hand-over: rows (new positions) per turn | {dec['handover_turn_rows'] / dec['handover_turns']:.1f} |")
-    print(f"| turn hand-over: bytes per turn (raw; base64 on the wire is 4/3 of it) | {dec['handover_turn_bytes'] / dec['handover_turns']:.0f} B "
+    print("| turn hand-over: rows (new positions) per turn | "
+          f"{dec['handover_turn_rows'] / dec['handover_turns']:.1f} |")
+    print("| turn hand-over: bytes per turn (raw; base64 on the wire is 4/3 of it) | "
+          f"{dec['handover_turn_bytes'] / dec['handover_turns']:.0f} B "
           f"({dec['handover_turn_bytes'] / dec['handover_turn_rows']:.0f} B per position) |")
-    print(f"| turn hand-over: encoder send -> decoder unpacked | {1e3 * dec['handover_turn_transfer_s'] / dec['handover_turns']:.2f} ms per turn |")
-    print(f"| per-token step: bytes (one row back, plus the token) | {dec['step_bytes'] / dec['step_rows']:.0f} B per token |")
-    print(f"| per-token step: round trip decoder -> encoder -> decoder | {1e3 * dec['step_rtt_s'] / dec['step_calls']:.2f} ms per call |")
-    print(f"| per-token step: of which the encoder engine | {1e3 * enc['step_compute_s'] / enc['step_calls']:.2f} ms per call |")
-    print(f"| per-token step: transport + (de)serialisation | {1e3 * (dec['step_rtt_s'] - dec['step_encoder_compute_s']) / dec['step_calls']:.2f} ms per call |")
+    print("| turn hand-over: encoder send -> decoder unpacked | "
+          f"{1e3 * dec['handover_turn_transfer_s'] / dec['handover_turns']:.2f} ms per turn |")
+    print("| per-token step: bytes (one row back, plus the token) | "
+          f"{dec['step_bytes'] / dec['step_rows']:.0f} B per token |")
+    print("| per-token step: round trip decoder -> encoder -> decoder | "
+          f"{1e3 * dec['step_rtt_s'] / dec['step_calls']:.2f} ms per call |")
+    print("| per-token step: of which the encoder engine | "
+          f"{1e3 * enc['step_compute_s'] / enc['step_calls']:.2f} ms per call |")
+    print("| per-token step: transport + (de)serialisation | "
+          f"{1e3 * (dec['step_rtt_s'] - dec['step_encoder_compute_s']) / dec['step_calls']:.2f} ms per call |")
     print(f"| a full decoder-state transfer at {context} positions (global-KV mirror + W rows + rings) | {full} B |")
     print(f"| client wall time per turn ({a.tokens} tokens) | {1e3 * sum(wall) / len(wall):.0f} ms |")
     size, transport, times = rebuilds
-    print(f"\n| rebuild hand-over (threshold {a.nixl_threshold_bytes} B) | bytes | transport | encoder send -> decoder has the rows "
-          f"(median of {len(times)}; first) |\n|---|---|---|---|")
+    print(f"\n| rebuild hand-over (threshold {a.nixl_threshold_bytes} B) | bytes | transport | encoder send -> decoder "
+          f"has the rows (median of {len(times)}; first) |\n|---|---|---|---|")
     print(f"| whole conversation from position 0 | {size} B | {transport} | {1e3 * statistics.median(times):.2f} ms; "
           f"{1e3 * times[0]:.2f} ms |")
     return 0
@@ -80,7 +87,8 @@ def _rebuilds(d: Deployment, conv: Conversation, n: int) -> tuple[int, str, list
     times, size, transport = [], 0, ""
     for i in range(n):
         before = d.stats()["decoder-0"]["figures"].get("handover_turn_transfer_s", 0.0)
-        Conversation(d.url, f"rebuild-{i}", messages=list(conv.messages[:-2])).say(conv.messages[-2]["content"], max_tokens=1)
+        Conversation(d.url, f"rebuild-{i}", messages=list(conv.messages[:-2])).say(conv.messages[-2]["content"],
+                                                                                    max_tokens=1)
         times.append(d.stats()["decoder-0"]["figures"]["handover_turn_transfer_s"] - before)
         last = read_turns(d.run_dir)[-1]
         assert last["rebuilt"] and last["session"] == f"rebuild-{i}", last

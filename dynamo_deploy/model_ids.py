@@ -10,9 +10,8 @@ the request always wins over routing: the router step takes it as is and never s
 
 from __future__ import annotations
 
-from tritonserver_backend.registry import BASE_NAME, Registry
-
-from .worker_common import MODEL_NAME
+from dynamo_deploy.worker_common import MODEL_NAME
+from tritonserver_backend.adapters.registry import BASE_NAME, Registry
 
 SEPARATOR = ":"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .worker_common import discovery_env, make_runtime
+from dynamo_deploy.worker_common import discovery_env, make_runtime
 
 SIZES = [4_824, 64_320, 1 << 20, 8 << 20, 32 << 20]  # one token's row, one turn's rows (measured), then rebuild-sized
 REPEATS = 5
@@ -64,11 +64,13 @@ async def consume() -> list[tuple[int, str, float]]:
                         got = np.frombuffer(base64.b64decode(data["b64"]), np.uint8)
                     else:
                         got = np.empty(n, np.uint8)
-                        op = await connector.begin_read(nc.RdmaMetadata.model_validate(data["meta"]), nc.Descriptor((got, "cpu")))
+                        op = await connector.begin_read(nc.RdmaMetadata.model_validate(data["meta"]),
+                                                        nc.Descriptor((got, "cpu")))
                         await op.wait_for_completion()
                     break
                 times.append(time.perf_counter() - t0)
-                assert got.size == n and got[:8].tolist() == np.random.default_rng(n).integers(0, 255, n, dtype=np.uint8)[:8].tolist()
+                assert got.size == n and got[:8].tolist() == np.random.default_rng(n).integers(
+                    0, 255, n, dtype=np.uint8)[:8].tolist()
             results.append((n, mode, float(np.median(times[1:]))))
             print(f"{n:>10d} B {mode:6s} {1e3 * results[-1][2]:8.2f} ms", flush=True)
     return results

@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from tritonserver_backend.encoder_service import Handover
+from dynamo_deploy.session_guard import CallAuth
+from dynamo_deploy.wire import nbytes, unpack
+from dynamo_deploy.worker_common import ENCODER_CONTROL, ENCODER_STEP, WorkerStats
+from tritonserver_backend.core.handover import Handover
 from tritonserver_backend.errors import ServingError
-
-from .session_guard import CallAuth
-from .wire import nbytes, unpack
-from .worker_common import ENCODER_CONTROL, ENCODER_STEP, WorkerStats
 
 CALL_TIMEOUT_S = 120.0
 
@@ -62,8 +61,9 @@ class RemoteEncoderPort:
         if "error" in data:
             raise ServingError(data["error"])
         rows = [unpack(r) for r in data["rows"]]
-        self.stats.add(step_calls=1, step_rows=sum(int(r["positions"].size) for r in rows), step_bytes=sum(nbytes(r) for r in rows),
-                       step_rtt_s=time.perf_counter() - t0, step_encoder_compute_s=float(data.get("compute_s", 0.0)))
+        self.stats.add(step_calls=1, step_rows=sum(int(r["positions"].size) for r in rows),
+                       step_bytes=sum(nbytes(r) for r in rows), step_rtt_s=time.perf_counter() - t0,
+                       step_encoder_compute_s=float(data.get("compute_s", 0.0)))
         return rows
 
     def _encoder(self, session_id: str) -> int:

@@ -14,10 +14,10 @@ import dataclasses
 import json
 from typing import Any
 
-from tritonserver_backend.decoder_service import FINISH_LENGTH
+from tritonserver_backend.core.decoder_service import FINISH_LENGTH
 from tritonserver_backend.errors import BadRequest
-from tritonserver_backend.grammar import canonical
-from tritonserver_backend.sampling import DEFAULT_MAX_TOKENS, SamplingParams
+from tritonserver_backend.sampling.grammar import canonical
+from tritonserver_backend.sampling.sampler import DEFAULT_MAX_TOKENS, SamplingParams
 
 
 def sampling_params(request: dict[str, Any]) -> SamplingParams:
@@ -76,7 +76,8 @@ def params_to_json(p: SamplingParams) -> dict[str, Any]:
 
 
 def params_from_json(d: dict[str, Any]) -> SamplingParams:
-    tuples = {"stop": tuple, "forced_ids": tuple, "stop_token_ids": tuple, "logit_bias": lambda v: tuple(tuple(e) for e in v)}
+    tuples = {"stop": tuple, "forced_ids": tuple, "stop_token_ids": tuple,
+              "logit_bias": lambda v: tuple(tuple(e) for e in v)}
     return SamplingParams(**{k: tuples[k](v) if k in tuples and v is not None else v for k, v in d.items()})
 
 

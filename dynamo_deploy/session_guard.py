@@ -30,9 +30,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable
 
-from tritonserver_backend import counters as k
-from tritonserver_backend.admin_auth import AdminKeyError
-from tritonserver_backend.session_auth import InternalKey, SessionRefused, refusal
+from tritonserver_backend.auth.admin_auth import AdminKeyError
+from tritonserver_backend.auth.session_auth import InternalKey, SessionRefused, refusal
+from tritonserver_backend.core import counters as k
 
 TOKEN_ANNOTATION = "mol2-session-token:"  # nvext.annotations entry a client presents its token in
 ENGINE_DATA_KEY = "mol2_session_token"  # the key of the issued token in a response's nvext.engine_data

@@ -1,7 +1,7 @@
 """The model folder Dynamo's OpenAI frontend reads (tokenizer.json, tokenizer_config.json, config.json), generated
 from the model directory's own files, so the frontend's chat template yields exactly the ids `ChatFormat.encode` yields.
 
-The chat template is the model directory's (its tokenizer_config.json, `build_engines.data.chat_format`), copied, not
+The chat template is the model directory's (its tokenizer_config.json, `ced.text.chat_format`), copied, not
 written here: the frontend renders it and tokenizes the text with the HF tokenizer, where the role markers are added
 tokens and text between them is byte-level BPE as in `ChatTokenizer.encode`, so both give the same ids for ordinary
 text. A directory whose format is our built-in DeepSeek-V4.1 renderer (the release ships Python rules, no template)
@@ -16,11 +16,12 @@ import json
 import shutil
 from pathlib import Path
 
-from build_engines.data.chat_format import DEEPSEEK_V41, ChatFormatError, read_tokenizer_config
-from build_engines.data.deepseek_template import DEEPSEEK_V41_CHAT_TEMPLATE
-from build_engines.data.tokenizer import ChatTokenizer
+from ced.text.chat_format import DEEPSEEK_V41, ChatFormatError, read_tokenizer_config
+from ced.text.deepseek_template import DEEPSEEK_V41_CHAT_TEMPLATE
+from ced.text.tokenizer import ChatTokenizer
 
-BUILTIN_AS_TEMPLATE = {DEEPSEEK_V41: DEEPSEEK_V41_CHAT_TEMPLATE}  # what a template-only frontend gets for a built-in format
+# what a template-only frontend gets for a built-in format
+BUILTIN_AS_TEMPLATE = {DEEPSEEK_V41: DEEPSEEK_V41_CHAT_TEMPLATE}
 
 
 def write_model_folder(model_dir: str | Path, out: str | Path, served_name: str, max_context: int) -> Path:
@@ -30,8 +31,8 @@ def write_model_folder(model_dir: str | Path, out: str | Path, served_name: str,
     fmt = tok.chat_format
     template = fmt.template if fmt.template is not None else BUILTIN_AS_TEMPLATE.get(fmt.name)
     if template is None:
-        raise ChatFormatError(f"{model_dir}: its chat format is the built-in {fmt.name!r}, not a Jinja chat template; Dynamo's "
-                              "frontend renders templates only")
+        raise ChatFormatError(f"{model_dir}: its chat format is the built-in {fmt.name!r}, not a Jinja chat template; "
+                              "Dynamo's frontend renders templates only")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(model_dir / "tokenizer.json", out / "tokenizer.json")
     cfg = json.loads((model_dir / "config.json").read_text())

@@ -6,9 +6,10 @@ whatever its size up to 8.6 MB (Dynamo's connector adds the remote agent and pol
 cross near 3-4 MB. Per-token rows and ordinary turns are far below that and stay inline; what crosses it is a
 rebuild's hand-over of a long conversation (every position from 0), and any turn of the real model beyond a few tokens.
 NIXL is off by default (threshold 0): a worker's NIXL agent runs a UCX progress thread that busy-polls one core from
-start-up (measured: two idle workers, 2 cores busy), which on a small CPU host costs more than it saves. The producer (the encoder) registers one contiguous buffer with `dynamo.nixl_connect.create_readable` and puts
-its RDMA metadata in the turn request; the consumer (the decoder) reads it with `begin_read` before it admits the turn,
-so a turn never starts on rows it has not fully received.
+start-up (measured: two idle workers, 2 cores busy), which on a small CPU host costs more than it saves. The producer
+(the encoder) registers one contiguous buffer with `dynamo.nixl_connect.create_readable` and puts its RDMA metadata in
+the turn request; the consumer (the decoder) reads it with `begin_read` before it admits the turn, so a turn never
+starts on rows it has not fully received.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .wire import Rows, nbytes, pack, unpack
-from .worker_common import WorkerStats
+from dynamo_deploy.wire import Rows, nbytes, pack, unpack
+from dynamo_deploy.worker_common import WorkerStats
 
 LOG = logging.getLogger("mol2.transfer")
 RECOMMENDED_NIXL_THRESHOLD = 4 << 20  # bytes, where NIXL is enabled; the measured crossover (docs/scale_out.md)
@@ -99,7 +100,8 @@ class HandoverChannel:
             try:
                 await asyncio.wait_for(readable.wait_for_completion(), RELEASE_TIMEOUT_S)
             except TimeoutError:
-                LOG.warning("a NIXL hand-over of %d B was not read within %.0f s; released", buf.size, RELEASE_TIMEOUT_S)
+                LOG.warning("a NIXL hand-over of %d B was not read within %.0f s; released", buf.size,
+                            RELEASE_TIMEOUT_S)
         del buf
 
     # ------------------------------------------------------------------ consumer (decoder)
@@ -118,5 +120,6 @@ class HandoverChannel:
         with await self._connector.begin_read(meta, self._nc.Descriptor((buf, "cpu"))) as op:
             await op.wait_for_completion()
         rows = unflatten(buf, spec["layout"])
-        self.stats.add(received_nixl_bytes=nbytes(rows), received_nixl_transfers=1, received_nixl_read_s=time.perf_counter() - t0)
+        self.stats.add(received_nixl_bytes=nbytes(rows), received_nixl_transfers=1,
+                       received_nixl_read_s=time.perf_counter() - t0)
         return rows, "nixl"

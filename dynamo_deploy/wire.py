@@ -1,4 +1,5 @@
-"""Hand-over rows as they cross Dynamo's request plane: numpy arrays <-> JSON-safe dicts (base64, inline).
+"""The Dynamo codec of the hand-over: its rows as they cross Dynamo's request plane, numpy arrays <-> JSON-safe dicts
+(base64, inline). The Triton codec of the same rows is `tritonserver_backend/triton/handover_codec.py`.
 
 A turn's hand-over is O(new tokens) rows and a per-token step is one row per session (a few KiB on the embedded
 default), so they travel inline in the request; `nbytes` is what the docs' hand-over cost counts. The ADAPTER_HASH
@@ -12,12 +13,15 @@ from typing import Any
 
 import numpy as np
 
-Rows = dict[str, np.ndarray]
+from tritonserver_backend.core.handover import Handover
+
+Rows = Handover  # a hand-over's rows (tritonserver_backend/core/handover.py), or a step's one row per session
 
 
 def pack(rows: Rows) -> dict[str, Any]:
     """Arrays -> {key: {"dtype", "shape", "b64"}} (C order)."""
-    return {k: {"dtype": a.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
+    return {k: {"dtype": a.dtype.str, "shape": list(a.shape),
+                "b64": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
             for k, a in rows.items()}
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tritonserver_backend.counters import Counters
-from tritonserver_backend.session_auth import INTERNAL_KEY_FILE
+from tritonserver_backend.auth.session_auth import INTERNAL_KEY_FILE
+from tritonserver_backend.core.counters import Counters
 
 NAMESPACE = "mol2"
 MODEL_NAME = "mol2-small"
@@ -39,7 +39,8 @@ class WorkerSettings:
     max_context: int = 2048
     nixl_threshold: int = 0  # hand-overs of at least this many bytes move through NIXL; <= 0: all inline (transfer.py)
     record_logprobs: bool = False  # every turn computes its tokens' log-probabilities and turns.jsonl keeps them
-    session_auth: bool = True  # a live session id's later turns need the token issued when it started (session_guard.py)
+    # a live session id's later turns need the token issued when it started (session_guard.py)
+    session_auth: bool = True
     internal_key_file: Path | None = None  # the workers' shared secret; default <run_dir>/internal.key
     tensor_parallel_size: int = 1  # the worker leads a group of this many ranks (torch backend; docs/parallel.md)
     expert_parallel: bool = False  # routed experts placed whole over those ranks
@@ -60,8 +61,8 @@ class WorkerSettings:
         p.add_argument("--backend", default="onnx", choices=["onnx", "torch"])
         p.add_argument("--max-context", type=int, default=2048)
         p.add_argument("--nixl-threshold-bytes", type=int, default=0,
-                       help="hand-overs of at least this many bytes move through NIXL, smaller ones inline; 0 (default) = "
-                            "NIXL off: its agent busy-polls a core per worker (docs/scale_out.md)")
+                       help="hand-overs of at least this many bytes move through NIXL, smaller ones inline; 0 "
+                            "(default) = NIXL off: its agent busy-polls a core per worker (docs/scale_out.md)")
         p.add_argument("--record-logprobs", action="store_true",
                        help="compute every token's log-probability and keep them in turns.jsonl (what the tests "
                             "compare bit for bit)")
@@ -73,7 +74,8 @@ class WorkerSettings:
                             "<run-dir>/internal.key")
         p.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="run this worker's role on N ranks, which the worker starts and leads (torch backend)")
-        p.add_argument("--enable-expert-parallel", action="store_true", help="place routed experts whole over the ranks")
+        p.add_argument("--enable-expert-parallel", action="store_true",
+                       help="place routed experts whole over the ranks")
         a = p.parse_args(argv)
         return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context,
                    a.nixl_threshold_bytes, a.record_logprobs, a.session_auth, a.internal_key_file,

@@ -23,17 +23,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import responses as r
-from .errors import APIError, unavailable
-from .metrics import CONTENT_TYPE, FrontendMetrics
-from .prefix_cache import namespace_of
-from .schemas import ChatRequest, TokenizeRequest, detokenize_request, lora_request
-from .service import Answer, ChatService
-from .tool_calls import stream_deltas
+from openai_frontend import responses as r
+from openai_frontend.errors import APIError, unavailable
+from openai_frontend.metrics import CONTENT_TYPE, FrontendMetrics
+from openai_frontend.prefix_cache import namespace_of
+from openai_frontend.schemas import ChatRequest, TokenizeRequest, detokenize_request, lora_request
+from openai_frontend.service import Answer, ChatService
+from openai_frontend.tool_calls import stream_deltas
 
 ADAPTER_HEADER = "x-mol2-adapter"
 OPEN_ROUTES = ("/health", "/metrics")  # answered without the API key
-ADMIN_KEY_HEADER = "mol2-admin-key"  # tritonserver_backend.admin_auth.ADMIN_KEY_HEADER, forwarded as the server reads it
+# tritonserver_backend.auth.admin_auth.ADMIN_KEY_HEADER, forwarded as the server reads it
+ADMIN_KEY_HEADER = "mol2-admin-key"
 REUSED_HEADER = "x-mol2-session-reused"
 CACHED_HEADER = "x-mol2-cached-tokens"
 
@@ -43,7 +44,8 @@ def _sse(obj: dict) -> bytes:
 
 
 def _headers(answer: Answer) -> dict[str, str]:
-    return {ADAPTER_HEADER: answer.adapter, REUSED_HEADER: "true" if answer.reused else "false", CACHED_HEADER: str(answer.cached_tokens)}
+    return {ADAPTER_HEADER: answer.adapter, REUSED_HEADER: "true" if answer.reused else "false",
+            CACHED_HEADER: str(answer.cached_tokens)}
 
 
 def key_checker(api_keys: Sequence[str]) -> Callable[[str], str | None]:
@@ -90,7 +92,8 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         metrics.errors.labels("invalid_request_error", "").inc()
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), "invalid_request_error").body(), status_code=exc.status_code)
+        return JSONResponse(APIError(exc.status_code, str(exc.detail), "invalid_request_error").body(),
+                            status_code=exc.status_code)
 
     keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
     if keys:
@@ -132,7 +135,8 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
     async def get_model(model_id: str) -> JSONResponse:
         known = await _safe(service.models())
         if model_id not in known:
-            raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error", "model_not_found", "model")
+            raise APIError(404, f"The model '{model_id}' does not exist", "invalid_request_error",
+                           "model_not_found", "model")
         return JSONResponse(r.model_card(model_id, int(time.time())))
 
     @app.post("/tokenize")
@@ -170,7 +174,7 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
         received = time.perf_counter()
         chat = ChatRequest.parse(await request.body())
         if chat.n > 1:  # n choices from one prefill: forks of the prompt's session (chat_choices.py)
-            from .chat_choices import respond as choices
+            from openai_frontend.chat_choices import respond as choices
 
             return await choices(service, chat, getattr(request.state, "cache_namespace", ""), _safe, _headers)
         answer = await _safe(service.start(chat, getattr(request.state, "cache_namespace", "")))
@@ -187,15 +191,16 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
             text = await _safe(answer.collect())
             completed()
             use = r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
-            return JSONResponse(r.completion(cid, created, chat.model, text, answer.finish_reason(), answer.adapter, use,
-                                             answer.logprobs if chat.logprobs else None, answer.tool_calls), headers=_headers(answer))
-        return StreamingResponse(_events(chat, answer, cid, created, metrics, completed), media_type="text/event-stream",
-                                 headers=_headers(answer))
+            return JSONResponse(r.completion(cid, created, chat.model, text, answer.finish_reason(), answer.adapter,
+                                             use, answer.logprobs if chat.logprobs else None, answer.tool_calls),
+                                headers=_headers(answer))
+        return StreamingResponse(_events(chat, answer, cid, created, metrics, completed),
+                                 media_type="text/event-stream", headers=_headers(answer))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         """Raw-text completions, echo with prompt log-probabilities, n choices from one prefill (completions.py)."""
-        from .completions import respond
+        from openai_frontend.completions import respond
 
         return await respond(service, await request.body(), _safe)
 
@@ -211,7 +216,8 @@ async def _events(chat: ChatRequest, answer: Answer, cid: str, created: int, met
                 yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {"content": text}, None,
                                    entries if chat.logprobs else None))
             for index, call_id, call in answer.tools.take() if answer.tools is not None else ():
-                for delta in stream_deltas(index, call_id, call):  # tool_calls.py: id, type and name, then the arguments
+                # tool_calls.py: id, type and name, then the arguments
+                for delta in stream_deltas(index, call_id, call):
                     yield _sse(r.chunk(cid, created, chat.model, answer.adapter, delta))
     except APIError as exc:
         metrics.errors.labels(exc.type, exc.code or "").inc()
@@ -220,7 +226,8 @@ async def _events(chat: ChatRequest, answer: Answer, cid: str, created: int, met
     completed()
     yield _sse(r.chunk(cid, created, chat.model, answer.adapter, {}, answer.finish_reason()))
     if chat.include_usage:
-        yield _sse(r.usage_chunk(cid, created, chat.model, answer.adapter, r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)))
+        yield _sse(r.usage_chunk(cid, created, chat.model, answer.adapter,
+                                 r.usage(answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)))
     yield b"data: [DONE]\n\n"
 
 

@@ -20,12 +20,11 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from tritonserver_backend.client import TurnRequest
-
-from . import responses as r
-from .errors import APIError, bad_request
-from .prefix_cache import PrefixCache
-from .schemas import ChatRequest
+from openai_frontend import responses as r
+from openai_frontend.errors import APIError, bad_request
+from openai_frontend.prefix_cache import PrefixCache
+from openai_frontend.schemas import ChatRequest
+from tritonserver_backend.clients.client import TurnRequest
 
 
 class _Rewriting:
@@ -48,7 +47,8 @@ def _shadow(service: Any, rewrite: Callable[[TurnRequest], TurnRequest]) -> Any:
     return shadow
 
 
-async def respond(service: Any, chat: ChatRequest, namespace: str, safe: Callable[[Any], Any], headers: Callable[[Any], dict]) -> Any:
+async def respond(service: Any, chat: ChatRequest, namespace: str, safe: Callable[[Any], Any],
+                  headers: Callable[[Any], dict]) -> Any:
     from fastapi.responses import JSONResponse, StreamingResponse
 
     if chat.tools.rendered:
@@ -67,8 +67,9 @@ async def respond(service: Any, chat: ChatRequest, namespace: str, safe: Callabl
 
         def fork(i: int) -> Callable[[TurnRequest], TurnRequest]:
             def rewrite(turn: TurnRequest) -> TurnRequest:
-                return dataclasses.replace(turn, session_id=f"oai-fork-{uuid.uuid4().hex}", new_session=True, text="", history=None,
-                                           raw=True, fork_from=holder["id"], fork_token=holder["token"] or None, seed=seed + i,
+                return dataclasses.replace(turn, session_id=f"oai-fork-{uuid.uuid4().hex}", new_session=True, text="",
+                                           history=None, raw=True, fork_from=holder["id"],
+                                           fork_token=holder["token"] or None, seed=seed + i,
                                            end_session=True, adapter=holder["adapter"] or None, session_token=None,
                                            tools=None, turn_messages=None)
             return rewrite
@@ -99,8 +100,8 @@ async def respond(service: Any, chat: ChatRequest, namespace: str, safe: Callabl
                 choices.append({**choice, "index": i})
         finally:
             await each.aclose()
-        body = {"id": cid, "object": "chat.completion", "created": created, "model": chat.model, "adapter": first.adapter,
-                "choices": choices, "usage": r.usage(first.prompt_tokens, completion, 0)}
+        body = {"id": cid, "object": "chat.completion", "created": created, "model": chat.model,
+                "adapter": first.adapter, "choices": choices, "usage": r.usage(first.prompt_tokens, completion, 0)}
         return JSONResponse(body, headers=headers(first))
 
     async def events() -> AsyncIterator[bytes]:
@@ -108,7 +109,8 @@ async def respond(service: Any, chat: ChatRequest, namespace: str, safe: Callabl
         each = answers()
         try:
             async for i, answer in _indexed(each):
-                yield _sse(_at(r.chunk(cid, created, chat.model, answer.adapter, {"role": "assistant", "content": ""}), i))
+                yield _sse(_at(r.chunk(cid, created, chat.model, answer.adapter,
+                                       {"role": "assistant", "content": ""}), i))
                 async for text, entries in answer.deltas():
                     if text or entries:
                         yield _sse(_at(r.chunk(cid, created, chat.model, answer.adapter, {"content": text}, None,
@@ -121,7 +123,8 @@ async def respond(service: Any, chat: ChatRequest, namespace: str, safe: Callabl
         finally:
             await each.aclose()
         if chat.include_usage:
-            yield _sse(r.usage_chunk(cid, created, chat.model, first.adapter, r.usage(first.prompt_tokens, completion, 0)))
+            yield _sse(r.usage_chunk(cid, created, chat.model, first.adapter,
+                                     r.usage(first.prompt_tokens, completion, 0)))
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers(first))

@@ -22,13 +22,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, default=ROOT / "embedded" / "mol2-small",
                    help="the served model's folder: its tokenizer counts prompt tokens, its config sizes sessions")
     p.add_argument("--cache-budget-bytes", type=int, default=DEFAULT_BUDGET,
-                   help="bound of the conversation-prefix cache, in server session bytes (use the server's session_budget_bytes)")
+                   help="bound of the conversation-prefix cache, in server session bytes (use the server's "
+                        "session_budget_bytes)")
     p.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_CONTEXT,
                    help="the server's max_context, as /tokenize reports it")
     p.add_argument("--api-key", action="append", metavar="KEY",
-                   help=f"require 'Authorization: Bearer <key>' on every route but /health and /metrics; repeat it for "
-                        "several keys (one per tenant: each key has its own partition of the conversation cache; default: "
-                        f"${API_KEY_ENV}, a comma-separated list; unset: no authentication)")
+                   help="require 'Authorization: Bearer <key>' on every route but /health and /metrics; repeat it for "
+                        "several keys (one per tenant: each key has its own partition of the conversation cache; "
+                        f"default: ${API_KEY_ENV}, a comma-separated list; unset: no authentication)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -46,13 +47,12 @@ def api_keys(args: argparse.Namespace, environ: dict[str, str] | None = None) ->
 
 
 def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from build_engines.data.tokenizer import ChatTokenizer
-
-    from .app import create_app
-    from .prefix_cache import PrefixCache
-    from .service import ChatService
-    from .session_cost import SessionCost
-    from .triton_stream import TritonStream
+    from ced.text.tokenizer import ChatTokenizer
+    from openai_frontend.app import create_app
+    from openai_frontend.prefix_cache import PrefixCache
+    from openai_frontend.service import ChatService
+    from openai_frontend.session_cost import SessionCost
+    from openai_frontend.triton_stream import TritonStream
 
     cache = PrefixCache(args.cache_budget_bytes, SessionCost.of_model(args.model_dir))
     tokenizer = ChatTokenizer.load(args.model_dir)
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     app = build(args)
     n = len(api_keys(args))
     auth = f"API key required ({n} key{'s' * (n != 1)})" if n else "no API key (any Authorization is accepted)"
-    print(f"OpenAI frontend on http://{args.host}:{args.port}/v1 -> tritonserver gRPC {args.triton_url}; {auth}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio")  # grpc.aio needs asyncio's loop
+    print(f"OpenAI frontend on http://{args.host}:{args.port}/v1 -> tritonserver gRPC {args.triton_url}; {auth}",
+          flush=True)
+    # grpc.aio needs asyncio's loop
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, loop="asyncio")
     return 0

@@ -28,15 +28,14 @@ from typing import Any, AsyncIterator
 
 from pydantic import BaseModel, Field
 
-from build_engines.data.tokenizer import ChatTokenizer
-from tritonserver_backend.client import TurnRequest
-
-from . import model_ids
-from .errors import APIError, bad_request
-from .parameters import _empty, _is, check_table, rows_of
-from .schemas import MAX_STOP, MAX_TOKENS_LIMIT, StreamOptions, _json_object, _validate
-from .stop_text import StopText
-from .triton_stream import Piece
+from ced.text.tokenizer import ChatTokenizer
+from openai_frontend import model_ids
+from openai_frontend.errors import APIError, bad_request
+from openai_frontend.parameters import _empty, _is, check_table, rows_of
+from openai_frontend.schemas import MAX_STOP, MAX_TOKENS_LIMIT, StreamOptions, _json_object, _validate
+from openai_frontend.stop_text import StopText
+from openai_frontend.triton_stream import Piece
+from tritonserver_backend.clients.client import TurnRequest
 
 MAX_LOGPROBS = 20  # the server's top_logprobs bound (OpenAI's completions allow 5)
 MAX_N = 16
@@ -44,7 +43,8 @@ MAX_PROMPTS = 64
 
 HONOURED = {
     "model": "'mol2' routes with MoL2, 'mol2:base' and 'mol2:<adapter>' choose",
-    "prompt": "a string, a list of strings, a list of token ids or a list of such lists (one choice set per prompt); raw text, no chat template",
+    "prompt": "a string, a list of strings, a list of token ids or a list of such lists (one choice set per prompt); "
+              "raw text, no chat template",
     "max_tokens": "0 to the server's limit (default 16); 0 with echo scores the prompt only",
     "temperature": "0 is greedy",
     "top_p": "nucleus sampling",
@@ -86,7 +86,8 @@ REFUSED_WHY = {
 
 def check(data: dict[str, Any]) -> None:
     """Refuse, naming them, the completions parameters this server would otherwise drop."""
-    check_table(data, HONOURED, EXTENSIONS, NO_EFFECT, REFUSED, REFUSED_WHY, "not supported by this server on completions")
+    check_table(data, HONOURED, EXTENSIONS, NO_EFFECT, REFUSED, REFUSED_WHY,
+                "not supported by this server on completions")
 
 
 def table_rows() -> list[tuple[str, str, str]]:
@@ -142,8 +143,9 @@ class CompletionRequest:
         try:
             adapter = model_ids.parse(body.model)
         except ValueError:
-            raise APIError(404, f"The model '{body.model}' does not exist; model ids are 'mol2' (MoL2 routing), 'mol2:base' "
-                                "and 'mol2:<adapter>' (GET /v1/models lists them)", "invalid_request_error", "model_not_found", "model") from None
+            raise APIError(404, f"The model '{body.model}' does not exist; model ids are 'mol2' (MoL2 routing), "
+                                "'mol2:base' and 'mol2:<adapter>' (GET /v1/models lists them)",
+                           "invalid_request_error", "model_not_found", "model") from None
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP or any(not s for s in stop):
             raise bad_request(f"stop takes up to {MAX_STOP} non-empty strings", "stop")
@@ -236,14 +238,16 @@ class Completions:
 
     def _turn(self, request: CompletionRequest, session_id: str, **kw: Any) -> TurnRequest:
         b = request.body
-        base = dict(new_session=True, adapter=request.adapter, max_tokens=b.max_tokens, temperature=b.temperature, top_p=b.top_p,
-                    seed=b.seed, frequency_penalty=b.frequency_penalty, presence_penalty=b.presence_penalty,
+        base = dict(new_session=True, adapter=request.adapter, max_tokens=b.max_tokens, temperature=b.temperature,
+                    top_p=b.top_p, seed=b.seed, frequency_penalty=b.frequency_penalty,
+                    presence_penalty=b.presence_penalty,
                     repetition_penalty=b.repetition_penalty, stream=b.stream, logprobs=b.logprobs is not None,
                     top_logprobs=b.logprobs or None, raw=True, end_session=True, text="")
         base.update(kw)
         return TurnRequest(session_id, **base)  # type: ignore[arg-type]
 
-    async def _single(self, request: CompletionRequest, prompt: Prompt, choice: _Choice, totals: Totals) -> AsyncIterator[Delta]:
+    async def _single(self, request: CompletionRequest, prompt: Prompt, choice: _Choice,
+                      totals: Totals) -> AsyncIterator[Delta]:
         sid = f"cmpl-{uuid.uuid4().hex}"
         if self._forced(request, prompt):
             turn = self._turn(request, sid, forced_ids=list(prompt.ids), adapter=await self._route(request, prompt))
@@ -256,21 +260,24 @@ class Completions:
         async for d in self._read(request, turn, choice, totals, forced=0, echo=False):
             yield d
 
-    async def _forked(self, request: CompletionRequest, prompt: Prompt, choices: list[_Choice], totals: Totals) -> AsyncIterator[Delta]:
+    async def _forked(self, request: CompletionRequest, prompt: Prompt, choices: list[_Choice],
+                      totals: Totals) -> AsyncIterator[Delta]:
         """The prompt's own prefill-only session, then one fork of it per choice."""
         holder = f"cmpl-{uuid.uuid4().hex}"
         self._holder_token, self._holder_open = "", False
         forced = self._forced(request, prompt)
         want_echo = request.body.echo
         head = self._turn(request, holder, max_tokens=0, end_session=False, stream=False, seed=None,
-                          **({"forced_ids": list(prompt.ids), "adapter": await self._route(request, prompt)} if forced else {"text": prompt.text}))
+                          **({"forced_ids": list(prompt.ids), "adapter": await self._route(request, prompt)}
+                             if forced else {"text": prompt.text}))
         echo: list[Delta] = []
         try:
             async for d in self._read(request, head, _Choice(-1), totals, forced=len(prompt.ids) if forced else 0,
                                       echo=want_echo and forced, holder=True):
                 echo.append(d)
             token = self._holder_token
-            routed = request.adapter if request.adapter is not None else (totals.adapter or None)  # the holder's adapter
+            # the holder's adapter
+            routed = request.adapter if request.adapter is not None else (totals.adapter or None)
             if want_echo and not forced:
                 echo = [self._echo_text(prompt, _Choice(-1))]
             seed = request.body.seed if request.body.seed is not None else 0
@@ -294,8 +301,8 @@ class Completions:
         if request.adapter is not None:
             return request.adapter
         text = prompt.text if prompt.text is not None else self.tokenizer.decode(list(prompt.ids))
-        probe = TurnRequest(f"cmpl-route-{uuid.uuid4().hex}", text, new_session=True, raw=True, max_tokens=0, end_session=True,
-                            stream=False)
+        probe = TurnRequest(f"cmpl-route-{uuid.uuid4().hex}", text, new_session=True, raw=True, max_tokens=0,
+                            end_session=True, stream=False)
         adapter = ""
         async for piece in self.stream.turn(probe):
             adapter = piece.adapter or adapter
@@ -403,14 +410,15 @@ def gather(request: CompletionRequest, deltas: list[Delta], totals: Totals, cid:
         choice["text"] = m.text
         if request.body.logprobs is not None:
             choice["logprobs"] = m.logprobs()
-    return {"id": cid, "object": "text_completion", "created": created, "model": request.model, "adapter": totals.adapter,
-            "choices": choices, "usage": usage(totals)}
+    return {"id": cid, "object": "text_completion", "created": created, "model": request.model,
+            "adapter": totals.adapter, "choices": choices, "usage": usage(totals)}
 
 
 def chunk(request: CompletionRequest, delta: Delta, cid: str, created: int, adapter: str) -> dict:
     return {"id": cid, "object": "text_completion", "created": created, "model": request.model, "adapter": adapter,
             "choices": [{"index": delta.index, "text": delta.text,
-                         "logprobs": delta.logprobs() if request.body.logprobs is not None and delta.finish is None else None,
+                         "logprobs": (delta.logprobs() if request.body.logprobs is not None and delta.finish is None
+                                      else None),
                          "finish_reason": delta.finish}]}
 
 

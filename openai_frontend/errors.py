@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tritonserver_backend.session_auth import REFUSAL
+from tritonserver_backend.auth.session_auth import REFUSAL
 
 # what every session-token refusal says, whatever the session id ("with this session_token")
 TOKEN_REFUSAL_NEEDLE = REFUSAL.partition("{session_id!r}")[2].partition(":")[0].strip().lower()
@@ -35,7 +35,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def unknown_model(model: str, known: list[str]) -> APIError:
-    return APIError(404, f"The model '{model}' does not exist; served models: {', '.join(known)}", "invalid_request_error",
+    return APIError(404, f"The model '{model}' does not exist; served models: {', '.join(known)}",
+                    "invalid_request_error",
                     "model_not_found", "model")
 
 

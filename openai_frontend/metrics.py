@@ -31,14 +31,16 @@ class _SessionCounts:
 
     def collect(self):  # type: ignore[no-untyped-def]
         counts = self.counts()
-        refusals = CounterMetricFamily("mol2_frontend_session_token_refusals", "continuing turns the server refused for "
-                                       "the session token the frontend sent (the cached session is rebuilt), by path",
+        refusals = CounterMetricFamily("mol2_frontend_session_token_refusals",
+                                       "continuing turns the server refused for the session token the frontend sent "
+                                       "(the cached session is rebuilt), by path",
                                        labels=["path"])
         refusals.add_metric(["openai"], counts.get("refusals", 0))
         yield refusals
-        rebuilds = CounterMetricFamily("mol2_frontend_session_rebuilds", "cached sessions rebuilt from the messages under "
-                                       "a new session id, by reason: token_refused (the server refused the session's "
-                                       "token), session_lost (the server had evicted or ended it)", labels=["reason"])
+        rebuilds = CounterMetricFamily("mol2_frontend_session_rebuilds",
+                                       "cached sessions rebuilt from the messages under a new session id, by reason: "
+                                       "token_refused (the server refused the session's token), session_lost (the "
+                                       "server had evicted or ended it)", labels=["reason"])
         rebuilds.add_metric(["token_refused"], counts.get("rebuilt_after_refusal", 0))
         rebuilds.add_metric(["session_lost"], counts.get("rebuilt_after_loss", 0))
         yield rebuilds
@@ -51,23 +53,28 @@ class FrontendMetrics:
         r = self.registry
         self.requests = Counter("mol2_frontend_requests", "HTTP requests answered, by route template and status code",
                                 ["route", "status"], registry=r)
-        self.errors = Counter("mol2_frontend_errors", "OpenAI-format errors returned (before or during a stream), by type "
-                              "and code", ["type", "code"], registry=r)
-        self.prompt_tokens = Counter("mol2_frontend_prompt_tokens", "prompt tokens of completed chat completions (usage)",
+        self.errors = Counter("mol2_frontend_errors", "OpenAI-format errors returned (before or during a stream), by "
+                                                      "type and code", ["type", "code"], registry=r)
+        self.prompt_tokens = Counter("mol2_frontend_prompt_tokens",
+                                     "prompt tokens of completed chat completions (usage)",
                                      registry=r)
-        self.cached_tokens = Counter("mol2_frontend_cached_tokens", "prompt tokens a continued server session already held",
+        self.cached_tokens = Counter("mol2_frontend_cached_tokens",
+                                     "prompt tokens a continued server session already held",
                                      registry=r)
-        self.completion_tokens = Counter("mol2_frontend_completion_tokens", "generated tokens of completed chat completions",
+        self.completion_tokens = Counter("mol2_frontend_completion_tokens",
+                                         "generated tokens of completed chat completions",
                                          registry=r)
         self.sessions = Counter("mol2_frontend_sessions", "how each chat completion found its server session: reused "
                                 "(continued, only the new message encoded), rebuilt (history re-encoded), new",
                                 ["outcome"], registry=r)
-        self.ttft = Histogram("mol2_frontend_time_to_first_token_seconds", "request received to the first generated token "
-                              "(streamed or not)", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("mol2_frontend_time_to_first_token_seconds",
+                              "request received to the first generated token (streamed or not)",
+                              buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("mol2_frontend_inter_token_latency_seconds", "mean gap between generated tokens, one "
                              "observation per completion of two or more tokens", buckets=ITL_BUCKETS, registry=r)
-        self.duration = Histogram("mol2_frontend_request_duration_seconds", "chat completion, request received to the last "
-                                  "byte produced", buckets=LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("mol2_frontend_request_duration_seconds",
+                                  "chat completion, request received to the last byte produced",
+                                  buckets=LATENCY_BUCKETS, registry=r)
         for outcome in ("reused", "rebuilt", "new"):
             self.sessions.labels(outcome)  # exported from zero, so a rate() has a first sample
         if session_counts is not None:

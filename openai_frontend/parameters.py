@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .errors import bad_request
+from openai_frontend.errors import bad_request
 
 HONOURED = {
     "model": "'mol2' routes with MoL2, 'mol2:base' and 'mol2:<adapter>' choose",
@@ -32,10 +32,12 @@ HONOURED = {
     "logprobs": "each generated token's log-probability under the model (before penalties and temperature)",
     "top_logprobs": "0 to 20 alternatives per token (needs logprobs)",
     "tools": "functions, rendered into the prompt by the model's chat format; calls parsed back into tool_calls",
-    "tool_choice": "none, auto, required or a named function; required and named force one call (grammar from its schema)",
+    "tool_choice": "none, auto, required or a named function; required and named force one call (grammar from its "
+                   "schema)",
     "parallel_tool_calls": "false keeps only the first call of an auto reply (a forced reply holds one call)",
     "logit_bias": "token id (a string) -> bias in [-100, 100], added to the logits before sampling (greedy too)",
-    "response_format": "text, json_object, json_schema (its schema; strict or not): the decoder samples only what the grammar allows (xgrammar), compact JSON",
+    "response_format": "text, json_object, json_schema (its schema; strict or not): the decoder samples only what the "
+                       "grammar allows (xgrammar), compact JSON",
 }
 EXTENSIONS = {
     "repetition_penalty": "vLLM / TensorRT-LLM's multiplicative penalty",
@@ -119,11 +121,13 @@ def check_table(data: dict[str, Any], honoured: dict, extensions: dict, no_effec
         raise bad_request(f"unsupported parameter{'s' if len(bad) > 1 else ''} {', '.join(bad)} ({reasons}); "
                           "docs/openai.md lists every parameter and what the server does with it", bad[0])
     if unknown:
-        raise bad_request(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: {', '.join(unknown)}",
+        raise bad_request(f"unrecognized request argument{'s' if len(unknown) > 1 else ''} supplied: "
+                          f"{', '.join(unknown)}",
                           unknown[0])
 
 
-def rows_of(honoured: dict, extensions: dict, no_effect: dict, refused: dict, why: dict[str, str]) -> list[tuple[str, str, str]]:
+def rows_of(honoured: dict, extensions: dict, no_effect: dict, refused: dict,
+            why: dict[str, str]) -> list[tuple[str, str, str]]:
     """(parameter, status, what happens) for every parameter of a table, as docs/openai.md shows them."""
     rows = [(k, "honoured", v) for k, v in honoured.items()]
     rows += [(k, "extension", v) for k, v in extensions.items()]

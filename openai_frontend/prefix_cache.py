@@ -32,8 +32,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .schemas import Message
-from .session_cost import SessionCost
+from openai_frontend.schemas import Message
+from openai_frontend.session_cost import SessionCost
 
 
 def namespace_of(api_key: str | None) -> str:

@@ -35,7 +35,8 @@ class FrontendProcess:
                "--port", str(self.port), "--model-dir", str(self.model_dir), *self.extra_args]
         out = open(self.log_file, "w") if self.log_file else subprocess.DEVNULL  # noqa: SIM115 - the child holds it
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.process = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> float:

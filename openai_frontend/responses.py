@@ -24,7 +24,8 @@ def finish_reason(server_reason: str) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def logprobs(entries: list[dict] | None) -> dict | None:

@@ -13,11 +13,11 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, StrictBool, ValidationError
 
-from . import model_ids, parameters
-from .errors import APIError, bad_request
-from .tool_calls import Tools, extra_of_calls, extra_of_result, message_calls, parse_tools, wire
+from openai_frontend import model_ids, parameters
+from openai_frontend.errors import APIError, bad_request
+from openai_frontend.tool_calls import Tools, extra_of_calls, extra_of_result, message_calls, parse_tools, wire
 
-MAX_TOKENS_LIMIT = 4096  # tritonserver_backend.sampling.MAX_TOKENS_LIMIT (not imported: it pulls torch)
+MAX_TOKENS_LIMIT = 4096  # tritonserver_backend.sampling.sampler.MAX_TOKENS_LIMIT (not imported: it pulls torch)
 MAX_STOP = 4
 MAX_N = 16  # chat choices per request (chat_choices.py)
 MAX_TOP_LOGPROBS = 20  # the server's top_logprobs bound (tritonserver_backend.contract TOP_LOGPROBS), OpenAI's too
@@ -103,13 +103,14 @@ class ChatRequest:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int | None = None
     ignore_eos: bool = False
-    grammar: dict | None = None  # the tensor API's grammar spec (tritonserver_backend/grammar.py)
+    grammar: dict | None = None  # the tensor API's grammar spec (tritonserver_backend/sampling/grammar.py)
     tools: Tools = Tools()  # tools, tool_choice, parallel_tool_calls (tool_calls.py)
     n: int = 1  # choices: n > 1 are forks of one prefill (chat_choices.py)
 
     @property
     def earlier(self) -> tuple[Message, ...]:
-        """Everything before the new user message (or the trailing tool results): what a reusable session must already hold."""
+        """Everything before the new user message (or the trailing tool results): what a reusable session must already
+        hold."""
         return self.messages[:len(self.messages) - len(self.turn)]
 
     @property
@@ -137,20 +138,23 @@ class ChatRequest:
         try:
             adapter = model_ids.parse(body.model)
         except ValueError:
-            raise APIError(404, f"The model '{body.model}' does not exist; model ids are 'mol2' (MoL2 routing), 'mol2:base' "
-                                "and 'mol2:<adapter>' (GET /v1/models lists them)", "invalid_request_error", "model_not_found", "model") from None
+            raise APIError(404, f"The model '{body.model}' does not exist; model ids are 'mol2' (MoL2 routing), "
+                                "'mol2:base' and 'mol2:<adapter>' (GET /v1/models lists them)",
+                           "invalid_request_error", "model_not_found", "model") from None
         messages = tuple(_message(i, m) for i, m in enumerate(body.messages))
         if messages[-1][0] not in ("user", "tool"):
-            raise bad_request(f"the last message must come from the user (or be a tool result), got role '{messages[-1][0]}'", "messages")
+            raise bad_request("the last message must come from the user (or be a tool result), got role "
+                              f"'{messages[-1][0]}'", "messages")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         if len(stop) > MAX_STOP or any(not s for s in stop):
             raise bad_request(f"stop takes up to {MAX_STOP} non-empty strings", "stop")
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        return cls(body.model, adapter, messages, body.stream, bool(body.stream_options and body.stream_options.include_usage),
-                   max_tokens, body.temperature, body.top_p, body.seed, stop, body.frequency_penalty, body.presence_penalty,
-                   body.repetition_penalty, bool(body.logprobs), body.top_logprobs or 0,
+        return cls(body.model, adapter, messages, body.stream,
+                   bool(body.stream_options and body.stream_options.include_usage),
+                   max_tokens, body.temperature, body.top_p, body.seed, stop, body.frequency_penalty,
+                   body.presence_penalty, body.repetition_penalty, bool(body.logprobs), body.top_logprobs or 0,
                    top_k=body.top_k, min_p=body.min_p, logit_bias=_logit_bias(body.logit_bias),
                    stop_token_ids=tuple(body.stop_token_ids or ()), min_tokens=body.min_tokens or None,
                    ignore_eos=bool(body.ignore_eos), grammar=grammar_of(body), tools=_tools(body), n=body.n)
@@ -159,8 +163,8 @@ class ChatRequest:
 def _tools(body: ChatBody) -> Tools:
     tools = parse_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     if tools.forced and grammar_of(body) is not None:
-        raise bad_request(f"tool_choice {tools.choice} constrains the reply to a tool call; it cannot be combined with a "
-                          "structured output (response_format, guided_*)", "tool_choice")
+        raise bad_request(f"tool_choice {tools.choice} constrains the reply to a tool call; it cannot be combined with "
+                          "a structured output (response_format, guided_*)", "tool_choice")
     return tools
 
 
@@ -178,7 +182,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
 
 def grammar_of(body: ChatBody) -> dict | None:
     """The one grammar the request asks for, as the tensor API's spec: response_format (json_object, json_schema),
-    or vLLM's guided_json / guided_regex / guided_grammar / guided_choice / structured_outputs. More than one is a 400."""
+    or vLLM's guided_json / guided_regex / guided_grammar / guided_choice / structured_outputs. More than one is a
+    400."""
     found: list[tuple[str, dict]] = []
     rf = body.response_format
     if rf is not None:
@@ -188,13 +193,16 @@ def grammar_of(body: ChatBody) -> dict | None:
         elif kind == "json_schema":
             spec = rf.get("json_schema")
             if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
-                raise bad_request('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}', "response_format")
+                raise bad_request('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}',
+                                  "response_format")
             schema = spec.get("schema")
             if schema is not None and not isinstance(schema, dict):
                 raise bad_request("response_format.json_schema.schema must be a JSON schema object", "response_format")
-            found.append(("response_format", {"type": "json_schema", "schema": schema} if schema is not None else {"type": "json_object"}))
+            found.append(("response_format",
+                          {"type": "json_schema", "schema": schema} if schema is not None else {"type": "json_object"}))
         elif kind != "text":
-            raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format")
+            raise bad_request(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                              "response_format")
     if body.guided_json is not None:
         found.append(("guided_json", {"type": "json_schema", "schema": _schema(body.guided_json, "guided_json")}))
     if body.guided_regex is not None:
@@ -208,14 +216,18 @@ def grammar_of(body: ChatBody) -> dict | None:
         given = {k: v for k, v in so.items() if v is not None and v is not False}
         known = {"json", "regex", "grammar", "choice", "json_object"}
         if len(given) != 1 or not set(given) <= known:
-            raise bad_request("structured_outputs takes exactly one of json, regex, grammar, choice, json_object", "structured_outputs")
+            raise bad_request("structured_outputs takes exactly one of json, regex, grammar, choice, json_object",
+                              "structured_outputs")
         (key, value), = given.items()
         if key == "json":
-            found.append(("structured_outputs", {"type": "json_schema", "schema": _schema(value, "structured_outputs")}))
+            found.append(("structured_outputs",
+                          {"type": "json_schema", "schema": _schema(value, "structured_outputs")}))
         elif key in ("regex", "grammar"):
             if not isinstance(value, str):
                 raise bad_request(f"structured_outputs.{key} must be a string", "structured_outputs")
-            found.append(("structured_outputs", {"type": "regex", "pattern": value} if key == "regex" else {"type": "ebnf", "grammar": value}))
+            found.append(("structured_outputs",
+                          {"type": "regex", "pattern": value} if key == "regex"
+                          else {"type": "ebnf", "grammar": value}))
         elif key == "choice":
             found.append(("structured_outputs", _choice(value, "structured_outputs")))
         else:
@@ -225,10 +237,10 @@ def grammar_of(body: ChatBody) -> dict | None:
     if not found:
         return None
     if body.ignore_eos or body.min_tokens:
-        raise bad_request(f"{found[0][0]}: a structured output decides where the reply ends; it cannot be combined with "
-                          "ignore_eos or min_tokens", found[0][0])
+        raise bad_request(f"{found[0][0]}: a structured output decides where the reply ends; it cannot be combined "
+                          "with ignore_eos or min_tokens", found[0][0])
     from tritonserver_backend.errors import BadRequest
-    from tritonserver_backend.grammar import canonical
+    from tritonserver_backend.sampling.grammar import canonical
 
     try:
         canonical(json.dumps(found[0][1]))  # the shape the server takes (whether it compiles, the server says)
@@ -258,9 +270,11 @@ def _choice(choices: Any, param: str) -> dict:
 def _message(i: int, m: MessageIn) -> Message:
     role = ROLES.get(m.role)
     if role is None:
-        raise bad_request(f"messages[{i}].role '{m.role}' is not supported (system, developer, user, assistant, tool)", f"messages.{i}.role")
+        raise bad_request(f"messages[{i}].role '{m.role}' is not supported (system, developer, user, assistant, tool)",
+                          f"messages.{i}.role")
     if m.tool_calls and role == "assistant":
-        text = "" if m.content is None else m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
+        text = ("" if m.content is None else m.content if isinstance(m.content, str)
+                else "".join(p.text for p in m.content))
         return role, text, extra_of_calls(message_calls(i, m.tool_calls))
     if m.content is None:
         raise bad_request(f"messages[{i}].content is missing", f"messages.{i}.content")
@@ -290,11 +304,12 @@ class TokenizeRequest:
 
     @classmethod
     def parse(cls, raw: bytes) -> "TokenizeRequest":
-        from build_engines.data.tokenizer import Message as ChatMessage
+        from ced.text.tokenizer import Message as ChatMessage
 
         body = _validate(TokenizeBody, _json_object(raw))
         if (body.prompt is None) == (body.messages is None):
-            raise bad_request("send exactly one of prompt (plain text) or messages (rendered in the chat format)", "prompt")
+            raise bad_request("send exactly one of prompt (plain text) or messages (rendered in the chat format)",
+                              "prompt")
         if body.add_special_tokens:
             raise bad_request("add_special_tokens is not supported: plain text never gets control tokens here "
                               "(send messages to get the chat format's)", "add_special_tokens")

@@ -22,16 +22,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from build_engines.data.chat_format import ChatFormatError
-from build_engines.data.tokenizer import ChatTokenizer
-from tritonserver_backend.client import TurnRequest
-
-from . import model_ids, responses, tool_calls
-from .errors import APIError, bad_request, session_lost, session_refused, unknown_model
-from .prefix_cache import Entry, PrefixCache, prefix_key
-from .schemas import ChatRequest
-from .stop_text import StopText
-from .triton_stream import Piece, TritonStream
+from ced.text.chat_format import ChatFormatError
+from ced.text.tokenizer import ChatTokenizer
+from openai_frontend import model_ids, responses, tool_calls
+from openai_frontend.errors import APIError, bad_request, session_lost, session_refused, unknown_model
+from openai_frontend.prefix_cache import Entry, PrefixCache, prefix_key
+from openai_frontend.schemas import ChatRequest
+from openai_frontend.stop_text import StopText
+from openai_frontend.triton_stream import Piece, TritonStream
+from tritonserver_backend.clients.client import TurnRequest
 
 ADAPTER_LIST_TTL_S = 2.0
 
@@ -57,7 +56,8 @@ class Answer:
     completion_tokens: int = 0
     text: str = ""
     logprobs: list[dict] = field(default_factory=list)  # with logprobs: OpenAI's entry per generated token, so far
-    tools: tool_calls.ToolReply | None = None  # with tools rendered: the reply's text through the tool-call parser (tool_calls.py)
+    # with tools rendered: the reply's text through the tool-call parser (tool_calls.py)
+    tools: tool_calls.ToolReply | None = None
     _stop: StopText = field(init=False)
 
     def __post_init__(self) -> None:
@@ -119,7 +119,8 @@ class Answer:
         if not self.request.logprobs or len(piece.logprobs) != len(piece.token_ids):
             return []
         tokenizer = self.service.tokenizer
-        entries = [{**_token(tokenizer, t, lp), "top_logprobs": [_token(tokenizer, i, x) for i, x in top][:self.request.top_logprobs]}
+        entries = [{**_token(tokenizer, t, lp),
+                    "top_logprobs": [_token(tokenizer, i, x) for i, x in top][:self.request.top_logprobs]}
                    for t, lp, top in zip(piece.token_ids, piece.logprobs, piece.top or ((),) * len(piece.token_ids))]
         self.logprobs.extend(entries)
         return entries
@@ -135,7 +136,8 @@ def _token(tokenizer: ChatTokenizer, token_id: int, logprob: float) -> dict:
 
 
 class ChatService:
-    def __init__(self, stream: TritonStream, tokenizer: ChatTokenizer, cache: PrefixCache, max_model_len: int = 8192) -> None:
+    def __init__(self, stream: TritonStream, tokenizer: ChatTokenizer, cache: PrefixCache,
+                 max_model_len: int = 8192) -> None:
         """`max_model_len`: the server's max_context (what /tokenize reports)."""
         self.stream, self.tokenizer, self.cache = stream, tokenizer, cache
         self.max_model_len = max_model_len
@@ -178,8 +180,9 @@ class ChatService:
             request = dataclasses.replace(request, grammar=tools.grammar(syntax))
         namespace = tools.namespace(namespace)  # a session holds the tools' text: the cache keys on the tools too
         try:  # counted in the model directory's chat format, the one the server renders the turn in
-            prompt_tokens = len(self.tokenizer.chat_format.encode([tool_calls.wire(m) for m in request.messages],
-                                                                  tools=list(tools.definitions) if tools.rendered else None))
+            prompt_tokens = len(self.tokenizer.chat_format.encode(
+                [tool_calls.wire(m) for m in request.messages],
+                tools=list(tools.definitions) if tools.rendered else None))
         except ChatFormatError as exc:
             raise bad_request(str(exc), "messages") from None
         answer = await self._answer(request, namespace, prompt_tokens)
@@ -208,15 +211,18 @@ class ChatService:
 
     async def _open(self, request: ChatRequest, namespace: str, session_id: str, new: bool, prompt_tokens: int,
                     cached: int, session_token: str = "") -> Answer:
-        history = json.dumps([tool_calls.wire(m) for m in request.earlier], ensure_ascii=False) if new and request.earlier else None
+        history = (json.dumps([tool_calls.wire(m) for m in request.earlier], ensure_ascii=False)
+                   if new and request.earlier else None)
         plain = len(request.turn) == 1 and request.turn[0][0] == "user"  # the tensor API's text; else turn_messages
         turn_messages = None if plain else json.dumps([tool_calls.wire(m) for m in request.turn], ensure_ascii=False)
-        turn = TurnRequest(session_id, request.last if plain else "", new_session=new, adapter=request.adapter, max_tokens=request.max_tokens,
+        turn = TurnRequest(session_id, request.last if plain else "", new_session=new, adapter=request.adapter,
+                           max_tokens=request.max_tokens,
                            temperature=request.temperature, top_p=request.top_p, seed=request.seed,
                            stop=list(request.stop) or None, frequency_penalty=request.frequency_penalty,
                            presence_penalty=request.presence_penalty, repetition_penalty=request.repetition_penalty,
                            history=history, stream=request.stream, logprobs=request.logprobs,
-                           top_logprobs=request.top_logprobs or None,  # a non-streamed completion: one response, not one per token
+                           # a non-streamed completion: one response, not one per token
+                           top_logprobs=request.top_logprobs or None,
                            session_token=session_token or None, top_k=request.top_k, min_p=request.min_p,
                            logit_bias=request.logit_bias, stop_token_ids=list(request.stop_token_ids) or None,
                            min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, grammar=request.grammar,

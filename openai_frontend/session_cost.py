@@ -25,9 +25,9 @@ class SessionCost:
 
     @classmethod
     def of_model(cls, model_dir: Path) -> "SessionCost":
-        from build_engines.export.layout import StepLayout
-        from build_engines.export.rows import DecoderRow, EncoderRow
-        from build_engines.model.config import CEDConfig
+        from ced.model.config import CEDConfig
+        from ced.steps.layout import StepLayout
+        from ced.steps.rows import DecoderRow, EncoderRow
 
         layout = StepLayout(CEDConfig.load(Path(model_dir) / "config.json"))
         cfg = layout.cfg

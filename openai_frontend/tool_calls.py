@@ -4,7 +4,7 @@ the messages, and the calls parsed back out of the reply (`message.tool_calls`, 
 - The tools go to the server (the tensor API's `tools` input) and the model directory's chat format renders them
   into the prompt where it puts tools; earlier assistant calls and tool results travel in `history` and, when the
   request ends with tool results, as the turn itself (`turn_messages`).
-- The reply is read in the syntax the chat format writes calls in (`build_engines.data.tool_parsers.syntax_of`: the
+- The reply is read in the syntax the chat format writes calls in (`ced.text.tool_parsers.syntax_of`: the
   default's ``<tool_call>{...}</tool_call>``, DeepSeek-V4.1's DSML): text before a call is `content`, each complete
   call becomes a `tool_calls` entry (`call_` + 24 hex id), and a reply with calls ends with finish_reason
   "tool_calls". A call that does not parse stays in `content` as the model wrote it.
@@ -28,9 +28,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from build_engines.data.tool_parsers import ToolCall, ToolCallStream, ToolSchemaError, ToolSyntax, syntax_of
-
-from .errors import bad_request
+from ced.text.tool_parsers import ToolCall, ToolCallStream, ToolSchemaError, ToolSyntax, syntax_of
+from openai_frontend.errors import bad_request
 
 CHOICES = ("none", "auto", "required")
 
@@ -67,7 +66,8 @@ class Tools:
         """The tensor API's grammar spec forcing one call (tool_choice required or named), else None."""
         if not self.forced:
             return None
-        targets = [t for t in self.definitions if _name(t) == self.name] if self.choice == "function" else list(self.definitions)
+        targets = ([t for t in self.definitions if _name(t) == self.name] if self.choice == "function"
+                   else list(self.definitions))
         try:
             return {"type": "ebnf", "grammar": syntax.grammar(targets)}
         except ToolSchemaError as exc:
@@ -85,7 +85,8 @@ def parse_tools(tools: list | None, tool_choice: Any, parallel: bool | None) -> 
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
                 or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}',
+            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                              '{...}}}',
                               "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
@@ -97,7 +98,8 @@ def parse_tools(tools: list | None, tool_choice: Any, parallel: bool | None) -> 
         if isinstance(tool_choice, str) and tool_choice in CHOICES:
             choice = tool_choice
         elif isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
-                and isinstance(tool_choice.get("function"), dict) and isinstance(tool_choice["function"].get("name"), str):
+                and isinstance(tool_choice.get("function"), dict) \
+                and isinstance(tool_choice["function"].get("name"), str):
             choice, name = "function", tool_choice["function"]["name"]
             if name not in names:
                 raise bad_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
@@ -120,19 +122,22 @@ def extra_of_result(tool_call_id: str) -> str:
 
 
 def message_calls(i: int, calls: list) -> list[tuple[str, str, str]]:
-    """An incoming assistant message's tool_calls -> [(id, name, arguments)] (arguments must be a JSON object's text)."""
+    """An incoming assistant message's tool_calls -> [(id, name, arguments)] (arguments must be a JSON object's
+    text)."""
     out = []
     for k, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", ""), str):
-            raise bad_request(f"messages[{i}].tool_calls[{k}] needs function.name and function.arguments (a JSON string)",
-                              f"messages.{i}.tool_calls")
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", ""), str)):
+            raise bad_request(f"messages[{i}].tool_calls[{k}] needs function.name and function.arguments "
+                              "(a JSON string)", f"messages.{i}.tool_calls")
         try:
             args = json.loads(fn.get("arguments") or "{}")
         except ValueError:
             args = None
         if not isinstance(args, dict):
-            raise bad_request(f"messages[{i}].tool_calls[{k}].function.arguments must be a JSON object", f"messages.{i}.tool_calls")
+            raise bad_request(f"messages[{i}].tool_calls[{k}].function.arguments must be a JSON object",
+                              f"messages.{i}.tool_calls")
         out.append((str(call.get("id") or ""), fn["name"], fn.get("arguments") or "{}"))
     return out
 
@@ -145,7 +150,8 @@ def wire(message: tuple) -> dict:
     extra = json.loads(message[2])
     if "tool_calls" in extra:
         return {"role": role, "content": content or None,
-                "tool_calls": [{"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in extra["tool_calls"]]}
+                "tool_calls": [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                               for i, n, a in extra["tool_calls"]]}
     return {"role": role, "content": content, "tool_call_id": extra.get("tool_call_id", "")}
 
 
@@ -191,7 +197,8 @@ class ToolReply:
         return new
 
     def message_calls(self) -> list[dict]:
-        return [{"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for i, c in self.calls]
+        return [{"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for i, c in self.calls]
 
     def extra(self) -> str:
         return extra_of_calls([(i, c.name, c.arguments) for i, c in self.calls])
@@ -199,7 +206,8 @@ class ToolReply:
 
 def stream_deltas(index: int, call_id: str, call: ToolCall) -> list[dict]:
     """OpenAI's streamed shape of one call: its id, type and name (empty arguments), then the arguments."""
-    return [{"tool_calls": [{"index": index, "id": call_id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
+    return [{"tool_calls": [{"index": index, "id": call_id, "type": "function",
+                             "function": {"name": call.name, "arguments": ""}}]},
             {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
 
 

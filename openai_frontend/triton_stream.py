@@ -12,13 +12,10 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import numpy as np
-
+from openai_frontend.errors import APIError, from_triton, unavailable
 from tritonserver_backend import contract as c
-from tritonserver_backend.admin_auth import ADMIN_KEY_HEADER as ADMIN_KEY_PARAMETER
-from tritonserver_backend.client import TurnRequest
-
-from .errors import APIError, from_triton, unavailable
+from tritonserver_backend.auth.admin_auth import ADMIN_KEY_HEADER as ADMIN_KEY_PARAMETER
+from tritonserver_backend.clients.client import TurnRequest, infer_inputs, text_output
 
 
 @dataclass(frozen=True)
@@ -30,20 +27,6 @@ class Piece:
     logprobs: tuple[float, ...] = ()  # with logprobs: one per token id
     top: tuple[tuple[tuple[int, float], ...], ...] = ()  # with top_logprobs k: per token id, k (id, log-probability)
     session_token: str = ""  # issued_session_token: the session's new token on a turn that (re)started it, else ""
-
-
-def _array(spec: c.TensorSpec, value: Any) -> np.ndarray:
-    if spec.dtype == "BYTES":
-        items = value if isinstance(value, list) else [value]
-        return np.array([v.encode("utf-8") for v in items], dtype=np.object_)
-    if isinstance(value, (list, tuple)):  # a [-1] input (stop_token_ids)
-        return np.asarray(value, dtype=spec.numpy_dtype).reshape(-1)
-    return np.asarray([value], dtype=spec.numpy_dtype)
-
-
-def _text(result: Any, spec: c.TensorSpec) -> str:
-    value = result.as_numpy(spec.name)
-    return "" if value is None else value.reshape(-1)[0].decode("utf-8", errors="replace")
 
 
 def _logprobs(result: Any, n: int) -> tuple[tuple[float, ...], tuple[tuple[tuple[int, float], ...], ...]]:
@@ -78,13 +61,7 @@ class TritonStream:
         return self._client
 
     def _inputs(self, tensors: dict[c.TensorSpec, Any]) -> list[Any]:
-        out = []
-        for spec, value in tensors.items():
-            arr = _array(spec, value)
-            inp = self._aio.InferInput(spec.name, list(arr.shape), spec.dtype)
-            inp.set_data_from_numpy(arr)
-            out.append(inp)
-        return out
+        return infer_inputs(self._aio, tensors)
 
     async def turn(self, request: TurnRequest) -> AsyncIterator[Piece]:
         """The turn's pieces, the last one with its finish reason; a Triton error raises the matching APIError. If the
@@ -110,15 +87,15 @@ class TritonStream:
                 if error is not None:
                     finished = True  # the server ended the request itself: nothing to cancel
                     raise from_triton(_message(error))
-                issued = _text(result, c.ISSUED_SESSION_TOKEN) or issued
+                issued = text_output(result, c.ISSUED_SESSION_TOKEN) or issued
                 token_ids = result.as_numpy(c.TOKEN_ID_OUT.name)
                 if token_ids is None:
                     continue
                 ids = tuple(int(t) for t in token_ids.reshape(-1) if t >= 0)
-                finish = _text(result, c.FINISH_REASON)
+                finish = text_output(result, c.FINISH_REASON)
                 if not token_ids.size and not finish:
                     continue  # the issued token's own response (see above): nothing to show yet
-                piece = Piece(ids, _text(result, c.TEXT_OUTPUT), _text(result, c.ADAPTER_NAME), finish,
+                piece = Piece(ids, text_output(result, c.TEXT_OUTPUT), text_output(result, c.ADAPTER_NAME), finish,
                               *(_logprobs(result, len(ids)) if request.logprobs else ((), ())), session_token=issued)
                 finished = bool(piece.finish)
                 yield piece
@@ -142,7 +119,8 @@ class TritonStream:
     async def _infer(self, model: str, tensors: dict[c.TensorSpec, Any], output: c.TensorSpec,
                      parameters: dict[str, str] | None = None) -> str:
         try:
-            result = await self.client.infer(model, self._inputs(tensors), outputs=[self._aio.InferRequestedOutput(output.name)],
+            result = await self.client.infer(model, self._inputs(tensors),
+                                             outputs=[self._aio.InferRequestedOutput(output.name)],
                                              parameters=parameters)
         except self._aio.InferenceServerException as exc:
             raise _transport_error(exc) from None
@@ -153,7 +131,8 @@ class TritonStream:
         answer = json.loads(await self._infer(c.ADMIN.name, {c.ACTION: "list"}, c.RESULT))
         return [a["name"] for a in answer["adapters"]]
 
-    async def administer(self, action: str, name: str, admin_key: str | None, path: str = "", description: str = "") -> dict:
+    async def administer(self, action: str, name: str, admin_key: str | None, path: str = "",
+                         description: str = "") -> dict:
         """`adapter_admin` load / unload with the caller's admin key as the request parameter the server checks
         (docs/admin.md): the frontend holds no key of its own, so it can change nothing a caller could not."""
         tensors = {c.ACTION: action, c.ADAPTER: name}
@@ -165,7 +144,8 @@ class TritonStream:
         return json.loads(await self._infer(c.ADMIN.name, tensors, c.RESULT, parameters))
 
     async def cancel(self, session_id: str, session_token: str | None = None) -> dict:
-        """Stop the session's turn in flight (`session_control` cancel), with its token (needed with session_auth on)."""
+        """Stop the session's turn in flight (`session_control` cancel), with its token (needed with session_auth
+        on)."""
         tensors: dict[c.TensorSpec, Any] = {c.SESSION_ID: session_id, c.CONTROL_ACTION: "cancel"}
         if session_token:
             tensors[c.CONTROL_TOKEN] = session_token

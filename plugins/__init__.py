@@ -54,7 +54,7 @@ def register_all() -> list[str]:
     """
     import importlib
 
-    from .tensorrt_support import require_tensorrt_plugin
+    from plugins.tensorrt_support import require_tensorrt_plugin
 
     require_tensorrt_plugin()
     return [importlib.import_module(f"plugins.{folder}.trt").register() for folder in OPS.values()]

@@ -7,7 +7,7 @@ from typing import Sequence
 import onnx
 from onnx import AttributeProto, helper
 
-from . import AOT, DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
+from plugins import AOT, DOMAIN, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
 PLUGIN_ATTRIBUTES = ("plugin_namespace", "plugin_version", "aot")
 
@@ -51,7 +51,8 @@ class FunctionBuilder:
                     return
         raise KeyError(produced)
 
-    def function(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], attributes: Sequence[str], opset: int) -> onnx.FunctionProto:
+    def function(self, op_type: str, inputs: Sequence[str], outputs: Sequence[str], attributes: Sequence[str],
+                 opset: int) -> onnx.FunctionProto:
         return helper.make_function(
             DOMAIN, op_type, list(inputs), list(outputs), self.nodes, [helper.make_opsetid("", opset)],
             attributes=list(attributes) + list(PLUGIN_ATTRIBUTES),
@@ -59,12 +60,15 @@ class FunctionBuilder:
 
 
 def schema(op_type: str, doc: str, inputs: Sequence[tuple[str, str, str]], outputs: Sequence[tuple[str, str, str]],
-           attributes: Sequence[tuple[str, int, str]], type_constraints: Sequence[tuple[str, Sequence[str], str]]) -> onnx.defs.OpSchema:
-    """An OpSchema in domain mol2: (name, type_str, description) per input/output, (name, AttrType, doc) per attribute."""
+           attributes: Sequence[tuple[str, int, str]],
+           type_constraints: Sequence[tuple[str, Sequence[str], str]]) -> onnx.defs.OpSchema:
+    """An OpSchema in domain mol2: (name, type_str, description) per input/output, (name, AttrType, doc) per
+    attribute."""
     OpSchema = onnx.defs.OpSchema
     attrs = [OpSchema.Attribute(name, kind, description, required=True) for name, kind, description in attributes]
     attrs += [OpSchema.Attribute(name, helper.make_attribute(name, value), f"TensorRT plugin lookup ({name})")
-              for name, value in (("plugin_namespace", PLUGIN_NAMESPACE), ("plugin_version", PLUGIN_VERSION), ("aot", AOT))]
+              for name, value in (("plugin_namespace", PLUGIN_NAMESPACE), ("plugin_version", PLUGIN_VERSION),
+                                  ("aot", AOT))]
     return OpSchema(
         op_type, DOMAIN, 1, doc=doc,
         inputs=[OpSchema.FormalParameter(n, t, d) for n, t, d in inputs],

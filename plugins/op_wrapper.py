@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import OPSET_VERSION, plugin_attributes
+from plugins import OPSET_VERSION, plugin_attributes
 
 
 def exporting() -> bool:
@@ -32,7 +32,8 @@ def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def cuda_kernel_or_reference(kernel_module: str, kernel_name: str, reference: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def cuda_kernel_or_reference(kernel_module: str, kernel_name: str,
+                             reference: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """The CUDA implementation of an op: its Triton kernel when `triton` imports, else the reference."""
 
     def run(*args: object) -> torch.Tensor:

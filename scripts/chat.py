@@ -15,7 +15,7 @@ import sys
 import uuid
 from typing import Callable
 
-from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest
+from tritonserver_backend.clients.client import GrpcChat, HttpChat, TurnRequest
 
 HELP = """commands:
   /help       this text
@@ -60,8 +60,9 @@ class TensorChat:
 
     def turn(self, adapter: str | None, text: str, on_piece: Callable[[str], None]) -> tuple[str | None, str, int, str]:
         a = self.args
-        reply = self.chat.turn(TurnRequest(self.session, text, new_session=self.first, adapter=adapter, max_tokens=a.max_tokens,
-                                           temperature=a.temperature, seed=a.seed), on_piece=on_piece)
+        reply = self.chat.turn(TurnRequest(self.session, text, new_session=self.first, adapter=adapter,
+                                           max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed),
+                               on_piece=on_piece)
         if reply.error is None:
             self.first = False
         return reply.error, reply.adapter, len(reply.token_ids), reply.finish_reason
@@ -72,7 +73,8 @@ class TensorChat:
 
 
 class OpenAIChat:
-    """The OpenAI frontend with the `openai` client: the whole message list each turn (the frontend reuses the session)."""
+    """The OpenAI frontend with the `openai` client: the whole message list each turn (the frontend reuses the
+    session)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         import openai
@@ -92,8 +94,9 @@ class OpenAIChat:
         messages = [*self.messages, {"role": "user", "content": text}]
         model = f"mol2:{adapter}" if adapter else "mol2"
         try:
-            stream = self.client.chat.completions.create(model=model, messages=messages, max_tokens=a.max_tokens, temperature=a.temperature,
-                                                         seed=a.seed, stream=True, stream_options={"include_usage": True})
+            stream = self.client.chat.completions.create(model=model, messages=messages, max_tokens=a.max_tokens,
+                                                         temperature=a.temperature, seed=a.seed, stream=True,
+                                                         stream_options={"include_usage": True})
             pieces, used, finish, tokens = [], "", "", 0
             for chunk in stream:
                 used = (chunk.model_extra or {}).get("adapter", used)
@@ -115,9 +118,11 @@ class OpenAIChat:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--url", default=None, help="host:port (the gRPC port, or the HTTP port with --http); the base URL with --openai")
+    p.add_argument("--url", default=None,
+                   help="host:port (the gRPC port, or the HTTP port with --http); the base URL with --openai")
     p.add_argument("--http", action="store_true", help="use HTTP generate_stream instead of gRPC streaming")
-    p.add_argument("--openai", action="store_true", help="talk to the OpenAI frontend (scripts/openai_server.py) with the openai client")
+    p.add_argument("--openai", action="store_true",
+                   help="talk to the OpenAI frontend (scripts/openai_server.py) with the openai client")
     p.add_argument("-m", "--message", action="append", help="scripted turns (otherwise read stdin line by line)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the mol2 Triton kernels, in one command (see scripts/device_check.py for what it measures):
+# The GPU check of the mol2 Triton kernels, in one command (see benchmarks/device_check.py for what it measures):
 #   bash scripts/device_check.sh [--iters N] [--no-model] [--no-sweep] [--json FILE]
 # Runs on an NVIDIA GPU machine with torch (CUDA) and OpenAI Triton already installed; installs nothing and needs no
 # network. Uses .venv/bin/python when the checkout has one, else $PYTHON, else the system python3, with the repo
@@ -16,6 +16,6 @@ unset TRITON_INTERPRET
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 JSON="${OUT:-/tmp}/device_check.json"
 status=0
-"$PY" scripts/device_check.py --force --json "$JSON" "$@" || status=$?  # --force: its job is to rewrite the GPU section of docs/kernels.md
+"$PY" -m benchmarks device-check --force --json "$JSON" "$@" || status=$?  # --force: its job is to rewrite the GPU section of docs/kernels.md
 if [ -n "${OUT:-}" ] && [ -f docs/kernels.md ] && [ "$status" -ne 2 ]; then cp docs/kernels.md "$OUT/kernels.md"; fi
 exit "$status"

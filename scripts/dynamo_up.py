@@ -3,8 +3,9 @@
   .venv/bin/python scripts/dynamo_up.py start --encoders 2 --decoders 2 --port 18080   # returns once it serves
   curl -s 127.0.0.1:18080/v1/chat/completions -H 'x-dynamo-session-id: s1' -H 'content-type: application/json' \\
        -d '{"model": "mol2-small", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 24,
-            "nvext": {"extra_fields": ["engine_data"]}}'   # -> nvext.engine_data.mol2_session_token: later turns of s1
-                                                           #    send "annotations": ["mol2-session-token:<token>"] in nvext
+            "nvext": {"extra_fields": ["engine_data"]}}'
+       # -> nvext.engine_data.mol2_session_token: later turns of s1 send "annotations": ["mol2-session-token:<token>"]
+       #    in nvext
   .venv/bin/python scripts/dynamo_up.py status      # routing counters, transfers, refused session checks per worker
   .venv/bin/python scripts/dynamo_up.py stop
 
@@ -19,12 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from dynamo_deploy.launcher import Deployment, read_stats, stop_recorded
+from tritonserver_backend.core.counters import TOKEN_REFUSALS
+from tritonserver_backend.repository import parallel_backend
 
-from dynamo_deploy.launcher import Deployment, read_stats, stop_recorded  # noqa: E402
-from tritonserver_backend.counters import TOKEN_REFUSALS  # noqa: E402
-from tritonserver_backend.repository import parallel_backend  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_RUN_DIR = ROOT / "artifacts" / "dynamo"
 
@@ -38,9 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=18080)
     p.add_argument("--model-dir", type=Path, default=ROOT / "embedded" / "mol2-small")
     p.add_argument("--engine-dir", type=Path, default=ROOT / "artifacts" / "engines" / "mol2-small")
-    p.add_argument("--backend", default=None, choices=["onnx", "torch"], help="default onnx; torch with --tensor-parallel-size above 1")
+    p.add_argument("--backend", default=None, choices=["onnx", "torch"],
+                   help="default onnx; torch with --tensor-parallel-size above 1")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="each encoder and decoder worker runs its role on N ranks it starts and leads (docs/parallel.md)")
+                   help="each encoder and decoder worker runs its role on N ranks it starts and leads "
+                   "(docs/parallel.md)")
     p.add_argument("--enable-expert-parallel", action="store_true", help="place routed experts whole over those ranks")
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--nixl-threshold-bytes", type=int, default=0,
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                        nixl_threshold_bytes=a.nixl_threshold_bytes, session_auth=a.session_auth,
                        tensor_parallel_size=a.tensor_parallel_size, expert_parallel=a.enable_expert_parallel)
         t0 = time.monotonic()
-        print(f"starting {a.encoders} encoder + {a.decoders} decoder workers and the frontend (logs in {a.run_dir / 'logs'}) ...", flush=True)
+        print(f"starting {a.encoders} encoder + {a.decoders} decoder workers and the frontend (logs in "
+              f"{a.run_dir / 'logs'}) ...", flush=True)
         try:
             d.start()
         except BaseException:
@@ -72,18 +75,19 @@ def main(argv: list[str] | None = None) -> int:
     if a.command == "status":
         for name, w in read_stats(a.run_dir).items():
             c = w["counters"]
-            show = {k.split("/")[0].replace("routing_decisions_", ""): 0 for k in c if k.startswith("routing_decisions")}
+            show = {k.split("/")[0].replace("routing_decisions_", ""): 0 for k in c
+                    if k.startswith("routing_decisions")}
             for k, v in c.items():
                 if k.startswith("routing_decisions"):
                     show[k.split("/")[0].replace("routing_decisions_", "")] += v
             f = w["figures"]
             refused = {k.split("/", 1)[1]: v for k, v in sorted(c.items()) if k.startswith(TOKEN_REFUSALS + "/")}
-            print(f"{name:10s} instance {w['instance_id']} pid {w['pid']}: turns {int(f.get('turns', 0))}, routing {show}, "
-                  f"hand-over {int(f.get('handover_turn_bytes', 0))} B in {int(f.get('handover_turns', 0))} turns "
-                  f"(inline {int(f.get('sent_inline_bytes', 0) + f.get('received_inline_bytes', 0))} B, "
-                  f"NIXL {int(f.get('sent_nixl_bytes', 0) + f.get('received_nixl_bytes', 0))} B), "
-                  f"steps {int(f.get('step_calls', 0))} ({int(f.get('step_bytes', 0))} B), rebuilds {int(f.get('rebuilds', 0))}, "
-                  f"refused session checks {refused}")
+            print(f"{name:10s} instance {w['instance_id']} pid {w['pid']}: turns {int(f.get('turns', 0))}, routing "
+                  f"{show}, hand-over {int(f.get('handover_turn_bytes', 0))} B in {int(f.get('handover_turns', 0))} "
+                  f"turns (inline {int(f.get('sent_inline_bytes', 0) + f.get('received_inline_bytes', 0))} B, NIXL "
+                  f"{int(f.get('sent_nixl_bytes', 0) + f.get('received_nixl_bytes', 0))} B), steps "
+                  f"{int(f.get('step_calls', 0))} ({int(f.get('step_bytes', 0))} B), rebuilds "
+                  f"{int(f.get('rebuilds', 0))}, refused session checks {refused}")
         return 0
     stopped = stop_recorded(a.run_dir)
     print(f"stopped {', '.join(stopped) if stopped else 'nothing (no deployment recorded)'}")

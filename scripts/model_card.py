@@ -1,7 +1,8 @@
 """Write docs/model_card.md from the embedded default's manifest and the data manifest (no recomputation).
 
     .venv/bin/python scripts/model_card.py
-Every figure comes from `embedded/mol2-small/manifest.json`, written by `python -m build_engines.training.build_default`.
+Every figure comes from `embedded/mol2-small/manifest.json`, written by
+`python -m build_engines.training.build_default`.
 """
 
 from __future__ import annotations
@@ -31,15 +32,31 @@ def main() -> None:
     lines = [
         "# Model card: the embedded default `mol2-small`",
         "",
-        f"A small causal encoder-decoder with every structural role of DeepSeek-V4.1-Flash (see `docs/architecture.md`), trained from scratch on this project's offline corpora, plus four domain LoRA adapters. Built by `{m['command']}`; all files and their sha256 are listed in `{args.model}/manifest.json` ({m['total_bytes'] / 1e6:.1f} MB in total, base weights stored in bf16).",
+        "A small causal encoder-decoder with every structural role of DeepSeek-V4.1-Flash (see "
+        "`docs/architecture.md`), trained from scratch on this project's offline corpora, plus four domain LoRA "
+        f"adapters. Built by `{m['command']}`; all files and their sha256 are listed in `{args.model}/manifest.json` "
+        f"({m['total_bytes'] / 1e6:.1f} MB in total, base weights stored in bf16).",
         "",
         "## Model",
-        f"- {m['parameters'] / 1e6:.2f} M parameters; {cfg['n_layers']} layers (encoder 0-{cfg['n_encoder_layers'] - 1}, decoder {cfg['n_encoder_layers']}-{cfg['n_layers'] - 1}), dim {cfg['dim']}, {cfg['n_heads']} heads x {cfg['head_dim']}, window {cfg['window_size']}, KV sources {cfg['kv_source_layers']}, index layers {cfg['index_source_layers']}, {cfg['n_routed_experts']} routed experts top-{cfg['n_activated_experts']} + {cfg['n_shared_experts']} shared, hc {cfg['hc_mult']} streams; vocabulary {cfg['vocab_size']} (byte-level BPE trained on the training split, `tokenizer.json`, with chat special tokens).",
-        f"- Training: {m['settings']['base_steps']} steps x {m['settings']['batch']} x {m['settings']['seq_len']} tokens = {m['settings']['base_steps'] * m['settings']['batch'] * m['settings']['seq_len'] / 1e6:.2f} M tokens, AdamW (lr 2e-3, warm-up, cosine), seed {m['settings']['seed']}; {m['settings']['domain_share']:.0%} of the mixture from the adapter domains.",
-        f"- Machine: {m['machine']['device']}, {m['machine']['cpu_count']} threads, {m['machine']['platform']}, torch {m['machine']['torch']}.",
-        f"- Time: tokenizer {t.get('tokenizer_s', 0):.0f} s, tokenization {t.get('tokenize_s', 0):.0f} s, base pre-training {t.get('base_training_s', 0) / 60:.1f} min (torch.compile included), "
-        + ", ".join(f"{k.removeprefix('adapter_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items() if k.startswith("adapter_"))
-        + "".join(f", answers {k.removeprefix('answers_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items() if k.startswith("answers_"))
+        f"- {m['parameters'] / 1e6:.2f} M parameters; {cfg['n_layers']} layers (encoder "
+        f"0-{cfg['n_encoder_layers'] - 1}, decoder {cfg['n_encoder_layers']}-{cfg['n_layers'] - 1}), dim {cfg['dim']}, "
+        f"{cfg['n_heads']} heads x {cfg['head_dim']}, window {cfg['window_size']}, KV sources "
+        f"{cfg['kv_source_layers']}, index layers {cfg['index_source_layers']}, {cfg['n_routed_experts']} routed "
+        f"experts top-{cfg['n_activated_experts']} + {cfg['n_shared_experts']} shared, hc {cfg['hc_mult']} streams; "
+        f"vocabulary {cfg['vocab_size']} (byte-level BPE trained on the training split, `tokenizer.json`, with chat "
+        "special tokens).",
+        f"- Training: {m['settings']['base_steps']} steps x {m['settings']['batch']} x {m['settings']['seq_len']} "
+        f"tokens = {m['settings']['base_steps'] * m['settings']['batch'] * m['settings']['seq_len'] / 1e6:.2f} M "
+        f"tokens, AdamW (lr 2e-3, warm-up, cosine), seed {m['settings']['seed']}; {m['settings']['domain_share']:.0%} "
+        "of the mixture from the adapter domains.",
+        f"- Machine: {m['machine']['device']}, {m['machine']['cpu_count']} threads, {m['machine']['platform']}, torch "
+        f"{m['machine']['torch']}.",
+        f"- Time: tokenizer {t.get('tokenizer_s', 0):.0f} s, tokenization {t.get('tokenize_s', 0):.0f} s, base "
+        f"pre-training {t.get('base_training_s', 0) / 60:.1f} min (torch.compile included), "
+        + ", ".join(f"{k.removeprefix('adapter_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items()
+                    if k.startswith("adapter_"))
+        + "".join(f", answers {k.removeprefix('answers_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items()
+                  if k.startswith("answers_"))
         + f", evaluation {t.get('evaluation_s', 0) / 60:.1f} min; whole build {m['wall_s'] / 60:.1f} min.",
         "",
         "## Training data (from `python -m build_engines.data.corpora prepare`; registry packages only)",
@@ -50,10 +67,13 @@ def main() -> None:
     kinds = {s: k for k, ss in data["kinds"].items() for s in ss}
     for source, info in sorted(data["sources"].items()):
         f = info["files"]
-        lines.append(f"| {source} | {kinds.get(source, '?')} | {f['train'].get('docs', '?')} | {f['train']['bytes'] / 1e6:.2f} | {f['val'].get('docs', '?')} | {f['test'].get('docs', '?')} |")
+        lines.append(f"| {source} | {kinds.get(source, '?')} | {f['train'].get('docs', '?')} | "
+                     f"{f['train']['bytes'] / 1e6:.2f} | {f['val'].get('docs', '?')} | {f['test'].get('docs', '?')} |")
     lines += [
         "",
-        "Domains of the adapters: L0_chat = movie dialogue (chat), L1_agent = Debian man pages of command-line tools (the closest honest offline stand-in for tool use: no registry ships agent transcripts), L2_code = Python standard library source, L3_design = CSS/SCSS/HTML of web-design npm packages.",
+        "Domains of the adapters: L0_chat = movie dialogue (chat), L1_agent = Debian man pages of command-line tools "
+        "(the closest honest offline stand-in for tool use: no registry ships agent transcripts), L2_code = Python "
+        "standard library source, L3_design = CSS/SCSS/HTML of web-design npm packages.",
         "",
         "## Base perplexity per source (held-out documents)",
         "",
@@ -61,7 +81,8 @@ def main() -> None:
         "|---|---|---|",
     ]
     for source in sorted(ppl["base_by_source"]["val"]):
-        lines.append(f"| {source} | {ppl['base_by_source']['val'][source]:.1f} | {ppl['base_by_source']['test'][source]:.1f} |")
+        lines.append(f"| {source} | {ppl['base_by_source']['val'][source]:.1f} | "
+                     f"{ppl['base_by_source']['test'][source]:.1f} |")
     table = ppl["adapter_by_domain_test"]
     domains = list(next(iter(table.values())).keys())
     lines += [
@@ -76,15 +97,19 @@ def main() -> None:
         gain = f"{(1 - row[own] / table['BASE'][own]) * 100:.1f}% lower" if own else ""
         cells = [f"**{row[d]:.1f}**" if d == own else f"{row[d]:.1f}" for d in domains]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {gain} |")
-    lines += ["", "Bold: the adapter's own domain. The goal is at least 10% lower perplexity than the base there; the other columns show the off-domain cost.", ""]
+    lines += ["", "Bold: the adapter's own domain. The goal is at least 10% lower perplexity than the base there; the "
+                  "other columns show the off-domain cost.", ""]
     for name, info in m["adapters"].items():
-        lines.append(f"- `{name}`: rank {info['rank']}, alpha {info['alpha']}, {info['modules']} modules (layer-20 FFN + layers 21..39 in the release's numbering), path hash {info['hash']}.")
+        lines.append(f"- `{name}`: rank {info['rank']}, alpha {info['alpha']}, {info['modules']} modules (layer-20 FFN "
+                     f"+ layers 21..39 in the release's numbering), path hash {info['hash']}.")
     if m.get("answers"):
         pairs = m["answers"]["pairs"]
-        lines += ["", f"Each adapter is first trained on its domain text ({m['settings']['adapter_steps']} steps), then fine-tuned from there on "
-                  f"request -> answer pairs (`build_engines/training/answer_pairs.py`: {sum(d['train_pairs'] for d in pairs['domains'].values())} pairs, "
-                  f"{m['settings'].get('answer_steps')} steps per adapter, each batch mixing pairs and the adapter's own domain text; "
-                  "rank and size unchanged). How the pairs are made and kept apart from the held-out requests: `manifest.json` -> `answers`."]
+        lines += ["", f"Each adapter is first trained on its domain text ({m['settings']['adapter_steps']} steps), "
+                  "then fine-tuned from there on request -> answer pairs (`build_engines/training/answer_pairs.py`: "
+                  f"{sum(d['train_pairs'] for d in pairs['domains'].values())} pairs, "
+                  f"{m['settings'].get('answer_steps')} steps per adapter, each batch mixing pairs and the adapter's "
+                  "own domain text; rank and size unchanged). How the pairs are made and kept apart from the held-out "
+                  "requests: `manifest.json` -> `answers`."]
     if m.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in m["notes"]]
     kept = _kept_sections(args.out)
@@ -97,7 +122,8 @@ KEPT_SECTIONS = ("## Replies to requests",)
 
 
 def _kept_sections(path: Path) -> str:
-    """The sections of the current card written by other scripts (scripts/answer_eval.py), to re-append as they are."""
+    """The sections of the current card written by other scripts (benchmarks/answer_eval.py), to re-append as they
+    are."""
     if not path.exists():
         return ""
     text, out = path.read_text(), []

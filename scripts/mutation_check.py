@@ -54,100 +54,106 @@ EX = "tests/tritonserver_backend/test_serving_exactness.py"
 MUTATIONS = (
     Mutation("M1", "source independence: a turn is replayed under its own adapter",
              "DecoderService replays a starting turn under the adapter that answered the session's previous turn",
-             "tritonserver_backend/decoder_service.py",
-             "        slots = [t.slot for t in turns]\n        feed = decoder_inputs(self.layout, [t.row for t in turns], None, slots)",
-             "        slots = [t.row.slot for t in turns]\n        feed = decoder_inputs(self.layout, [t.row for t in turns], None, slots)",
+             "tritonserver_backend/core/decoder_service.py",
+             "        slots = [t.slot for t in turns]\n"
+             "        feed = decoder_inputs(self.layout, [t.row for t in turns], None, slots)",
+             "        slots = [t.row.slot for t in turns]\n"
+             "        feed = decoder_inputs(self.layout, [t.row for t in turns], None, slots)",
              (SI, f"{EX}::test_the_served_turn_after_any_source_adapter_equals_a_rebuilt_session",
               "tests/dynamo_deploy/test_source_independence.py"), True),
     Mutation("M2", "batched replay: front padding is invisible",
              "a batched replay's front-padding rows become visible (ring_start = the padded start)",
-             "build_engines/export/rows.py",
+             "ced/steps/rows.py",
              "        ring_starts = [r.position - r.replay_count for r in rows]",
              "        ring_starts = starts",
              ("tests/build_engines/export/test_batched_replay.py", SI,
               f"{EX}::test_concurrent_conversations_match_the_reference_network"), True),
     Mutation("M3", "bounded replay: the last W positions, no fewer",
              "the bounded replay runs the last W - 1 positions instead of W",
-             "build_engines/export/rows.py",
+             "ced/steps/rows.py",
              "        return min(self.position, self.recent[\"streams\"].shape[0])",
              "        return min(self.position, self.recent[\"streams\"].shape[0] - 1)",
              (f"{EX}::test_concurrent_conversations_match_the_reference_network",)),
     Mutation("M4", "batching: a row computes what it computes alone (LoRA grid)",
              "the LoRA grid overwrites the first row of a slot that carries more than two rows",
-             "build_engines/export/lora_grid.py",
+             "ced/steps/lora_grid.py",
              "        first = filled[u]\n",
              "        first = filled[u] % (2 * steps)\n",
              ("tests/build_engines/export/test_batched_replay.py", "tests/build_engines/export/test_lora_grid.py")),
     Mutation("M5", "routing: an explicit adapter always wins",
              "the router scores turns that name the base model instead of taking \"base\" as given",
-             "tritonserver_backend/router_service.py",
+             "tritonserver_backend/core/router_service.py",
              "            if name:\n                try:",
              "            if name and name != BASE_NAME:\n                try:",
              ("tests/tritonserver_backend/test_serving_library.py::test_router_explicit_adapter_wins_in_a_mixed_batch",
-              "tests/tritonserver_backend/test_serving_triton.py::test_multi_turn_session_matches_in_process_reference")),
+              "tests/tritonserver_backend/test_serving_triton.py::"
+              "test_multi_turn_session_matches_in_process_reference")),
     Mutation("M6", "the adapter's identity is its 31-bit FNV-1a hash",
              "the hash multiplies by the wrong FNV prime",
-             "build_engines/lora/identity.py",
+             "ced/lora/identity.py",
              "h = (h * 0x01000193) & 0xFFFFFFFF",
              "h = (h * 0x01000197) & 0xFFFFFFFF",
-             ("tests/build_engines/lora/test_lora.py",)),
+             ("tests/ced/lora/test_lora.py",)),
     Mutation("M7", "bad input loses nothing: a rejected turn is rolled back",
              "the encoder's rollback forgets to restore the session it replaced",
-             "tritonserver_backend/encoder_service.py",
+             "tritonserver_backend/core/encoder_service.py",
              "            self.sessions.put(session_id, flight.before)",
              "            pass",
              ("tests/tritonserver_backend/test_serving_library.py::test_a_turn_rejected_by_the_decoder_is_rolled_back",
               "tests/tritonserver_backend/test_serving_library.py::test_pipeline_errors_lose_nothing")),
     Mutation("M8", "sessions: a lost session is rebuilt from its history",
              "a session rebuilt from history drops the history's last message",
-             "tritonserver_backend/text_service.py",
+             "tritonserver_backend/core/text_service.py",
              "                for m in _parse_history(history_json):",
              "                for m in _parse_history(history_json)[:-1]:",
              ("tests/tritonserver_backend/test_serving_library.py::test_history_rebuilds_a_lost_session", SI)),
     Mutation("M9", "streaming: every token reaches the client, whatever the stream interval",
              "a grouped stream (stream_interval > 1) drops the tokens left unsent when the turn ends",
-             "tritonserver_backend/triton_decoder.py",
+             "tritonserver_backend/triton/decoder_dispatch.py",
              "        if turn.unsent:\n            self._flush(turn, sender, \"\", 0)",
              "        if turn.unsent and token >= 0:\n            self._flush(turn, sender, \"\", 0)",
              ("tests/tritonserver_backend/test_serving_stream_interval.py",)),
     Mutation("M10", "fp8 KV state: rows keep exactly the codes the graph wrote",
              "fp8 encoding drops the sign bit (a negative entry comes back positive)",
-             "build_engines/export/rows.py",
+             "ced/steps/rows.py",
              "    return codes | (np.signbit(v).astype(np.uint8) << 7)",
              "    return codes",
              ("tests/build_engines/quantize/test_kv_codec.py",)),
     Mutation("M11", "admin security: only the admin key loads adapters",
              "the admin key check accepts any key of the right length",
-             "tritonserver_backend/admin_auth.py",
+             "tritonserver_backend/auth/admin_auth.py",
              "hmac.compare_digest(",
              "(lambda a, b: len(a) == len(b))(",
              ("tests/tritonserver_backend/test_admin_auth.py",)),
     Mutation("M12", "logprobs are the model's own distribution",
              "returned log-probabilities are those of a temperature-scaled distribution, not the model's",
-             "tritonserver_backend/decoder_service.py",
+             "tritonserver_backend/core/decoder_service.py",
              "            turn.logprobs.append(token_logprobs(turn.logits, token, turn.params.top_logprobs))",
              "            turn.logprobs.append(token_logprobs(turn.logits / 1.25, token, turn.params.top_logprobs))",
              (f"{EX}::test_concurrent_conversations_match_the_reference_network",)),
     Mutation("M13", "quantization: only weight GEMMs are quantized; LoRA and attention products stay fp32",
              "ModelOpt is asked to quantize every MatMul, the LoRA and activation x activation products included",
              "build_engines/quantize/ptq_worker.py",
-             "nodes_to_quantize=exact(nodes), nodes_to_exclude=exact(others),",
-             "nodes_to_quantize=exact(nodes + others), nodes_to_exclude=[],",
+             "nodes_to_quantize=exact(nodes),\n                 nodes_to_exclude=exact(others),",
+             "nodes_to_quantize=exact(nodes + others),\n                 nodes_to_exclude=[],",
              ("tests/build_engines/quantize/test_quant_engines.py::test_lora_inputs_stay_in_high_precision[int8]",
-              "tests/build_engines/quantize/test_quant_engines.py::test_perplexity_stays_within_the_bound_of_the_fp32_engine[int8]"),
+              "tests/build_engines/quantize/test_quant_engines.py::"
+              "test_perplexity_stays_within_the_bound_of_the_fp32_engine[int8]"),
              True),
     Mutation("M14", "session tokens: a live session opens with its own token only",
              "the token check accepts any token (or none) for a live session",
-             "tritonserver_backend/session_auth.py",
+             "tritonserver_backend/auth/session_auth.py",
              '        return held is not None and hmac.compare_digest(held, token_digest(token) or "-")',
              "        return held is not None",
-             (TOKENS_UNIT, f"{TOKENS_SERVED}::test_a_stranger_is_refused_everything_and_the_owner_continues_undisturbed"), True),
+             (TOKENS_UNIT,
+              f"{TOKENS_SERVED}::test_a_stranger_is_refused_everything_and_the_owner_continues_undisturbed"), True),
     Mutation("M15", "session tokens: a live session cannot be restarted by a stranger",
              "new_session (or history) on a live id skips the token check",
-             "tritonserver_backend/encoder_service.py",
+             "tritonserver_backend/core/encoder_service.py",
              "        if existed:\n",
              "        if existed and not restart:\n",
-             (TOKENS_UNIT, f"{TOKENS_SERVED}::test_a_stranger_is_refused_everything_and_the_owner_continues_undisturbed"), True),
+             (TOKENS_UNIT,
+              f"{TOKENS_SERVED}::test_a_stranger_is_refused_everything_and_the_owner_continues_undisturbed"), True),
     Mutation("M16", "internal calls: only the decoder steps, rolls back or drops an encoder session",
              "the encoder takes STEP / ROLLBACK / DROP_SESSION without the server's internal key",
              "model_repository/encoder/1/model.py",
@@ -156,7 +162,7 @@ MUTATIONS = (
              (f"{TOKENS_SERVED}::test_direct_calls_to_the_internal_models_cannot_touch_a_session",)),
     Mutation("M17", "internal calls: a hand-over grant is taken once",
              "the decoder takes a grant again (the ledger accepts a grant as new as the session's last)",
-             "tritonserver_backend/session_auth.py",
+             "tritonserver_backend/auth/session_auth.py",
              "            if issued_ns <= self._last.get(session_id, 0):",
              "            if issued_ns < self._last.get(session_id, 0):",
              (TOKENS_UNIT, f"{TOKENS_SERVED}::test_direct_calls_to_the_internal_models_cannot_touch_a_session"), True),
@@ -200,7 +206,8 @@ def plant(dest: Path, m: Mutation) -> None:
     path = dest / m.path
     text = path.read_text()
     if text.count(m.old) != 1:
-        raise SystemExit(f"{m.key}: the text to replace occurs {text.count(m.old)} times in {m.path}; update the mutation")
+        raise SystemExit(f"{m.key}: the text to replace occurs {text.count(m.old)} times in {m.path}; update the "
+                         "mutation")
     path.write_text(text.replace(m.old, m.new))
 
 
@@ -209,8 +216,8 @@ def run_tests(dest: Path, tests: tuple[str, ...], log: Path, stop_first: bool = 
     env = {**os.environ, "PYTHONPATH": str(dest), "PYTHONDONTWRITEBYTECODE": "1"}
     t0 = time.perf_counter()
     with open(log, "w") as out:
-        rc = subprocess.run([str(dest / OVERLAY / "bin" / "python"), "-m", "pytest", "-q", "-m", "", "-p", "no:cacheprovider",
-                             *(["-x"] if stop_first else []), *tests],
+        rc = subprocess.run([str(dest / OVERLAY / "bin" / "python"), "-m", "pytest", "-q", "-m", "", "-p",
+                             "no:cacheprovider", *(["-x"] if stop_first else []), *tests],
                             cwd=dest, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", log.read_text(), re.M)
     return rc, failed, time.perf_counter() - t0
@@ -227,7 +234,8 @@ def write_doc(rows: list[str], keys: list[str], header: list[str], control: bool
     ordered = [by_key[k] for k in sorted(by_key, key=lambda k: int(k[1:]))]
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     how = f"`scripts/mutation_check.py{' --control' if control else ''} --only {' '.join(keys)} --write-doc`"
-    note = f"Rows {', '.join(keys)}: run {stamp} on this machine ({how}); the other rows are from the earlier run named above them."
+    note = (f"Rows {', '.join(keys)}: run {stamp} on this machine ({how}); the other rows are from the earlier run "
+            "named above them.")
     previous = next((line for line in (old.group(1) if old else "").splitlines() if line.startswith("Run ")), "")
     block = "\n".join([BEGIN, previous, note, "", *header, *ordered, END])
     DOC.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S))
@@ -268,11 +276,14 @@ def main() -> int:
         ok &= caught
         verdict = "caught" if caught else f"NOT caught (pytest exit {rc})"
         tqdm.write(f"{m.key}: {verdict} in {seconds:.0f} s; failed: {', '.join(failed) or '-'}")
-        rows.append(f"| {m.key} | {m.claim} | {m.bug} (`{m.path}`) | {verdict} | {'<br>'.join(f'`{f}`' for f in failed) or '-'} |")
+        rows.append(f"| {m.key} | {m.claim} | {m.bug} (`{m.path}`) | {verdict} | "
+                    f"{'<br>'.join(f'`{f}`' for f in failed) or '-'} |")
         if not args.keep:
             shutil.rmtree(dest)
     every = ", ".join(m.key for m in MUTATIONS if m.every_test)
-    header = [f"| | claim | planted bug | result | failing tests (all of them for {every}; else pytest -x: the first) |", "|---|---|---|---|---|"]
+    header = [
+        f"| | claim | planted bug | result | failing tests (all of them for {every}; else pytest -x: the first) |",
+        "|---|---|---|---|---|"]
     print("\n".join(header + rows))
     if args.write_doc:
         write_doc(rows, [m.key for m in chosen], header, args.control)

@@ -7,13 +7,8 @@ then any OpenAI client: base_url http://127.0.0.1:9000/v1, model "mol2" (MoL2 ro
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from openai_frontend.cli import main  # noqa: E402
+from openai_frontend.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

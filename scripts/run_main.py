@@ -17,7 +17,8 @@ import urllib.request
 from pathlib import Path
 
 from build_engines.build.cli import main as build_engines_main
-from tritonserver_backend.client import GrpcChat, TurnRequest
+from tritonserver_backend.clients.client import GrpcChat, TurnRequest
+from tritonserver_backend.clients.scripted import CONVERSATION
 from tritonserver_backend.launcher import TritonServer
 from tritonserver_backend.repository import build_repository
 
@@ -30,18 +31,11 @@ from a model this small look like noise ("-color-color-color"): they show routin
 not language ability. To serve another checkpoint: bash scripts/main.sh --model DIR (our format or a release
 directory with its config.json and model.safetensors.index.json; docs/release.md).
 """
-CONVERSATION = [
-    (None, "hey, how are you doing tonight?"),
-    (None, "import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n        yield from files"),
-    (None, ".card { display: flex; justify-content: space-between; padding: 1rem; }"),
-    (None, "tar -czvf backup.tar.gz --exclude='*.log' /home/user/docs"),
-    ("L0_chat", "thanks a lot, you saved my evening!"),
-]
 
 
 def checkpoint_problem(model: Path) -> str | None:
     """Why `model` cannot be served by this job (None when it can): its config, its weights, its router and adapters."""
-    from build_engines.formats.config_file import CheckpointError, load_config
+    from ced.formats.config_file import CheckpointError, load_config
 
     if model.resolve() == DEFAULT_MODEL.resolve() and not (model / "model.safetensors").exists():
         return f"{model} has no model: build it with `python -m build_engines default`"
@@ -52,9 +46,9 @@ def checkpoint_problem(model: Path) -> str | None:
     if not list(model.glob("*.safetensors")):
         return f"{model} holds no *.safetensors weights"
     if not (model / "adapters").is_dir():
-        return (f"{model} has no adapters/: the served conversation routes between LoRA adapters (docs/pipeline.md says "
-                f"how the default's were trained; `python -m build_engines release-shaped --adapters` writes random ones "
-                f"for a release-shaped checkpoint)")
+        return (f"{model} has no adapters/: the served conversation routes between LoRA adapters (docs/pipeline.md "
+                "says how the default's were trained; `python -m build_engines release-shaped --adapters` writes "
+                "random ones for a release-shaped checkpoint)")
     return None
 
 
@@ -69,12 +63,14 @@ def router_note(model: Path) -> str | None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
-                   help="checkpoint directory: ours or a release directory (config.json + shards), with adapters/ (and router/)")
+                   help="checkpoint directory: ours or a release directory (config.json + shards), with adapters/ (and "
+                   "router/)")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "main")
     p.add_argument("--engines", type=Path, default=None,
                    help="ONNX engine directory, built or reused (default: artifacts/engines/<model directory name>)")
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--openai", action="store_true", help="also start the OpenAI-compatible frontend and talk to it with the openai client")
+    p.add_argument("--openai", action="store_true",
+                   help="also start the OpenAI-compatible frontend and talk to it with the openai client")
     p.add_argument("--openai-port", type=int, default=0, help="the frontend's port (0: a free one)")
     args = p.parse_args()
     if args.model.resolve() == DEFAULT_MODEL.resolve():
@@ -96,25 +92,30 @@ def main() -> int:
     print(f"engines: python -m build_engines build --model {args.model} --out {args.engines}")
     if build_engines_main(["--model", str(args.model), "--out", str(engines)]) != 0:
         return 1
-    params = {"model_dir": str(args.model.resolve()), "registry_root": str((args.work / "registry").resolve()), "engine_dir": str(engines)}
+    params = {"model_dir": str(args.model.resolve()), "registry_root": str((args.work / "registry").resolve()),
+              "engine_dir": str(engines)}
     repo = build_repository(args.work / "model_repository", params)
-    print(f"model repository: {repo} (models: preprocess, encoder, router, decoder, adapter_admin, session_control; ensemble mol2; onnx engines)")
+    print(f"model repository: {repo} (models: preprocess, encoder, router, decoder, adapter_admin, session_control; "
+          "ensemble mol2; onnx engines)")
     server = TritonServer(work_dir=args.work / "server")
     server.start(repo)
     try:
-        print(f"tritonserver {server.install.binary} starting (PID {server.pid}, gRPC {server.grpc_url}, HTTP {server.http_url}) ...")
+        print(f"tritonserver {server.install.binary} starting (PID {server.pid}, gRPC {server.grpc_url}, HTTP "
+              f"{server.http_url}) ...")
         print(f"ready after {server.wait_ready(300):.1f} s")
         chat = GrpcChat(server.grpc_url)
         for i, (adapter, text) in enumerate(CONVERSATION):
             print(f"\n[turn {i + 1}] user{' (explicit adapter ' + adapter + ')' if adapter else ''}: {text}")
             print("assistant: ", end="", flush=True)
             t0 = time.perf_counter()
-            reply = chat.turn(TurnRequest("main-demo", text, new_session=i == 0, adapter=adapter, max_tokens=args.max_tokens), on_piece=lambda s: print(s, end="", flush=True))
+            reply = chat.turn(TurnRequest("main-demo", text, new_session=i == 0, adapter=adapter,
+                                          max_tokens=args.max_tokens), on_piece=lambda s: print(s, end="", flush=True))
             if reply.error:
                 print(f"\n  [error] {reply.error}")
                 return 1
             how = "explicit override" if adapter else "routed by MoL2"
-            print(f"\n  -> adapter {reply.adapter} ({how}); {len(reply.token_ids)} tokens in {time.perf_counter() - t0:.2f} s; finish: {reply.finish_reason}")
+            print(f"\n  -> adapter {reply.adapter} ({how}); {len(reply.token_ids)} tokens in "
+                  f"{time.perf_counter() - t0:.2f} s; finish: {reply.finish_reason}")
         chat.close()
         if args.openai and openai_conversation(server, args) != 0:
             return 1
@@ -135,20 +136,23 @@ def openai_conversation(server: TritonServer, args: argparse.Namespace) -> int:
 
     from openai_frontend.process import FrontendProcess
 
-    frontend = FrontendProcess(server.grpc_url, args.model.resolve(), port=args.openai_port or None, log_file=args.work / "openai_frontend.log")
+    frontend = FrontendProcess(server.grpc_url, args.model.resolve(), port=args.openai_port or None,
+                               log_file=args.work / "openai_frontend.log")
     with frontend:
         print(f"\nOpenAI frontend: {frontend.base_url} (ready after {frontend.wait_ready(60):.1f} s)")
         client = openai.OpenAI(base_url=frontend.base_url, api_key="unused")
         messages: list[dict] = []
         for text in ("Hi! Can you help me with some CSS?", ".card { display: flex; justify-content: space-between; }"):
             messages.append({"role": "user", "content": text})
-            raw = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=args.max_tokens)
+            raw = client.chat.completions.with_raw_response.create(model="mol2", messages=messages,
+                                                                   max_tokens=args.max_tokens)
             done = raw.parse()
             reply = done.choices[0].message.content
             print(f"[openai] user: {text}\n[openai] assistant: {reply}")
             print(f"  -> adapter {done.adapter} (x-mol2-adapter: {raw.headers['x-mol2-adapter']}); session reused: "
                   f"{raw.headers['x-mol2-session-reused']}; usage {done.usage.prompt_tokens} prompt "
-                  f"({done.usage.prompt_tokens_details.cached_tokens} cached) + {done.usage.completion_tokens} completion tokens")
+                  f"({done.usage.prompt_tokens_details.cached_tokens} cached) + {done.usage.completion_tokens} "
+                  "completion tokens")
             messages.append({"role": "assistant", "content": reply})
         client.close()
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or update) .venv-eval: lm-evaluation-harness (lm-eval 0.4.x with its API extra) for scripts/eval_harness.py.
+# Create (or update) .venv-eval: lm-evaluation-harness (lm-eval 0.4.x with its API extra) for benchmarks/eval_harness.py.
 # Why separate: lm-eval pulls datasets, evaluate, accelerate and newer numpy / pyarrow; the serving venv (.venv) pins
 # numpy<2 (Triton 2.51's Python backend) and torch==2.13.0, and its tests must not depend on what the harness drags in.
 # lm-eval only talks HTTP to the frontend, so nothing of the server runs here. torch==2.13.0 is installed first so pip

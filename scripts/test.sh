@@ -36,7 +36,7 @@ in_background() {  # NAME COMMAND...: run COMMAND with its output in $LOGS/NAME.
 }
 in_background dynamo-venv bash scripts/setup_dynamo.sh
 in_background quant-venv bash scripts/setup_quant.sh
-in_background eval-venv bash scripts/setup_eval.sh  # lm-evaluation-harness (tests/scripts/test_eval_harness.py)
+in_background eval-venv bash scripts/setup_eval.sh  # lm-evaluation-harness (tests/benchmarks/test_eval_harness.py)
 in_background default-engines .venv/bin/python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
 in_background corpora .venv/bin/python -m tests.real_data
 failed=0
@@ -49,8 +49,13 @@ for i in "${!pids[@]}"; do
 done
 [ "$failed" = 0 ] || exit 1
 
-PARALLEL=(tests/build_engines tests/plugins tests/test_collection.py tests/test_docs.py)
+# the layer contracts of pyproject.toml ([tool.importlinter]; docs/architecture.md#layers) and the lint rules (lines at
+# 120 included): a broken one fails the run, after the tests have run
 status=0
+.venv/bin/lint-imports --no-cache || status=$?
+.venv/bin/ruff check . || status=$?
+
+PARALLEL=(tests/ced tests/build_engines tests/plugins tests/test_collection.py tests/test_docs.py)
 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "" --durations=15 "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
 .venv/bin/python -m pytest -q -m "" --durations=25 tests "${PARALLEL[@]/#/--ignore=}" || status=$?
 exit "$status"

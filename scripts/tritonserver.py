@@ -22,11 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tritonserver_backend.launcher import (  # noqa: E402
+from tritonserver_backend.launcher import (
     HOST,
     TritonNotFoundError,
     TritonServer,
@@ -37,7 +33,9 @@ from tritonserver_backend.launcher import (  # noqa: E402
     pid_alive,
     stop_pid,
 )
-from tritonserver_backend.launcher.record import clean_up_after, read_record, remove_record  # noqa: E402
+from tritonserver_backend.launcher.record import clean_up_after, read_record, remove_record
+
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_WORK_DIR = ROOT / "build" / "tritonserver"
 
@@ -127,7 +125,8 @@ def ensure_engines(repository: Path) -> int:
     if params.get("engine_backend") != "onnx" or "engine_dir" not in params:
         return 0
     root = repository.resolve().parent  # paths in parameters are relative to the repository's parent
-    model_dir, engine_dir = (Path(params[k]) if Path(params[k]).is_absolute() else root / params[k] for k in ("model_dir", "engine_dir"))
+    model_dir, engine_dir = (Path(params[k]) if Path(params[k]).is_absolute() else root / params[k]
+                             for k in ("model_dir", "engine_dir"))
     from build_engines.build.cli import main as build_engines
 
     print(f"engines: python -m build_engines build --model {model_dir} --out {engine_dir}", flush=True)

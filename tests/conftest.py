@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from build_engines.model.network import CEDNetwork
+from ced.model.network import CEDNetwork
 from tests.tiny import PROJECT_ROOT, tiny_network
 
 EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"

@@ -1,5 +1,5 @@
 """An oracle for served conversations that shares no code with the serving path: the reference network
-(`build_engines/model`: `CEDNetwork` split into its encoder and decoder, `Conversation` with bounded replay, adapters
+(`ced/model`: `CEDNetwork` split into its encoder and decoder, `Conversation` with bounded replay, adapters
 applied by `AdapterBank` hooks) driven directly, turn by turn, teacher-forced on the tokens the server sent.
 
 The serving path under test is everything else: the step modules and their ONNX graphs, `build_engines/export/rows`
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from build_engines.data.tokenizer import ChatTokenizer, Message
-from build_engines.formats.checkpoint import load_checkpoint
-from build_engines.lora import Adapter, AdapterBank
-from build_engines.model.conversation import Conversation
+from ced.conversation import Conversation
+from ced.formats.checkpoint import load_checkpoint
+from ced.lora import Adapter, AdapterBank
+from ced.text.tokenizer import ChatTokenizer, Message
 
 
 @dataclass

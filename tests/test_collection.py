@@ -15,7 +15,8 @@ from tests.tiny import PROJECT_ROOT
 
 def test_a_full_run_collects_every_test_file() -> None:
     on_disk = {p.relative_to(PROJECT_ROOT).as_posix() for p in (PROJECT_ROOT / "tests").rglob("test_*.py")}
-    listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p", "no:cacheprovider"],
+    listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "", "-p",
+                              "no:cacheprovider"],
                              cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert listing.returncode == 0, listing.stdout[-2000:] + listing.stderr[-2000:]
     collected = {line.split("::", 1)[0] for line in listing.stdout.splitlines() if "::" in line}

@@ -117,7 +117,8 @@ def test_no_doc_sends_a_reader_outside_the_repository() -> None:
     assert not bad, "\n".join(bad)
 
 
-# `docs/load.md`, `scripts/soak.py` named in prose, with or without backticks or a link (not inside a longer path or URL)
+# `docs/load.md`, `benchmarks/soak.py` named in prose, with or without backticks or a link
+# (not inside a longer path or URL)
 PROSE_PATH = re.compile(r"(?<![\w/.-])((?:docs|scripts)/[\w/-]+\.(?:md|py|sh|png|json))\b")
 FIGURE = re.compile(r"(?<![\w/.-])(figures/[\w-]+\.(?:png|json))\b")  # a page's own figures, relative to docs/
 
@@ -152,15 +153,17 @@ def test_every_doc_is_reachable_from_the_readme() -> None:
         if doc in seen or not doc.exists():
             continue
         seen.add(doc)
-        todo += [(doc.parent / t).resolve() for t in LINK.findall(doc.read_text()) if t.endswith(".md") and ":" not in t]
+        todo += [(doc.parent / t).resolve() for t in LINK.findall(doc.read_text())
+                 if t.endswith(".md") and ":" not in t]
     unreached = sorted(d.name for d in DOCS if d.resolve() not in {s.resolve() for s in seen})
     assert not unreached, f"docs no link from README.md leads to: {unreached}"
 
 
 def test_scripts_that_write_committed_docs_refuse_without_force() -> None:
-    """A script whose output defaults to docs/ (a committed file) takes --force and checks before it works."""
+    """A script or benchmark whose output defaults to docs/ (a committed file) takes --force and checks before it
+    works."""
     lacking = []
-    for script in sorted((PROJECT_ROOT / "scripts").glob("*.py")):
+    for script in sorted([*(PROJECT_ROOT / "scripts").glob("*.py"), *(PROJECT_ROOT / "benchmarks").glob("*.py")]):
         source = script.read_text()
         if re.search(r'default=(?:ROOT / "docs"|Path\("docs/)', source):
             if '"--force"' not in source or "refuse_to_overwrite(" not in source:
@@ -173,7 +176,8 @@ def test_refuse_to_overwrite_stops_only_on_committed_files(tmp_path: Path) -> No
 
     assert committed([PROJECT_ROOT / "README.md"]) == ["README.md"]
     assert "embedded/mol2-small/manifest.json" in committed([PROJECT_ROOT / "embedded" / "mol2-small"])
-    assert committed([PROJECT_ROOT / "artifacts" / "anything.md", tmp_path / "x.md", PROJECT_ROOT / "docs" / "no-such.md"]) == []
+    assert committed([PROJECT_ROOT / "artifacts" / "anything.md", tmp_path / "x.md",
+                      PROJECT_ROOT / "docs" / "no-such.md"]) == []
     with pytest.raises(SystemExit) as stopped:
         refuse_to_overwrite([tmp_path / "x.md", PROJECT_ROOT / "docs" / "load.md"], force=False)
     assert stopped.value.code == 2

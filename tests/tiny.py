@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from build_engines.formats import checkpoint as checkpoint_module
-from build_engines.formats.checkpoint import CheckpointFiles
-from build_engines.model.config import CEDConfig, get_preset
-from build_engines.model.network import CEDNetwork, init_weights
+from ced.formats import checkpoint as checkpoint_module
+from ced.formats.checkpoint import CheckpointFiles
+from ced.model.config import CEDConfig, get_preset
+from ced.model.network import CEDNetwork, init_weights
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 

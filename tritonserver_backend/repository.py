@@ -1,8 +1,9 @@
 """Render the model repository's config.pbtxt files from the tensor contract.
 
 `python -m tritonserver_backend.repository --out DIR` writes a deployable repository (configs, model.py files, absolute
-paths); `--out model_repository --force` rewrites the committed configs (a test checks they match the contract). Paths in the parameters are relative to the project root (the model repository's
-parent), so `tritonserver --model-repository model_repository` serves the embedded default as it is.
+paths); `--out model_repository --force` rewrites the committed configs (a test checks they match the contract). Paths
+in the parameters are relative to the project root (the model repository's parent), so
+`tritonserver --model-repository model_repository` serves the embedded default as it is.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import contract as c
-from .drafting import DRAFT_BATCH, check_speculative
+from tritonserver_backend import contract as c
+from tritonserver_backend.core.drafting import DRAFT_BATCH, check_speculative
 
 DEFAULT_PARAMETERS = {
     "model_dir": "embedded/mol2-small",
@@ -40,7 +41,8 @@ DEFAULT_PARAMETERS = {
     "enable_expert_parallel": "false",
     # sessions (docs/serving.md, "Session tokens")
     "session_auth": "true",  # false: no session tokens (a trusted single-tenant deployment only; the log says so)
-    "internal_key_file": "",  # empty: <registry_root>/internal.key (0600, created at the first start): signs calls between the models
+    # empty: <registry_root>/internal.key (0600, created at the first start): signs calls between the models
+    "internal_key_file": "",
     # adapter_admin (docs/admin.md)
     "admin_enabled": "true",  # false: every action except list is refused
     "admin_key_file": "",  # empty: <registry_root>/admin.key, created 0600 at the first start
@@ -50,15 +52,19 @@ DEFAULT_PARAMETERS = {
     "max_adapter_bytes": str(1 << 30),  # size of adapter_model.safetensors, checked before it is read
 }
 ENGINE = ("engine_backend", "engine_dir", "torch_threads")
-PARALLEL = ("tensor_parallel_size", "enable_expert_parallel")  # the encoder and the decoder; the router's pointer head stays one process
+# the encoder and the decoder; the router's pointer head stays one process
+PARALLEL = ("tensor_parallel_size", "enable_expert_parallel")
 PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
-    "encoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes", "max_active_turns", "max_queued_turns", "prefill_chunk",
+    "encoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",
+                "max_active_turns", "max_queued_turns", "prefill_chunk",
                 "session_auth", "internal_key_file"),
     "router": ("model_dir", "registry_root", *ENGINE),
-    "decoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes", "max_active_turns", "decode_lanes", "stream_interval",
+    "decoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",
+                "max_active_turns", "decode_lanes", "stream_interval",
                 "internal_key_file", "speculative", "speculative_block", "speculative_confidence", "speculative_batch"),
-    "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters", "max_adapter_rank", "max_adapter_bytes"),
+    "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters",
+                      "max_adapter_rank", "max_adapter_bytes"),
     "session_control": ("registry_root", "internal_key_file"),
 }
 
@@ -95,7 +101,8 @@ def python_model_config(model: c.ModelSpec, params: dict[str, str]) -> str:
 
 
 def ensemble_config() -> str:
-    lines = [f'name: "{c.ENSEMBLE_NAME}"', 'platform: "ensemble"', "max_batch_size: 0", _io("input", c.ENSEMBLE_INPUTS), _io("output", c.ENSEMBLE_OUTPUTS), "ensemble_scheduling {\n  step ["]
+    lines = [f'name: "{c.ENSEMBLE_NAME}"', 'platform: "ensemble"', "max_batch_size: 0", _io("input", c.ENSEMBLE_INPUTS),
+             _io("output", c.ENSEMBLE_OUTPUTS), "ensemble_scheduling {\n  step ["]
     steps = []
     for model, inputs, outputs in c.ensemble_steps():
         body = [f'      model_name: "{model.name}"', "      model_version: -1"]
@@ -131,17 +138,22 @@ def build_repository(out: Path, params: dict[str, str]) -> Path:
 def contract_markdown() -> str:
     """The tensor contract as markdown tables (pasted into docs/serving.md; a test keeps them in sync)."""
     out = []
-    for title, inputs, outputs in [(f"ensemble `{c.ENSEMBLE_NAME}` (what clients call)", c.ENSEMBLE_INPUTS, c.ENSEMBLE_OUTPUTS)] + [(f"model `{m.name}`" + (" (decoupled)" if m.decoupled else ""), m.inputs, m.outputs) for m in c.MODELS]:
-        out += [f"### {title}", "", "| direction | name | type | shape | optional | meaning |", "|---|---|---|---|---|---|"]
+    for title, inputs, outputs in [(f"ensemble `{c.ENSEMBLE_NAME}` (what clients call)", c.ENSEMBLE_INPUTS,
+                                    c.ENSEMBLE_OUTPUTS)] + [
+            (f"model `{m.name}`" + (" (decoupled)" if m.decoupled else ""), m.inputs, m.outputs) for m in c.MODELS]:
+        out += [f"### {title}", "", "| direction | name | type | shape | optional | meaning |",
+                "|---|---|---|---|---|---|"]
         for direction, specs in (("in", inputs), ("out", outputs)):
             for s in specs:
                 doc = s.doc.replace("|", "\\|")
-                out.append(f"| {direction} | `{s.name}` | {s.dtype} | {list(s.dims)} | {'yes' if s.optional else ''} | {doc} |")
+                out.append(f"| {direction} | `{s.name}` | {s.dtype} | {list(s.dims)} | {'yes' if s.optional else ''} | "
+                           f"{doc} |")
         out.append("")
     return "\n".join(out)
 
 
-PATH_PARAMETERS = ("model_dir", "registry_root", "engine_dir", "admin_key_file", "internal_key_file")  # resolved against the project root
+# resolved against the project root
+PATH_PARAMETERS = ("model_dir", "registry_root", "engine_dir", "admin_key_file", "internal_key_file")
 PROJECT_ROOT = SOURCE_REPOSITORY.parent
 
 
@@ -153,7 +165,8 @@ def absolute_paths(params: dict[str, str]) -> dict[str, str]:
         if out.get(key) and not Path(out[key]).is_absolute():
             out[key] = str(PROJECT_ROOT / out[key])
     if out.get("adapter_roots"):
-        out["adapter_roots"] = ":".join(p if Path(p).is_absolute() else str(PROJECT_ROOT / p) for p in out["adapter_roots"].split(":"))
+        out["adapter_roots"] = ":".join(p if Path(p).is_absolute() else str(PROJECT_ROOT / p)
+                                        for p in out["adapter_roots"].split(":"))
     return out
 
 
@@ -176,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     params = {k: getattr(args, k) for k in DEFAULT_PARAMETERS}
     try:
-        check_speculative(params["speculative"], int(params["speculative_block"]), float(params["speculative_confidence"]))
+        check_speculative(params["speculative"], int(params["speculative_block"]),
+                          float(params["speculative_confidence"]))
         params["engine_backend"] = parallel_backend(args.engine_backend, int(params["tensor_parallel_size"]),
                                                     params["enable_expert_parallel"] == "true")
     except ValueError as exc:
@@ -194,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     for path in written:
         print(f"wrote {path}")
     if args.out.resolve() != SOURCE_REPOSITORY.resolve():
-        print(f"serve it: tritonserver --model-repository {args.out}   (or scripts/tritonserver.py start --model-repository {args.out})")
+        print(f"serve it: tritonserver --model-repository {args.out}   (or scripts/tritonserver.py start "
+              f"--model-repository {args.out})")
     return 0
 
 

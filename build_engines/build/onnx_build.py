@@ -16,22 +16,21 @@ import onnx
 import torch
 from tqdm import tqdm
 
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.draft_step import DraftMain, DraftStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.engram_feed import EngramFeed
 from build_engines.export.graph_rounding import FollowGraphRounding, RoundingMismatch, write_tapped_graph
-from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import data_file, export_module, export_sizes
-from build_engines.export.parity import Runner, decoder_case, encoder_case, max_difference, torch_runner
-from build_engines.export.pointer_step import PointerStep, option_inputs
-from build_engines.formats.checkpoint import load_checkpoint
-from build_engines.model.drafter_files import load_drafter
-from build_engines.model.network import DecoderEngine, EncoderEngine
-from build_engines.routing.pointer_head import load_router_head
+from ced.engine_dir.manifest import sha256_file
+from ced.formats.checkpoint import load_checkpoint
+from ced.formats.drafter_files import load_drafter
+from ced.model.network import DecoderEngine, EncoderEngine
+from ced.routing.pointer_head import load_router_head
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.draft_step import DraftMain, DraftStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.engram_feed import EngramFeed
+from ced.steps.layout import GraphTensor, StepLayout
+from ced.steps.parity import Runner, decoder_case, encoder_case, max_difference, torch_runner
+from ced.steps.pointer_step import PointerStep, option_inputs
 from plugins import DOMAIN
-
-from .manifest import sha256_file
 
 PARITY_BOUND = 1e-3  # max abs difference between a graph and its module on the build's check inputs
 GRAPH_FILES = {"encoder": "encoder.onnx", "decoder": "decoder.onnx", "pointer": "pointer.onnx"}
@@ -58,14 +57,16 @@ def ort_runner(path: Path, fold_constants: bool = True):  # type: ignore[no-unty
     return lambda feed: dict(zip(names, session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})))
 
 
-def describe(model: onnx.ModelProto, path: Path, inputs: list[GraphTensor], outputs: list[GraphTensor]) -> dict[str, Any]:
+def describe(model: onnx.ModelProto, path: Path, inputs: list[GraphTensor],
+             outputs: list[GraphTensor]) -> dict[str, Any]:
     ops = collections.Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
     data = data_file(path)
     return {
         "file": path.name,
         "sha256": sha256_file(path),
         "bytes": path.stat().st_size,
-        **({"data_file": data.name, "data_sha256": sha256_file(data), "data_bytes": data.stat().st_size} if data.exists() else {}),
+        **({"data_file": data.name, "data_sha256": sha256_file(data), "data_bytes": data.stat().st_size}
+           if data.exists() else {}),
         "nodes": len(model.graph.node),
         "inlined_nodes": len(model.graph.node) + sum(ops[f.name] * (len(f.node) - 1) for f in model.functions),
         "custom_ops": dict(sorted(ops.items())),
@@ -75,7 +76,9 @@ def describe(model: onnx.ModelProto, path: Path, inputs: list[GraphTensor], outp
     }
 
 
-def step_modules(model_dir: Path) -> tuple[StepLayout, dict[str, tuple[torch.nn.Module, list[GraphTensor], list[GraphTensor]]], torch.nn.Module]:
+def step_modules(
+    model_dir: Path,
+) -> tuple[StepLayout, dict[str, tuple[torch.nn.Module, list[GraphTensor], list[GraphTensor]]], torch.nn.Module]:
     """The checkpoint's step modules to export, by graph name (with their inputs and outputs), and the router head.
     A checkpoint with a DSpark drafter (`drafter_files`) also gets the drafter graph, and its decoder returns the
     drafter's `draft_main` rows."""
@@ -85,19 +88,22 @@ def step_modules(model_dir: Path) -> tuple[StepLayout, dict[str, tuple[torch.nn.
     layout = StepLayout(cfg, None if drafter is None else drafter.spec)
     state = net.state_dict()
     head, _ = load_router_head(model_dir, cfg.dim)
-    decoder = DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval(), None if drafter is None else DraftMain(drafter))
+    decoder = DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval(),
+                          None if drafter is None else DraftMain(drafter))
     modules = {
-        "encoder": (EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval(), layout.encoder_inputs(), layout.encoder_outputs()),
+        "encoder": (EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval(), layout.encoder_inputs(),
+                    layout.encoder_outputs()),
         "decoder": (decoder.eval(), layout.decoder_inputs(), layout.decoder_outputs()),
         "pointer": (PointerStep(head).eval(), layout.pointer_inputs(cfg.dim, head.cfg.width), layout.pointer_outputs()),
     }
     if drafter is not None:
-        modules["drafter"] = (DraftStep(drafter, net.embed, net.head).eval(), layout.drafter_inputs(), layout.drafter_outputs())
+        modules["drafter"] = (DraftStep(drafter, net.embed, net.head).eval(), layout.drafter_inputs(),
+                              layout.drafter_outputs())
     return layout, modules, head
 
 
-def export_graph(name: str, module: torch.nn.Module, inputs: list[GraphTensor], outputs: list[GraphTensor], sizes: dict[str, int],
-                 out: Path, external_data: bool = False) -> dict[str, Any]:
+def export_graph(name: str, module: torch.nn.Module, inputs: list[GraphTensor], outputs: list[GraphTensor],
+                 sizes: dict[str, int], out: Path, external_data: bool = False) -> dict[str, Any]:
     """Export one step module as graph `name` into `out` and describe it."""
     t0 = time.perf_counter()
     path = out / (DRAFTER_FILE if name == "drafter" else GRAPH_FILES[name])
@@ -152,7 +158,8 @@ def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], d
     return graphs, parity
 
 
-def run_tapped_graph(path: Path, feed: dict[str, np.ndarray], fold_constants: bool = True) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+def run_tapped_graph(path: Path, feed: dict[str, np.ndarray],
+                     fold_constants: bool = True) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """The graph at `path` on `feed`: its outputs, and the value of every fake-quant rounding it makes, in traced
     order (graph_rounding; none for a graph without fake-quant)."""
     tapped = path.with_name(f".{path.stem}.rounding.onnx")
@@ -166,7 +173,8 @@ def run_tapped_graph(path: Path, feed: dict[str, np.ndarray], fold_constants: bo
 
 def compare_following_rounding(module: Runner, path: Path, feed: dict[str, np.ndarray], what: str,
                                rounding: dict[str, dict[str, int]], fold_constants: bool = True,
-                               graph_run: tuple[dict[str, np.ndarray], Sequence[np.ndarray]] | None = None) -> dict[str, float]:
+                               graph_run: tuple[dict[str, np.ndarray], Sequence[np.ndarray]] | None = None,
+                               ) -> dict[str, float]:
     """Max difference per output between the graph at `path` and its module on `feed`, the module taking the graph's
     side of fake-quant rounding ties (graph_rounding); a graph without fake-quant is compared as it is. The graph runs
     first and its session is gone before `module` is called; `graph_run` is that run when it was made elsewhere
@@ -192,9 +200,11 @@ def check_parity(out: Path, layout: StepLayout, encoder: EncoderStep, decoder: D
     rounding = {} if rounding is None else rounding
     enc_t = torch_runner(encoder, layout.encoder_inputs(), layout.encoder_outputs())
     cases = check_cases(layout, enc_t, engram)
-    result = {"encoder": compare_following_rounding(enc_t, out / GRAPH_FILES["encoder"], cases["encoder"], "encoder", rounding)}
+    result = {"encoder": compare_following_rounding(enc_t, out / GRAPH_FILES["encoder"], cases["encoder"], "encoder",
+                                                    rounding)}
     dec_t = torch_runner(decoder, layout.decoder_inputs(), layout.decoder_outputs())
-    result["decoder"] = compare_following_rounding(dec_t, out / GRAPH_FILES["decoder"], cases["decoder"], "decoder", rounding)
+    result["decoder"] = compare_following_rounding(dec_t, out / GRAPH_FILES["decoder"], cases["decoder"], "decoder",
+                                                   rounding)
     result["pointer"] = pointer_parity(out, layout, pointer, head)
     return result
 
@@ -213,14 +223,16 @@ def pointer_parity(out: Path, layout: StepLayout, pointer: PointerStep, head: to
     """The pointer graph against its module on random H19 and a small option set (masked options stay -inf)."""
     cfg = layout.cfg
     generator = torch.Generator().manual_seed(2)
-    options = head.encode_options([torch.randn(7, cfg.dim, generator=generator), torch.randn(4, cfg.dim, generator=generator)])
+    options = head.encode_options([torch.randn(7, cfg.dim, generator=generator),
+                                   torch.randn(4, cfg.dim, generator=generator)])
     pfeed = {k: v.detach().numpy() for k, v in option_inputs(options).items()}
     pfeed["h19"] = torch.randn(3, cfg.dim, generator=generator).numpy()
     pfeed["option_mask"] = np.array([[True, True], [True, False], [False, True]])
     ptr_t = torch_runner(pointer, layout.pointer_inputs(cfg.dim, head.cfg.width), layout.pointer_outputs())
     a, b = ptr_t(pfeed), ort_runner(out / GRAPH_FILES["pointer"])(pfeed)
     finite = np.isfinite(a["logits"])
-    return {"logits": float(np.abs(a["logits"][finite] - b["logits"][finite]).max()) if np.array_equal(finite, np.isfinite(b["logits"])) else float("inf")}
+    return {"logits": float(np.abs(a["logits"][finite] - b["logits"][finite]).max())
+            if np.array_equal(finite, np.isfinite(b["logits"])) else float("inf")}
 
 
 def drafter_parity(out: Path, layout: StepLayout, drafter: DraftStep) -> dict[str, float]:
@@ -230,7 +242,8 @@ def drafter_parity(out: Path, layout: StepLayout, drafter: DraftStep) -> dict[st
     generator = torch.Generator().manual_seed(4)
     W = cfg.window_size
     feed = {"main_x": torch.randn(3, W, cfg.dim, generator=generator).numpy(),
-            "main_count": np.array([W, 1, max(1, W // 2)], np.int64), "last_position": np.array([W + 40, 0, W // 2 + 3], np.int64),
+            "main_count": np.array([W, 1, max(1, W // 2)], np.int64),
+            "last_position": np.array([W + 40, 0, W // 2 + 3], np.int64),
             "last_token": np.array([1, cfg.vocab_size - 2, 7], np.int64)}
     want = torch_runner(drafter, layout.drafter_inputs(), layout.drafter_outputs())(feed)
     got = ort_runner(out / DRAFTER_FILE)(feed)

@@ -19,20 +19,21 @@ from typing import Any
 from onnx import TensorProto
 from tqdm import tqdm
 
-from build_engines.export.layout import StepLayout
-from build_engines.formats.checkpoint import load_config
+from build_engines.build.onnx_build import DRAFTER_FILE, GRAPH_FILES, describe, ort_runner
 from build_engines.quantize.calibration import write_calibration
 from build_engines.quantize.heldout import load_heldout, token_sequences
-from build_engines.quantize.kv_cache import KVScales, kv_layout, kv_runner, quantize_state
+from build_engines.quantize.kv_cache import quantize_state, scales_from_amax
 from build_engines.quantize.scoring import bundled_adapters, perplexity
 from build_engines.quantize.venv import run_worker
-
-from build_engines.model.drafter_files import drafter_spec
-from .onnx_build import DRAFTER_FILE, GRAPH_FILES, describe, ort_runner
+from ced.formats.checkpoint import load_config
+from ced.formats.drafter_files import drafter_spec
+from ced.steps.kv_state import kv_layout, kv_runner
+from ced.steps.layout import StepLayout
 
 QUANTIZED = ("encoder", "decoder")
 CHECK_BOUND = {"fp8": 0.02, "int8": 0.03}  # relative perplexity change vs fp32 on the check text (issue #13)
-CHECK_TOKENS = 128  # per domain, one sequence: a guard against a broken engine, not the evaluation (scripts/eval_quant.py)
+# per domain, one sequence: a guard against a broken engine, not the evaluation (benchmarks/quant_accuracy.py)
+CHECK_TOKENS = 128
 # onnxruntime folds every weight DequantizeLinear into an fp32 constant at load instead of dequantizing it every step
 # (by default it keeps them for its QDQ fusions): the Q/DQ graph's arithmetic on fp32 kernels, ~2.5x faster on CPU,
 # perplexity within the bounds (docs/quantization.md). The weights are fp32 in memory at run time either way on CPU.
@@ -56,7 +57,8 @@ def build_quantized(model_dir: Path, fp32_dir: Path, fp32_graphs: dict[str, Any]
     val = load_heldout(model_dir, "val", data_dir)
     calib_dir = out / ".calibration"
     t0 = time.time()
-    calib = write_calibration(calib_dir, layout, fp32["encoder"], fp32["decoder"], val, model_dir / "tokenizer.json", adapters)
+    calib = write_calibration(calib_dir, layout, fp32["encoder"], fp32["decoder"], val, model_dir / "tokenizer.json",
+                              adapters)
     calib_seconds = time.time() - t0
     reports = {}
     try:
@@ -66,17 +68,20 @@ def build_quantized(model_dir: Path, fp32_dir: Path, fp32_graphs: dict[str, Any]
         shutil.rmtree(calib_dir, ignore_errors=True)
     kv_cache = None
     if kv_quant == "fp8":
-        scales = KVScales.from_amax(layout, calib.amax)
+        scales = scales_from_amax(layout, calib.amax)
         added = {name: quantize_state(out / GRAPH_FILES[name], name, layout, scales) for name in QUANTIZED}
         kv_cache = {"format": "FLOAT8E4M3FN", "scales": scales.describe(),
-                    "amax": {"encoder_rings": calib.amax.encoder_rings.tolist(), "decoder_rings": calib.amax.decoder_rings.tolist(),
+                    "amax": {"encoder_rings": calib.amax.encoder_rings.tolist(),
+                             "decoder_rings": calib.amax.decoder_rings.tolist(),
                              "stores": {str(k): v for k, v in calib.amax.stores.items()}},
-                    "scale_rule": "per tensor (per ring layer, per global-KV source): max |x| over the calibration run / 448",
-                    "state": "window rings (encoder and decoder) and global-KV stores (with the decoder's mirror) in fp8; "
-                             "index keys, pending pairs and hand-over rows fp32",
+                    "scale_rule": "per tensor (per ring layer, per global-KV source): max |x| over the calibration "
+                                  "run / 448",
+                    "state": "window rings (encoder and decoder) and global-KV stores (with the decoder's mirror) in "
+                             "fp8; index keys, pending pairs and hand-over rows fp32",
                     "qdq_added": added}
     shutil.copyfile(fp32_dir / GRAPH_FILES["pointer"], out / GRAPH_FILES["pointer"])
-    ios = {"encoder": (layout.encoder_inputs(), layout.encoder_outputs()), "decoder": (layout.decoder_inputs(), layout.decoder_outputs())}
+    ios = {"encoder": (layout.encoder_inputs(), layout.encoder_outputs()),
+           "decoder": (layout.decoder_inputs(), layout.decoder_outputs())}
     graphs = {"pointer": {**fp32_graphs["pointer"], "quantized": False}}  # the same file, copied
     if "drafter" in fp32_graphs:  # the drafter proposes, the quantized target decides: it stays fp32, copied
         shutil.copyfile(fp32_dir / DRAFTER_FILE, out / DRAFTER_FILE)
@@ -88,9 +93,9 @@ def build_quantized(model_dir: Path, fp32_dir: Path, fp32_graphs: dict[str, Any]
     check = check_quantized(model_dir, fp32, out, layout, adapters, mode, data_dir, kv_cache)
     quant = {
         "mode": mode,
-        "method": "ModelOpt ONNX PTQ (modelopt.onnx.quantization.quantize) of every weight MatMul/Gemm of the encoder and "
-                  "decoder graphs; activations per tensor, weights per channel (int8) / per tensor (fp8); LoRA products, "
-                  "attention products and the pointer graph stay fp32; mol2 local functions inlined",
+        "method": "ModelOpt ONNX PTQ (modelopt.onnx.quantization.quantize) of every weight MatMul/Gemm of the encoder "
+                  "and decoder graphs; activations per tensor, weights per channel (int8) / per tensor (fp8); LoRA "
+                  "products, attention products and the pointer graph stay fp32; mol2 local functions inlined",
         "calibration": {**val.describe(), **calib.describe(), "seconds": round(calib_seconds, 1)},
         "graphs": reports,
         "check": check,
@@ -122,10 +127,12 @@ def check_quantized(model_dir: Path, fp32: dict, out: Path, layout: StepLayout, 
         slot = adapters.slot_of_kind.get(kind, 0)
         a = perplexity(layout, fp32["encoder"], fp32["decoder"], adapters.bank, seqs, slot)
         b = perplexity(qlayout, quant["encoder"], quant["decoder"], adapters.bank, seqs, slot)
-        figures[f"{kind}/{adapters.name_of_slot[slot]}"] = {"fp32": round(a, 4), mode: round(b, 4), "relative": round(b / a - 1, 5)}
+        figures[f"{kind}/{adapters.name_of_slot[slot]}"] = {"fp32": round(a, 4), mode: round(b, 4),
+                                                            "relative": round(b / a - 1, 5)}
     worst = max(abs(f["relative"]) for f in figures.values())
-    result = {"text": test.describe(), "tokens_per_domain": CHECK_TOKENS, "perplexity": figures, "worst_relative": worst,
-              "bound": CHECK_BOUND[mode]}
+    result = {"text": test.describe(), "tokens_per_domain": CHECK_TOKENS, "perplexity": figures,
+              "worst_relative": worst, "bound": CHECK_BOUND[mode]}
     if worst > CHECK_BOUND[mode]:
-        raise QuantCheckError(f"{mode} engines' perplexity differs from fp32 by {worst:.2%} (> {CHECK_BOUND[mode]:.0%}): {figures}")
+        raise QuantCheckError(f"{mode} engines' perplexity differs from fp32 by {worst:.2%} "
+                              f"(> {CHECK_BOUND[mode]:.0%}): {figures}")
     return result

@@ -13,8 +13,6 @@ rank-local ONNX/TensorRT graphs would need collectives as plugin nodes, which ca
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -23,31 +21,17 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from build_engines.build.manifest import PROJECT_ROOT, source_digest
-from build_engines.formats.checkpoint import HEADER_TORCH_DTYPES, CheckpointFiles, scale_name_of
-from build_engines.formats.config_file import load_config
-from build_engines.model.network import DecoderEngine, EncoderEngine
-from build_engines.parallel.comm import Comm
-from build_engines.parallel.layout import ParallelLayout, sharding_plan
-from build_engines.parallel.network import shard_modules
-from build_engines.parallel.shards import SliceReader
+from ced.engine_dir.manifest import source_digest
+from ced.engine_dir.rank_manifest import KIND, code_digest, rank_file
+from ced.formats.checkpoint import HEADER_TORCH_DTYPES, CheckpointFiles, scale_name_of
+from ced.formats.config_file import load_config
+from ced.model.network import DecoderEngine, EncoderEngine
+from ced.parallel.comm import Comm
+from ced.parallel.layout import ParallelLayout, sharding_plan
+from ced.parallel.network import shard_modules
+from ced.parallel.shards import SliceReader
 
-KIND = "rank-shards"
 ROLES = {"encoder": EncoderEngine, "decoder": DecoderEngine}
-SOURCES = ("build_engines/build/rank_build.py", "build_engines/parallel/layout.py", "build_engines/parallel/network.py",
-           "build_engines/parallel/shards.py")
-
-
-def rank_file(directory: Path, rank: int, role: str) -> Path:
-    return Path(directory) / f"rank{rank}" / f"{role}.safetensors"
-
-
-def code_digest() -> str:
-    h = hashlib.sha256()
-    for name in SOURCES:
-        h.update(name.encode())
-        h.update((PROJECT_ROOT / name).read_bytes())
-    return h.hexdigest()[:16]
 
 
 def placement_comm(world: int, rank: int) -> Comm:
@@ -63,26 +47,6 @@ def role_names(cfg: Any, layout: ParallelLayout, role: str) -> dict[str, tuple[i
         component = ROLES[role](cfg)
         shard_modules(component, cfg, layout, placement_comm(layout.world, layout.rank))
     return {name: tuple(t.shape) for name, t in component.state_dict().items()}
-
-
-def stale_reason(directory: Path, model_dir: Path, world: int, expert_parallel: bool) -> str | None:
-    """Why the rank-local build in `directory` cannot serve this checkpoint and layout (None: it can)."""
-    path = Path(directory) / "manifest.json"
-    if not path.exists():
-        return "no manifest"
-    manifest = json.loads(path.read_text())
-    if manifest.get("kind") != KIND:
-        return f"it holds {manifest.get('kind', 'engines of another kind')}, not rank-local weights"
-    if (manifest["tensor_parallel_size"], manifest["expert_parallel"]) != (world, expert_parallel):
-        return (f"built for tensor_parallel_size {manifest['tensor_parallel_size']}, expert parallel "
-                f"{manifest['expert_parallel']}")
-    if manifest["source"] != source_digest(Path(model_dir)):
-        return "the checkpoint changed"
-    if manifest["code_digest"] != code_digest():
-        return "the layout code changed"
-    missing = [str(rank_file(directory, r, role)) for r in range(world) for role in ROLES
-               if not rank_file(directory, r, role).exists()]
-    return f"missing {missing}" if missing else None
 
 
 def build_rank_shards(model_dir: Path, out: Path, world: int, expert_parallel: bool) -> dict[str, Any]:

@@ -19,10 +19,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from build_engines.export.engram_feed import EngramFeed
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import max_difference
-from build_engines.formats.checkpoint import dequantize_tensors, load_config, read_raw_tensors
+from build_engines.build.onnx_build import GRAPH_FILES, build_onnx, check_cases, describe, ort_runner
 from build_engines.quantize.release_weights import (
     BLOCKED_DQ_OPSET,
     SESSION_CONFIG,
@@ -30,8 +27,10 @@ from build_engines.quantize.release_weights import (
     rewrite_graph,
     stored_weights,
 )
-
-from .onnx_build import GRAPH_FILES, build_onnx, check_cases, describe, ort_runner
+from ced.formats.checkpoint import dequantize_tensors, load_config, read_raw_tensors
+from ced.steps.engram_feed import EngramFeed
+from ced.steps.layout import StepLayout
+from ced.steps.parity import max_difference
 
 REWRITTEN = ("encoder", "decoder")
 RELEASE_BOUND = 0.0  # opened as the manifest says (dequantization folded at load): the fp32 graph's bits exactly
@@ -49,14 +48,16 @@ def build_release(model_dir: Path, out: Path) -> tuple[dict[str, Any], dict[str,
     weights = stored_weights(raw, dequantized)
     del dequantized
     if not weights:
-        raise ReleaseWeightError(f"{model_dir} stores no fp8 or packed fp4 tensor: --quant release needs a released-format checkpoint")
+        raise ReleaseWeightError(f"{model_dir} stores no fp8 or packed fp4 tensor: --quant release needs a "
+                                 "released-format checkpoint")
     layout = StepLayout(load_config(model_dir))
     fp32_dir = out / ".fp32"
     try:
         fp32_graphs, parity = build_onnx(model_dir, fp32_dir)
         used: set[str] = set()
         reports, graphs = {}, {}
-        ios = {"encoder": (layout.encoder_inputs(), layout.encoder_outputs()), "decoder": (layout.decoder_inputs(), layout.decoder_outputs())}
+        ios = {"encoder": (layout.encoder_inputs(), layout.encoder_outputs()),
+               "decoder": (layout.decoder_inputs(), layout.decoder_outputs())}
         for name in REWRITTEN:
             model, names, report = rewrite_graph(onnx.load(str(fp32_dir / GRAPH_FILES[name])), weights)
             onnx.checker.check_model(model)
@@ -67,7 +68,8 @@ def build_release(model_dir: Path, out: Path) -> tuple[dict[str, Any], dict[str,
             graphs[name] = {**describe(model, path, *ios[name]), "quantized": True}
         missing = sorted(set(weights) - used)
         if missing:
-            raise ReleaseWeightError(f"stored weights found in no graph initializer: {missing[:8]} ({len(missing)} in all)")
+            raise ReleaseWeightError(f"stored weights found in no graph initializer: {missing[:8]} "
+                                     f"({len(missing)} in all)")
         shutil.copyfile(fp32_dir / GRAPH_FILES["pointer"], out / GRAPH_FILES["pointer"])
         graphs["pointer"] = {**fp32_graphs["pointer"], "quantized": False}
         check = check_against_fp32(layout, fp32_dir, out, EngramFeed.open(model_dir, layout))
@@ -75,13 +77,14 @@ def build_release(model_dir: Path, out: Path) -> tuple[dict[str, Any], dict[str,
         shutil.rmtree(fp32_dir, ignore_errors=True)
     quant = {
         "mode": "release",
-        "method": "the checkpoint's stored fp8 e4m3 block-scaled (ue8m0) and packed fp4 e2m1 (ue8m0 per 32) weights as "
-                  "engine initializers (release bytes), rebuilt in the graph: blocked DequantizeLinear (opset 21) for fp8, "
-                  "e2m1 byte table + per-block scale Mul for fp4 (no onnxruntime CPU kernel for FLOAT4E2M1); bf16/f32 "
-                  "tensors stay float; activations as the config's runtime fake-quant says (fp8 per 32 at every "
-                  "fp8/fp4 GEMM input when on); Engram tables stay in the checkpoint, gathered on the host",
+        "method": "the checkpoint's stored fp8 e4m3 block-scaled (ue8m0) and packed fp4 e2m1 (ue8m0 per 32) weights "
+                  "as engine initializers (release bytes), rebuilt in the graph: blocked DequantizeLinear (opset 21) "
+                  "for fp8, e2m1 byte table + per-block scale Mul for fp4 (no onnxruntime CPU kernel for FLOAT4E2M1); "
+                  "bf16/f32 tensors stay float; activations as the config's runtime fake-quant says (fp8 per 32 at "
+                  "every fp8/fp4 GEMM input when on); Engram tables stay in the checkpoint, gathered on the host",
         "graph_opset": BLOCKED_DQ_OPSET,
-        "session_config": SESSION_CONFIG,  # how the onnx engine opens these graphs (tritonserver_backend/engines/onnx_engine.py)
+        # how the onnx engine opens these graphs (tritonserver_backend/engines/onnx_engine.py)
+        "session_config": SESSION_CONFIG,
         "graphs": reports,
         "fp32_bytes_of_stored_weights": int(sum(w.values.size * 4 for w in weights.values())),
         "check_vs_fp32_graphs": check,
@@ -101,7 +104,8 @@ def _runner(path: Path, config: dict[str, str]):  # type: ignore[no-untyped-def]
     return lambda feed: dict(zip(names, session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})))
 
 
-def check_against_fp32(layout: StepLayout, fp32_dir: Path, out: Path, engram: EngramFeed | None = None) -> dict[str, Any]:
+def check_against_fp32(layout: StepLayout, fp32_dir: Path, out: Path,
+                       engram: EngramFeed | None = None) -> dict[str, Any]:
     """The rewritten graphs against the fp32 graphs of the same checkpoint on the converter's check inputs (a second
     prefill chunk; a replay of two sessions under two random adapter slots in one batch), opened as the manifest says
     and with a plain onnxruntime session."""

@@ -18,8 +18,8 @@ at full size), serializes each model whole, and checks it with the encoder and d
 No process holds two copies of a role's weights (the checkpoint is read into buffers of its own, not mapped:
 `CheckpointFiles.get`); the dequantized weights exist one at a time (an expert chunk for the MoE), and every worker
 returns freed buffers to the system (`return_freed_memory`). Each process's peak RSS (`VmHWM`) goes into the manifest
-beside the role's stored bytes, so every build states its own memory figure. The roles run side by side on a machine with more than one core
-(`MOL2_BUILD_WORKERS=0`: one after the other, for the smallest total).
+beside the role's stored bytes, so every build states its own memory figure. The roles run side by side on a machine
+with more than one core (`MOL2_BUILD_WORKERS=0`: one after the other, for the smallest total).
 """
 
 from __future__ import annotations
@@ -35,26 +35,34 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.engram_feed import EngramFeed
+from build_engines.build.onnx_build import (
+    GRAPH_FILES,
+    PARITY_BOUND,
+    ParityError,
+    check_cases,
+    compare_following_rounding,
+    export_graph,
+    pointer_parity,
+    run_tapped_graph,
+)
 from build_engines.export.graph_rounding import LazyArrays
-from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import export_sizes
-from build_engines.export.parity import torch_runner
-from build_engines.export.pointer_step import PointerStep
 from build_engines.export.stored_role import is_engram_table, load_stored_role, stored_bytes
-from build_engines.formats.checkpoint import CheckpointFiles, role_tensor_names
-from build_engines.formats.config_file import load_config
-from build_engines.routing.pointer_head import load_router_head
-
-from .onnx_build import (GRAPH_FILES, PARITY_BOUND, ParityError, check_cases, compare_following_rounding, export_graph, pointer_parity,
-                         run_tapped_graph)
+from ced.formats.checkpoint import CheckpointFiles, role_tensor_names
+from ced.formats.config_file import load_config
+from ced.routing.pointer_head import load_router_head
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.engram_feed import EngramFeed
+from ced.steps.layout import GraphTensor, StepLayout
+from ced.steps.parity import torch_runner
+from ced.steps.pointer_step import PointerStep
 
 ROLES = ("encoder", "decoder")
-# the decoder check's random adapters (`check_cases`: two in one batch, slots 1 and 2) at rank 1. Why 1: the bank covers every expert
-# of every decoder layer, so it grows with the model's shape (74 MB at rank 4 beside a 336 MB role); the LoRA
-# arithmetic at higher ranks is the same graph code, checked at rank 4 by every fp32 build (`check_parity`)
+# the decoder check's random adapters (`check_cases`: two in one batch, slots 1 and 2) at rank 1. Why 1: the bank
+# covers every expert of every decoder layer, so it grows with the model's shape (74 MB at rank 4 beside a 336 MB
+# role); the LoRA arithmetic at higher ranks is the same graph code, checked at rank 4 by every fp32 build
+# (`check_parity`)
 CHECK_LORA_RANK = 1
 # ... and its two sessions replay 13 tokens each (16 rows with padding, an odd length for the unpaired ratio-2 token),
 # not the fp32 builds' 30 (32 rows). Why: onnxruntime's working set while it runs the decoder graph, and the
@@ -135,7 +143,8 @@ def run_role_graph(role: str, out: Path) -> int:
     with np.load(_case_file(out, role)) as stored:
         case = {k: stored[k] for k in stored.files}
     got, taps = run_tapped_graph(out / GRAPH_FILES[role], case, fold_constants=False)
-    np.savez(_graph_run_file(out, role), **{f"out_{k}": v for k, v in got.items()}, **{f"tap_{i:06d}": v for i, v in enumerate(taps)})
+    np.savez(_graph_run_file(out, role), **{f"out_{k}": v for k, v in got.items()},
+             **{f"tap_{i:06d}": v for i, v in enumerate(taps)})
     return peak_rss_bytes()
 
 
@@ -150,7 +159,8 @@ def check_role(model_dir: Path, role: str, out: Path) -> dict[str, Any]:
     with np.load(_graph_run_file(out, role)) as stored:  # the taps are read one at a time as the module reaches them
         got = {k[4:]: stored[k] for k in stored.files if k.startswith("out_")}
         taps = LazyArrays(stored, sorted(k for k in stored.files if k.startswith("tap_")))
-        parity = compare_following_rounding(module, out / GRAPH_FILES[role], case, role, rounding, graph_run=(got, taps))
+        parity = compare_following_rounding(module, out / GRAPH_FILES[role], case, role, rounding,
+                                            graph_run=(got, taps))
     return {"parity": parity, "rounding": rounding.get(role, {}), "check_peak_rss_bytes": peak_rss_bytes()}
 
 
@@ -171,8 +181,8 @@ def build_stored(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]],
             exports = {role: pool.submit(export_role, model_dir, role, out) for role in ROLES}
             head, _ = load_router_head(model_dir, cfg.dim)
             pointer = PointerStep(head).eval()
-            graphs["pointer"] = export_graph("pointer", pointer, layout.pointer_inputs(cfg.dim, head.cfg.width), layout.pointer_outputs(),
-                                             export_sizes(layout), out)
+            graphs["pointer"] = export_graph("pointer", pointer, layout.pointer_inputs(cfg.dim, head.cfg.width),
+                                             layout.pointer_outputs(), export_sizes(layout), out)
             parity["pointer"] = pointer_parity(out, layout, pointer, head)
             bar.update()
             for role, future in exports.items():

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from build_engines.export.layout import GraphTensor, StepLayout
-from build_engines.export.lora_grid import MIN_GRID_ROWS
+from ced.engine_dir.manifest import sha256_file
+from ced.steps.layout import SPEC_BLOCK, GraphTensor, StepLayout
+from ced.steps.lora_grid import MIN_GRID_ROWS
 from plugins.tensorrt_support import require_tensorrt_plugin
 
-from .manifest import sha256_file
-
-PLAN_FILES = {"encoder": "encoder.plan", "decoder": "decoder.plan", "pointer": "pointer.plan", "drafter": "drafter.plan"}
+PLAN_FILES = {"encoder": "encoder.plan", "decoder": "decoder.plan", "pointer": "pointer.plan",
+              "drafter": "drafter.plan"}
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,15 @@ class TrtLimits:
     workspace_bytes: int = 4 << 30
 
 
-SPEC_BLOCK = 8  # the longest speculative block a decode step verifies (DSpark's is 5: the last token and 4 drafts)
 
 
-def profile_ranges(layout: StepLayout, graph: str, limits: TrtLimits, head_count: int = 4) -> dict[str, dict[str, tuple[int, int, int]]]:
+def profile_ranges(layout: StepLayout, graph: str, limits: TrtLimits,
+                   head_count: int = 4) -> dict[str, dict[str, tuple[int, int, int]]]:
     """Per profile name: symbolic dim -> (min, opt, max)."""
     cfg = layout.cfg
     stores = {f"N_{s}": (layout.min_global_entries, layout.padded_entries(1024 // layout.ratio[s]),
-                         layout.padded_entries(limits.max_context // layout.ratio[s] + limits.prefill_chunk)) for s in layout.sources}
+                         layout.padded_entries(limits.max_context // layout.ratio[s] + limits.prefill_chunk))
+              for s in layout.sources}
     lora = {"A": (1, 5, limits.max_adapter_slots), "R": (1, 16, limits.max_rank), "U": (1, 4, limits.max_adapter_slots)}
     B = (1, 16, limits.max_batch)
     if graph == "encoder":
@@ -50,13 +51,13 @@ def profile_ranges(layout: StepLayout, graph: str, limits: TrtLimits, head_count
                 "decode": {"B": B, "S": (1, 1, 2), **stores}}
     if graph == "decoder":
         W = cfg.window_size
-        grid = MIN_GRID_ROWS  # a LoRA grid row holds one used slot's positions (build_engines/export/lora_grid.py)
+        grid = MIN_GRID_ROWS  # a LoRA grid row holds one used slot's positions (ced/steps/lora_grid.py)
         # K: positions whose logits a step also returns (`verify`): none on a replay; up to a speculative block of
         # SPEC_BLOCK positions on a decode step, whose S then reaches the block too
-        return {"replay": {"B": (1, 1, limits.max_batch), "S": (1, W, W), "C": (grid, W, limits.max_batch * W), "K": (0, 0, 0),
-                           **stores, **lora},
-                "decode": {"B": B, "S": (1, 1, SPEC_BLOCK), "C": (grid, 16, SPEC_BLOCK * limits.max_batch), "K": (0, 0, SPEC_BLOCK),
-                           **stores, **lora}}
+        return {"replay": {"B": (1, 1, limits.max_batch), "S": (1, W, W), "C": (grid, W, limits.max_batch * W),
+                           "K": (0, 0, 0), **stores, **lora},
+                "decode": {"B": B, "S": (1, 1, SPEC_BLOCK), "C": (grid, 16, SPEC_BLOCK * limits.max_batch),
+                           "K": (0, 0, SPEC_BLOCK), **stores, **lora}}
     if graph == "drafter":  # one call per drafting lane: at most `speculative_batch` rows (drafting.DRAFT_BATCH)
         return {"draft": {"B": (1, 1, min(limits.max_batch, 16))}}
     hl = head_count * limits.max_options * limits.max_option_tokens
@@ -67,8 +68,9 @@ def _shape(t: GraphTensor, ranges: dict[str, tuple[int, int, int]], which: int) 
     return tuple(d if isinstance(d, int) else ranges[d][which] for d in t.dims)
 
 
-def build_plan(onnx_path: Path, plan_path: Path, inputs: list[GraphTensor], profiles: dict[str, dict[str, tuple[int, int, int]]],
-               strongly_typed: bool, limits: TrtLimits) -> dict[str, Any]:
+def build_plan(onnx_path: Path, plan_path: Path, inputs: list[GraphTensor],
+               profiles: dict[str, dict[str, tuple[int, int, int]]], strongly_typed: bool,
+               limits: TrtLimits) -> dict[str, Any]:
     """Parse one ONNX graph, add its profiles, build and write the serialized engine."""
     require_tensorrt_plugin()
     import tensorrt as trt
@@ -109,5 +111,6 @@ def build_trt(onnx_dir: Path, out: Path, layout: StepLayout, graphs: dict[str, d
     for name, graph in graphs.items():
         inputs = [GraphTensor(t["name"], t["dtype"], tuple(t["dims"])) for t in graph["inputs"]]
         profiles = profile_ranges(layout, name, limits)
-        plans[name] = build_plan(onnx_dir / graph["file"], out / PLAN_FILES[name], inputs, profiles, quant != "none", limits)
+        plans[name] = build_plan(onnx_dir / graph["file"], out / PLAN_FILES[name], inputs, profiles, quant != "none",
+                                 limits)
     return plans

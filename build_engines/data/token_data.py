@@ -11,14 +11,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from build_engines.data.tokenizer import ChatTokenizer
+from ced.text.tokenizer import ChatTokenizer
 
 
 def tokenizer_digest(tokenizer_path: Path) -> str:
     return hashlib.sha256(Path(tokenizer_path).read_bytes()).hexdigest()[:12]
 
 
-def token_stream(data_dir: Path, source: str, split: str, tokenizer: ChatTokenizer, cache_dir: Path, digest: str) -> np.ndarray:
+def token_stream(data_dir: Path, source: str, split: str, tokenizer: ChatTokenizer, cache_dir: Path,
+                 digest: str) -> np.ndarray:
     """All documents of a split as one int32 stream (<|bos|> doc <|eos|> ...), cached on disk by tokenizer hash."""
     from build_engines.data.corpora.reader import iter_documents  # the data step is an optional stage of the pipeline
 

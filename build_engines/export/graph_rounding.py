@@ -11,10 +11,11 @@ So the parity check exposes every rounding the graph makes (the output of each `
 patched. The graph's roundings, in the order torch.export traced them (the node names it keeps in the metadata; the
 optimizer reorders the nodes themselves), are paired with the module's calls in turn: a call is paired with the next
 graph rounding if the two are equal, or differ only where the module's input sits on the tie between them
-(`|v - (mine + graph's) / 2| <= tol * |v| + 1e-6 * max |v| over its block`), and there the module takes the graph's value. A call the graph has no
-rounding for must repeat an earlier call's input exactly (the optimizer merged the two: one normed activation
-quantized for two projections) and takes what that one took. Anything else (a difference off a tie, a rounding left
-unpaired) fails the check: following is allowed exactly where a correct graph and a correct module can disagree.
+(`|v - (mine + graph's) / 2| <= tol * |v| + 1e-6 * max |v| over its block`), and there the module takes the graph's
+value. A call the graph has no rounding for must repeat an earlier call's input exactly (the optimizer merged the two:
+one normed activation quantized for two projections) and takes what that one took. Anything else (a difference off a
+tie, a rounding left unpaired) fails the check: following is allowed exactly where a correct graph and a correct module
+can disagree.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 import onnx
 import torch
 
-from . import graph_ops
+from ced.steps import graph_ops
 
 ROUNDING_FUNCTIONS = ("round_e4m3", "round_e2m1")
 TIE_TOLERANCE = 1e-4  # relative to |v|: fp32 noise is ~1e-7 per op, far below; a grid step is >= 1/16 of |v|
@@ -144,7 +145,8 @@ class FollowGraphRounding:
     # two copies of every rounded activation of the run alive until the end of the check
     _seen: dict[bytes, torch.Tensor | None] = field(default_factory=dict)
 
-    def _follow(self, real: Callable[[torch.Tensor], torch.Tensor], name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _follow(self, real: Callable[[torch.Tensor], torch.Tensor],
+                name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def rounding(v: torch.Tensor) -> torch.Tensor:
             mine = real(v)
             k, self.calls = self.calls, self.calls + 1

@@ -16,10 +16,9 @@ import onnx
 import torch
 from torch.export import Dim
 
+from ced.steps.layout import GraphTensor, StepLayout
+from ced.steps.opset import OPSET
 from plugins import DOMAIN, OPSET_VERSION, onnx_functions, register_onnx_schemas
-
-from .layout import GraphTensor, StepLayout
-from .opset import OPSET
 
 _DTYPES = {"float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
 

@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from build_engines.formats.checkpoint import CheckpointFiles, _audit_names, _check_one, _role_module, role_tensor_names
-from build_engines.formats.config_file import CheckpointError, load_config
-from build_engines.model.config import CEDConfig
-
-from .stored_weights import StoredLinear, StoredWeightError, store_linears
+from ced.formats.checkpoint import CheckpointFiles, _audit_names, _check_one, _role_module, role_tensor_names
+from ced.formats.config_file import CheckpointError, load_config
+from ced.model.config import CEDConfig
+from ced.steps.stored_weights import StoredLinear, StoredWeightError, store_linears
 
 QUANTIZED_DTYPES = ("F8_E4M3", "I8", "U8")
 
@@ -59,7 +58,8 @@ def load_stored_role(directory: str | Path, role: str) -> tuple[CEDConfig, nn.Mo
         raise CheckpointError(str(exc)) from exc
     left = quantized - {f"{n}.weight" for n, m in component.named_modules() if isinstance(m, StoredLinear)}
     if left:
-        raise CheckpointError(f"quantized tensors {sorted(left)[:5]} are not Linear weights; a stored build cannot keep them")
+        raise CheckpointError(f"quantized tensors {sorted(left)[:5]} are not Linear weights; a stored build cannot "
+                              "keep them")
     problems = []
     for name, param in list(component.named_parameters()):
         owner, leaf = _owner(component, name)

@@ -28,10 +28,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from build_engines.formats.checkpoint import stored_as_released
-from build_engines.formats.release_config import ReleaseExtras, to_release_dict
-from build_engines.model.config import CEDConfig, get_preset
-from build_engines.model.network import Block, CEDNetwork, init_weights
+from ced.formats.checkpoint import stored_as_released
+from ced.formats.release_config import ReleaseExtras, to_release_dict
+from ced.model.config import CEDConfig, get_preset
+from ced.model.network import Block, CEDNetwork, init_weights
 
 DEFAULT_TOKENIZER_DIR = Path(__file__).resolve().parents[2] / "embedded" / "mol2-small"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -51,25 +51,27 @@ class ReleaseShape:
     seed: int = 0
 
 
-def release_shaped_config(shape: ReleaseShape, vocab_size: int, compressed_vocab: int) -> tuple[CEDConfig, ReleaseExtras]:
+def release_shaped_config(shape: ReleaseShape, vocab_size: int,
+                          compressed_vocab: int) -> tuple[CEDConfig, ReleaseExtras]:
     """The release's layer roles at `shape`'s widths, with the DSpark/vision description the release's config holds."""
     from types import SimpleNamespace
 
-    from build_engines.model.engram import engram_table_rows  # the bucket layout fixes each table's rows
+    from ced.model.engram import engram_table_rows  # the bucket layout fixes each table's rows
 
     engram = dict(engram_layers=(1, 14), engram_vocab_size=shape.engram_vocab, engram_max_ngram=4, engram_n_heads=4)
     cfg = get_preset("deepseek-v4.1-flash").replace(
         name="release-shaped", vocab_size=vocab_size, dim=shape.dim, n_heads=2, head_dim=64, rope_head_dim=16,
         q_lora_rank=64, o_groups=2, o_lora_rank=32, candidate_topk_blocks=4, index_n_heads=2, index_head_dim=32,
-        index_topk=16, n_routed_experts=shape.experts, n_activated_experts=min(6, shape.experts), moe_inter_dim=shape.inter,
-        yarn_original_seq_len=4096, yarn_factor=4.0, engram_head_dim=32, engram_pad_id=2,
-        engram_compressed_vocab_size=compressed_vocab, engram_num_embeddings=engram_table_rows(SimpleNamespace(**engram)),
+        index_topk=16, n_routed_experts=shape.experts, n_activated_experts=min(6, shape.experts),
+        moe_inter_dim=shape.inter, yarn_original_seq_len=4096, yarn_factor=4.0, engram_head_dim=32, engram_pad_id=2,
+        engram_compressed_vocab_size=compressed_vocab,
+        engram_num_embeddings=engram_table_rows(SimpleNamespace(**engram)),
         **engram,
     )
     extras = ReleaseExtras("fp8", "fp4", {
         "n_mtp_layers": 3, "dspark_block_size": 5, "dspark_noise_token_id": vocab_size - 1,
-        "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 32, "dspark_n_routed_experts": shape.dspark_experts,
-        "dspark_n_activated_experts": 3, "vision_n_layers": 0,
+        "dspark_target_layer_ids": [37, 38, 39], "dspark_markov_rank": 32,
+        "dspark_n_routed_experts": shape.dspark_experts, "dspark_n_activated_experts": 3, "vision_n_layers": 0,
     })
     return cfg, extras
 
@@ -115,7 +117,7 @@ def write_release_shaped(out: Path, shape: ReleaseShape = ReleaseShape(), tokeni
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy2(tokenizer_dir / name, out / name)
-    from build_engines.model.engram import compressed_token_map_from_file
+    from ced.model.engram import compressed_token_map_from_file
 
     token_map = compressed_token_map_from_file(out / "tokenizer.json")
     vocab = len(token_map)
@@ -137,7 +139,8 @@ def write_release_shaped(out: Path, shape: ReleaseShape = ReleaseShape(), tokeni
         save_file({k: stored[k] for k in part}, str(out / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in part})
     total = sum(t.numel() * t.element_size() for t in stored.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(to_release_dict(cfg, extras), indent=4) + "\n")
     stamp_path.write_text(json.dumps(_stamp(shape)) + "\n")
     return out
@@ -148,10 +151,10 @@ def write_random_adapters(model_dir: Path, rank: int = 8, seed: int = 0) -> list
     the default's (the router reads each `mol2_description`): what `main.sh --model` needs to serve a checkpoint that
     has no trained adapters. Random like the weights they sit on: they exercise loading, stacking, routing and replay
     on the release's layout; what they answer means nothing. Each targets every Linear an adapter may target."""
-    from build_engines.formats.config_file import load_config
-    from build_engines.lora import decoder_lora_modules, random_adapter_weights, save_adapter
-    from build_engines.model.network import DecoderEngine
     from build_engines.routing.data import ADAPTER_DESCRIPTIONS
+    from ced.formats.config_file import load_config
+    from ced.lora import decoder_lora_modules, random_adapter_weights, save_adapter
+    from ced.model.network import DecoderEngine
 
     cfg = load_config(model_dir)
     with torch.device("meta"):

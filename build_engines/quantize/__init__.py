@@ -33,14 +33,15 @@ def check_quant(mode: str, kv_quant: str = "none", fmt: str = "onnx") -> None:
     if kv_quant not in KV_QUANT_MODES:
         raise ValueError(f"unknown --kv-quant {kv_quant!r}; choose one of {list(KV_QUANT_MODES)}")
     if kv_quant != "none" and mode not in ("fp8", "int8"):
-        raise QuantizationUnavailable(f"--kv-quant {kv_quant} needs a calibrated build (--quant fp8 or int8): its per-tensor "
-                                      f"scales come from the calibration run; --quant {mode} has none")
+        raise QuantizationUnavailable(f"--kv-quant {kv_quant} needs a calibrated build (--quant fp8 or int8): its "
+                                      f"per-tensor scales come from the calibration run; --quant {mode} has none")
     if kv_quant != "none" and fmt != "onnx":
-        raise QuantizationUnavailable(f"--kv-quant {kv_quant} is written for the ONNX engines (onnxruntime); the TensorRT "
-                                      f"runtime does not bind fp8 state yet")
+        raise QuantizationUnavailable(f"--kv-quant {kv_quant} is written for the ONNX engines (onnxruntime); the "
+                                      f"TensorRT runtime does not bind fp8 state yet")
     if mode == "nvfp4":
         where = ("this machine has no CUDA device (torch.cuda.is_available() is False)" if not cuda_available()
                  else "the nvfp4 engine path (calibration on the GPU, FP4 Q/DQ export) is not written yet")
         raise QuantizationUnavailable(
             f"--quant nvfp4 needs an NVIDIA GPU: ModelOpt's NVFP4 quantization runs only on CUDA tensors (and its "
-            f"engines need a Blackwell-class GPU with TensorRT to run in FP4); {where}. Build --quant fp8 or int8 on CPU.")
+            f"engines need a Blackwell-class GPU with TensorRT to run in FP4); {where}. Build --quant fp8 or int8 on "
+            f"CPU.")

@@ -16,21 +16,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from build_engines.export.layout import StepLayout
-from build_engines.export.rows import (
-    HANDOVER_FIELDS,
+from build_engines.quantize.heldout import HeldoutText, token_sequences
+from build_engines.quantize.kv_cache import StateAmax
+from build_engines.quantize.scoring import Adapters, Runner
+from ced.steps.layout import StepLayout
+from ced.steps.rows import (
     HANDOVER_KEYS,
-    DecoderRow,
-    EncoderRow,
-    absorb_decoder,
-    absorb_encoder,
-    decoder_inputs,
-    encoder_inputs,
 )
-
-from .heldout import HeldoutText, token_sequences
-from .kv_cache import StateAmax
-from .scoring import Adapters, Runner
+from ced.steps.step_loop import StepLoop
 
 SEQUENCE_TOKENS = 256  # per calibration sequence: two window lengths, so replays see a full window
 SEQUENCES_PER_KIND = 4
@@ -52,8 +45,8 @@ class CalibrationSet:
                 "decoder_feeds": self.decoder_feeds, "sequence_tokens": SEQUENCE_TOKENS}
 
 
-def write_calibration(out: Path, layout: StepLayout, encoder: Runner, decoder: Runner, heldout: HeldoutText, tokenizer: Path,
-                      adapters: Adapters) -> CalibrationSet:
+def write_calibration(out: Path, layout: StepLayout, encoder: Runner, decoder: Runner, heldout: HeldoutText,
+                      tokenizer: Path, adapters: Adapters) -> CalibrationSet:
     """Write `encoder_NNN.npz`, `decoder_NNN.npz` and `decoder_shared.npz` (the bank) into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     sequences = token_sequences(heldout, tokenizer, SEQUENCE_TOKENS, SEQUENCES_PER_KIND)
@@ -69,29 +62,22 @@ def write_calibration(out: Path, layout: StepLayout, encoder: Runner, decoder: R
     for kind, seq in tqdm(jobs, desc="calibration feeds", unit="seq", leave=False):
         ids = np.asarray(seq, np.int64)[None]
         slot = adapters.slot_of_kind.get(kind, 0)
-        erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-        outs = []
-        for lo, hi in ((0, FIRST_CHUNK), (FIRST_CHUNK, ids.shape[1])):
-            feed = encoder_inputs(layout, [erow], ids[:, lo:hi])
-            save("encoder", feed)
-            outs.append(encoder(feed))
-            amax.encoder(layout, outs[-1], [erow.position], hi - lo)
-            absorb_encoder(layout, [erow], outs[-1], hi - lo)
+
+        def observe(step: str, feed: dict[str, np.ndarray], result: dict[str, np.ndarray]) -> None:
+            if step == "encoder":  # before the row absorbs the step: its position is still the step's start
+                save("encoder", feed)
+                amax.encoder(layout, result, [loop.erows[0].position], feed["tokens"].shape[1])
+            else:
+                save("decoder", feed)
+                amax.decoder(result, [loop.drows[0].replay_count] if step == "replay" else [1])
+
+        loop = StepLoop(layout, encoder, decoder, [slot], adapters.bank, observe=observe)
+        outs = [loop.encode(ids[:, lo:hi]) for lo, hi in ((0, FIRST_CHUNK), (FIRST_CHUNK, ids.shape[1]))]
         handover = {k: np.concatenate([o[k][0] for o in outs]) for k in HANDOVER_KEYS}
         n = ids.shape[1] - DECODE_STEPS
-        drow.absorb(layout, {k: v[:n] for k, v in handover.items()})
-        feed = decoder_inputs(layout, [drow], None, [slot])
-        save("decoder", feed)
-        result = decoder({**feed, **adapters.bank})
-        amax.decoder(result, [drow.replay_count])
-        absorb_decoder([drow], result, feed, True, [slot])  # decode steps on real rings
+        loop.hand_over([{k: v[:n] for k, v in handover.items()}])
+        loop.replay()  # then decode steps on real rings
         for t in range(n, ids.shape[1]):
-            row = {k: v[t:t + 1] for k, v in handover.items()}
-            drow.absorb(layout, row)
-            feed = decoder_inputs(layout, [drow], [{k: row[k] for k in HANDOVER_FIELDS}], [slot])
-            save("decoder", feed)
-            result = decoder({**feed, **adapters.bank})
-            amax.decoder(result, [1])
-            absorb_decoder([drow], result, feed, False, [slot])
+            loop.decode([{k: v[t:t + 1] for k, v in handover.items()}])
     total = sum(len(s) for s in sequences.values())
     return CalibrationSet(out, counts["encoder"], counts["decoder"], total, total * SEQUENCE_TOKENS, amax)

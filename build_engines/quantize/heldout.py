@@ -79,9 +79,10 @@ def load_heldout(model_dir: Path, split: str, data_dir: Path | None = None) -> H
     return HeldoutText(split, texts, srcs, origin, hashlib.sha256(raw).hexdigest())
 
 
-def token_sequences(heldout: HeldoutText, tokenizer_path: Path, length: int, per_kind: int) -> dict[str, list[list[int]]]:
+def token_sequences(heldout: HeldoutText, tokenizer_path: Path, length: int,
+                    per_kind: int) -> dict[str, list[list[int]]]:
     """Up to `per_kind` sequences of exactly `length` token ids per kind (documents joined as the model saw them)."""
-    from build_engines.data.tokenizer import ChatTokenizer
+    from ced.text.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load(tokenizer_path)
     out: dict[str, list[list[int]]] = {}
@@ -96,12 +97,15 @@ def token_sequences(heldout: HeldoutText, tokenizer_path: Path, length: int, per
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m build_engines.quantize.heldout", description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, default=Path("artifacts/data"), help="prepared corpora")
-    p.add_argument("--model", type=Path, default=Path("embedded/mol2-small"), help="the sample goes to <model>/heldout/")
-    p.add_argument("--force", action="store_true", help="overwrite committed held-out files (those of embedded/mol2-small are)")
+    p.add_argument("--model", type=Path, default=Path("embedded/mol2-small"),
+                   help="the sample goes to <model>/heldout/")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite committed held-out files (those of embedded/mol2-small are)")
     args = p.parse_args(argv)
     from build_engines.committed import refuse_to_overwrite
 
-    refuse_to_overwrite([args.model / HELDOUT_DIR / f"{split}.jsonl" for split in SPLIT_CHARS], args.force, "--model DIR")
+    refuse_to_overwrite([args.model / HELDOUT_DIR / f"{split}.jsonl" for split in SPLIT_CHARS], args.force,
+                        "--model DIR")
     (args.model / HELDOUT_DIR).mkdir(parents=True, exist_ok=True)
     for split, chars in SPLIT_CHARS.items():
         records = extract(args.data, split, chars)

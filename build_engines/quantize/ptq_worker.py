@@ -26,9 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.inliner
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qdq import qdq_summary, rewrite_trt_qdq, weight_matmuls  # noqa: E402
+from qdq import qdq_summary, rewrite_trt_qdq, weight_matmuls
 
 CALIBRATION_METHOD = {"fp8": "max", "int8": "max"}  # amax of each activation over the calibration set
 
@@ -78,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graph", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--mode", choices=sorted(CALIBRATION_METHOD), required=True)
-    p.add_argument("--calib", type=Path, required=True, help="directory of <name>_NNN.npz calibration feeds (+ <name>_shared.npz)")
+    p.add_argument("--calib", type=Path, required=True,
+                   help="directory of <name>_NNN.npz calibration feeds (+ <name>_shared.npz)")
     p.add_argument("--report", type=Path, required=True)
     args = p.parse_args(argv)
 
@@ -102,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     reader = type("Reader", (NpzReader, CalibrationDataReader), {})(files, names, shared)
     moq.quantize(str(inlined), quantize_mode=args.mode, calibration_data_reader=reader,
                  calibration_method=CALIBRATION_METHOD[args.mode], calibration_eps=["cpu"], high_precision_dtype="fp32",
-                 op_types_to_quantize=["MatMul", "Gemm"], nodes_to_quantize=exact(nodes), nodes_to_exclude=exact(others),
-                 dq_only=True, output_path=str(args.out), log_level="WARNING")
+                 op_types_to_quantize=["MatMul", "Gemm"], nodes_to_quantize=exact(nodes),
+                 nodes_to_exclude=exact(others), dq_only=True, output_path=str(args.out), log_level="WARNING")
     inlined.unlink()
     quantized = onnx.load(str(args.out))
     rewritten = rewrite_trt_qdq(quantized)
@@ -115,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "tool": "modelopt.onnx.quantization.quantize", "modelopt": version("nvidia-modelopt"), "numpy": np.__version__,
         "mode": args.mode, "calibration_method": CALIBRATION_METHOD[args.mode], "calibration_feeds": len(files),
-        "weight_matmuls": len(nodes), "fp32_matmuls": len(others), "trt_nodes_rewritten": rewritten, **summary, "seconds": round(time.time() - t0, 1),
+        "weight_matmuls": len(nodes), "fp32_matmuls": len(others), "trt_nodes_rewritten": rewritten, **summary,
+        "seconds": round(time.time() - t0, 1),
     }
     args.report.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))

@@ -53,7 +53,8 @@ def rewrite_trt_qdq(model: onnx.ModelProto) -> int:
 def qdq_summary(model: onnx.ModelProto) -> dict[str, object]:
     """What quantization a graph holds: Q/DQ counts, zero-point/weight element types, any non-standard domains."""
     inits = {t.name: t for t in model.graph.initializer}
-    ops = collections.Counter(n.op_type for n in model.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear"))
+    ops = collections.Counter(n.op_type for n in model.graph.node
+                              if n.op_type in ("QuantizeLinear", "DequantizeLinear"))
     types: collections.Counter[str] = collections.Counter()
     quantized_weight_bytes = 0
     for node in model.graph.node:
@@ -81,5 +82,6 @@ def weight_matmuls(model: onnx.ModelProto, min_elements: int = 4096) -> list[str
         t = inits.get(name)
         return t is not None and len(t.dims) >= 2 and int(np.prod(t.dims)) >= min_elements
 
-    return [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and any(is_weight(i) for i in n.input[:2])]
+    return [n.name for n in model.graph.node
+            if n.op_type in ("MatMul", "Gemm") and any(is_weight(i) for i in n.input[:2])]
 

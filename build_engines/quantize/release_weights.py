@@ -35,7 +35,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from build_engines.formats.quant_formats import E2M1_VALUES
+from ced.model.quant_formats import E2M1_VALUES
 
 BLOCKED_DQ_OPSET = 21  # first opset whose DequantizeLinear takes block_size
 # How a runtime should open these graphs on onnxruntime: fold the dequantization chains into constants at load.
@@ -73,7 +73,8 @@ class StoredWeight:
         rows, cols = self.scale.shape
         if self.kind == "fp4":
             if rows != out or inn % cols or inn // cols != FP4_BLOCK:
-                raise ReleaseWeightError(f"{self.name}: fp4 scale {tuple(self.scale.shape)} is not one per {FP4_BLOCK} along in for {self.shape}")
+                raise ReleaseWeightError(f"{self.name}: fp4 scale {tuple(self.scale.shape)} is not one per "
+                                         f"{FP4_BLOCK} along in for {self.shape}")
             return 1, FP4_BLOCK
         b0, b1 = _block_extent(out, rows), _block_extent(inn, cols)
         return b0, b1
@@ -235,10 +236,13 @@ class _Emitter:
         scale = self._scales(w, w.name)
         if b0 > 1:  # one scale row per block of b0 weight rows: repeat each row b0 times, cut a partial last block
             scale = self._node("Unsqueeze", [scale, self._const(f"{w.name}.axis1", [1])], f"{w.name}.scale_3d")
-            scale = self._node("Expand", [scale, self._const(f"{w.name}.expand", [rows, b0, cols])], f"{w.name}.scale_rep")
-            scale = self._node("Reshape", [scale, self._const(f"{w.name}.rows", [rows * b0, cols])], f"{w.name}.scale_rows")
+            scale = self._node("Expand", [scale, self._const(f"{w.name}.expand", [rows, b0, cols])],
+                               f"{w.name}.scale_rep")
+            scale = self._node("Reshape", [scale, self._const(f"{w.name}.rows", [rows * b0, cols])],
+                               f"{w.name}.scale_rows")
             if rows * b0 != out:
-                scale = self._node("Slice", [scale, self._const(f"{w.name}.lo", [0]), self._const(f"{w.name}.hi", [out]),
+                scale = self._node("Slice", [scale, self._const(f"{w.name}.lo", [0]),
+                                             self._const(f"{w.name}.hi", [out]),
                                              self._const(f"{w.name}.axis0", [0])], f"{w.name}.scale_cut")
         return self._node("DequantizeLinear", [data, scale], f"{w.name}.dq", axis=1, block_size=b1)
 
@@ -248,8 +252,10 @@ class _Emitter:
         data = self._raw(f"{w.name}.fp4_packed", TensorProto.UINT8, w.data.view(torch.uint8))
         index = self._node("Cast", [data], f"{w.name}.codes", to=TensorProto.INT32)
         values = self._node("Gather", [FP4_TABLE, index], f"{w.name}.pairs")  # [out, in/2, 2]
-        values = self._node("Reshape", [values, self._const(f"{w.name}.blocks", [out, inn // block, block])], f"{w.name}.e2m1")
-        scale = self._node("Unsqueeze", [self._scales(w, w.name), self._const(f"{w.name}.axis2", [2])], f"{w.name}.scale_3d")
+        values = self._node("Reshape", [values, self._const(f"{w.name}.blocks", [out, inn // block, block])],
+                            f"{w.name}.e2m1")
+        scale = self._node("Unsqueeze", [self._scales(w, w.name), self._const(f"{w.name}.axis2", [2])],
+                           f"{w.name}.scale_3d")
         scaled = self._node("Mul", [values, scale], f"{w.name}.scaled")
         return self._node("Reshape", [scaled, self._const(f"{w.name}.shape", [out, inn])], f"{w.name}.dq")
 
@@ -268,7 +274,8 @@ class RewriteReport:
                 "weights": self.stored}
 
 
-def rewrite_graph(model: onnx.ModelProto, weights: dict[str, StoredWeight]) -> tuple[onnx.ModelProto, list[str], RewriteReport]:
+def rewrite_graph(model: onnx.ModelProto,
+                  weights: dict[str, StoredWeight]) -> tuple[onnx.ModelProto, list[str], RewriteReport]:
     """Replace (in place) every initializer that holds stored weights by their stored bytes and the nodes that
     dequantize them; returns the model, the names of the stored weights it uses, and a report."""
     matches = match_initializers(model, weights)
@@ -280,12 +287,14 @@ def rewrite_graph(model: onnx.ModelProto, weights: dict[str, StoredWeight]) -> t
         if len(parts) == 1:
             emitter.nodes.append(helper.make_node("Identity", parts, [m.initializer], name=f"{m.initializer}.rebuilt"))
         else:
-            emitter.nodes.append(helper.make_node("Concat", parts, [m.initializer], name=f"{m.initializer}.rebuilt", axis=m.axis))
+            emitter.nodes.append(helper.make_node("Concat", parts, [m.initializer], name=f"{m.initializer}.rebuilt",
+                                                  axis=m.axis))
     replaced = {m.initializer for m in matches}
     kept = [t for t in model.graph.initializer if t.name not in replaced]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept + _tables() + emitter.initializers)
-    nodes = emitter.nodes + list(model.graph.node)  # the rebuilt weights come first: the graph stays topologically sorted
+    # the rebuilt weights come first: the graph stays topologically sorted
+    nodes = emitter.nodes + list(model.graph.node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     for opset in list(model.opset_import) + [o for f in model.functions for o in f.opset_import]:

@@ -14,17 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from build_engines.export.layout import StepLayout
-from build_engines.export.rows import (
-    HANDOVER_FIELDS,
-    HANDOVER_KEYS,
-    DecoderRow,
-    EncoderRow,
-    absorb_decoder,
-    absorb_encoder,
-    decoder_inputs,
-    encoder_inputs,
-)
+from ced.steps.layout import StepLayout
+from ced.steps.step_loop import StepLoop
 
 Arrays = dict[str, np.ndarray]
 Runner = Callable[[Arrays], Arrays]
@@ -41,9 +32,9 @@ class Adapters:
 
 def bundled_adapters(model_dir: Path, layout: StepLayout) -> Adapters:
     """Every adapter under `<model>/adapters/` (folder `L<n>_<kind>`) in one bank; base text uses slot 0."""
-    from build_engines.formats.checkpoint import load_checkpoint
-    from build_engines.lora.bank import AdapterBank
-    from build_engines.lora.stacked import stack_adapters
+    from ced.formats.checkpoint import load_checkpoint
+    from ced.lora.bank import AdapterBank
+    from ced.steps.lora_stacked import stack_adapters
 
     net = load_checkpoint(model_dir)
     loaded = AdapterBank(net.cfg, net).load_bundled(model_dir)
@@ -53,26 +44,22 @@ def bundled_adapters(model_dir: Path, layout: StepLayout) -> Adapters:
     return Adapters(bank, slot_of_kind, {0: "base", **{i + 1: n for i, n in enumerate(names)}})
 
 
-def sequence_nll(layout: StepLayout, encoder: Runner, decoder: Runner, bank: Arrays, tokens: list[int], slot: int) -> np.ndarray:
+def sequence_nll(layout: StepLayout, encoder: Runner, decoder: Runner, bank: Arrays, tokens: list[int],
+                 slot: int) -> np.ndarray:
     """-log p(token[t+1] | tokens[..t]) for t = 0..L-2, under adapter `slot` (float64)."""
     ids = np.asarray(tokens, np.int64)[None]
-    erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-    out = encoder(encoder_inputs(layout, [erow], ids))
-    absorb_encoder(layout, [erow], out, ids.shape[1])
+    loop = StepLoop(layout, encoder, decoder, [slot], bank)
+    (handover,) = StepLoop.handovers(loop.encode(ids), 1)
     nll = np.empty(ids.shape[1] - 1)
     for t in range(ids.shape[1] - 1):
-        row = {k: out[k][0, t:t + 1] for k in HANDOVER_KEYS}
-        drow.absorb(layout, row)
-        feed = {**decoder_inputs(layout, [drow], [{k: row[k] for k in HANDOVER_FIELDS}], [slot]), **bank}
-        result = decoder(feed)
-        absorb_decoder([drow], result, feed, False, [slot])
-        logits = result["logits"][0].astype(np.float64)
+        logits = loop.decode([{k: v[t:t + 1] for k, v in handover.items()}])["logits"][0].astype(np.float64)
         top = logits.max()
         nll[t] = top + np.log(np.exp(logits - top).sum()) - logits[ids[0, t + 1]]
     return nll
 
 
-def perplexity(layout: StepLayout, encoder: Runner, decoder: Runner, bank: Arrays, sequences: list[list[int]], slot: int) -> float:
+def perplexity(layout: StepLayout, encoder: Runner, decoder: Runner, bank: Arrays, sequences: list[list[int]],
+               slot: int) -> float:
     """exp(mean NLL) over every predicted token of the sequences."""
     nll = np.concatenate([sequence_nll(layout, encoder, decoder, bank, s, slot) for s in sequences])
     return float(np.exp(nll.mean()))

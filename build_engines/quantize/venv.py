@@ -28,8 +28,8 @@ def quant_python() -> Path:
         return python
     if override:
         raise QuantEnvError(f"MOL2_QUANT_PYTHON={override} cannot import modelopt.onnx.quantization")
-    print(f"creating the quantization venv {QUANT_VENV} (bash {SETUP.relative_to(PROJECT_ROOT)}; ModelOpt needs numpy 2, "
-          f"kept out of .venv)", file=sys.stderr, flush=True)
+    print(f"creating the quantization venv {QUANT_VENV} (bash {SETUP.relative_to(PROJECT_ROOT)}; ModelOpt needs "
+          f"numpy 2, kept out of .venv)", file=sys.stderr, flush=True)
     t0 = time.time()
     done = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True)
     if done.returncode != 0:
@@ -45,7 +45,8 @@ def run_worker(graph: Path, out: Path, mode: str, calib: Path) -> dict:
            "--calib", str(calib), "--report", str(report)]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=PROJECT_ROOT)
     if done.returncode != 0 or not report.exists():
-        raise QuantEnvError(f"ModelOpt PTQ of {graph.name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise QuantEnvError(f"ModelOpt PTQ of {graph.name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                            f"{done.stderr[-3000:]}")
     result = json.loads(report.read_text())
     report.unlink()
     return result

@@ -36,11 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from build_engines.data.tokenizer import ChatTokenizer, Message
-from build_engines.lora import Adapter, AdapterBank
-from build_engines.model.conversation import Conversation
-from build_engines.model.network import EncoderEngine
-from build_engines.routing.pointer_head import (
+from ced.conversation import Conversation
+from ced.lora import Adapter, AdapterBank
+from ced.model.network import EncoderEngine
+from ced.routing.pointer_head import (
     ROUTE_PROMPT,
     OptionCache,
     PointerHead,
@@ -48,6 +47,7 @@ from build_engines.routing.pointer_head import (
     option_text,
     pool_h19,
 )
+from ced.text.tokenizer import ChatTokenizer, Message
 
 ROUTER_DIR = "router"
 ANSWER_INSTRUCTION = "Answer with the number."
@@ -91,18 +91,21 @@ class Router(abc.ABC):
 
     name: str = "router"
 
-    def decide(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str], h19: torch.Tensor | None = None) -> int:
+    def decide(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str],
+               h19: torch.Tensor | None = None) -> int:
         return self.decide_info(conv, query_ids, options, h19)[0]
 
     @abc.abstractmethod
-    def decide_info(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str], h19: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
+    def decide_info(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str],
+                    h19: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
         """(chosen index, details); `h19` is an optional precomputed H19 of the user turn (only MoL2 and
         Contextual MoL read it; by default they take it from `conv`'s last hand-over rows)."""
 
     def prepare(self, options: Sequence[str]) -> None:
         """Warm whatever the router caches per option list (called before timing; a no-op by default)."""
 
-    def timed(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str], h19: torch.Tensor | None = None) -> Decision:
+    def timed(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str],
+              h19: torch.Tensor | None = None) -> Decision:
         """The decision alone, wall-clock timed (nothing before or after it is counted)."""
         start = time.perf_counter()
         index, info = self.decide_info(conv, query_ids, options, h19)
@@ -136,7 +139,8 @@ def user_turn_h19(conv: Conversation, n_query: int, h19: torch.Tensor | None = N
     if rows is None or rows.positions.numel() == 0:
         raise RoutingError("the conversation has no encoded user turn to route on")
     if int(rows.positions[-1]) != conv.position - 1:
-        raise RoutingError(f"the last hand-over row is at position {int(rows.positions[-1])} but the encoder is at {conv.position}: the user turn is not the last thing absorbed")
+        raise RoutingError(f"the last hand-over row is at position {int(rows.positions[-1])} but the encoder is at "
+                           f"{conv.position}: the user turn is not the last thing absorbed")
     if rows.encoder_out.shape[0] != 1:
         raise RoutingError(f"routing reads one conversation at a time, got batch {rows.encoder_out.shape[0]}")
     n = max(1, min(int(n_query), rows.positions.shape[0]))
@@ -160,7 +164,8 @@ class MoLRouter(Router):
 
     name = "MoL"
 
-    def __init__(self, tokenizer: ChatTokenizer, adapter: Adapter | None, max_label_tokens: int = 24, stop_at_end: bool = True, role: str = "user") -> None:
+    def __init__(self, tokenizer: ChatTokenizer, adapter: Adapter | None, max_label_tokens: int = 24,
+                 stop_at_end: bool = True, role: str = "user") -> None:
         """`adapter` is L0 (None decodes with the base); `stop_at_end` stops at <|end|>/<|eos|> before
         `max_label_tokens` (False always decodes the full budget, the label-and-reason case)."""
         if max_label_tokens < 1:
@@ -187,7 +192,8 @@ class MoLRouter(Router):
         self.prompt_ids(options)
 
     @torch.no_grad()
-    def decide_info(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str], h19: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
+    def decide_info(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str],
+                    h19: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
         ids, numbers = self.prompt_ids(options)
         fork = conv.fork()  # every write below (encoder rows, global KV, rings, label tokens) stays in the fork
         device = fork.encoder.device
@@ -295,7 +301,8 @@ class ContextualMoLRouter(Router):
         return self._pool_spans(h, spans)
 
     @torch.no_grad()
-    def decide_info(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str], h19: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
+    def decide_info(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str],
+                    h19: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
         q = user_turn_h19(conv, len(query_ids), h19)
         keys = self.option_keys(conv, options)
         logits = self.head(q.unsqueeze(0).to(keys.device), keys)[0]
@@ -320,9 +327,12 @@ class ContextualMoLRouter(Router):
 
     def loss(self, examples: Sequence[ContextualExample]) -> float:
         with torch.no_grad():
-            return float(sum(F.cross_entropy(self.head(e.query[None], e.keys), torch.tensor([e.answer], device=e.keys.device)) for e in examples) / max(1, len(examples)))
+            return float(sum(F.cross_entropy(self.head(e.query[None], e.keys),
+                                             torch.tensor([e.answer], device=e.keys.device)) for e in examples)
+                         / max(1, len(examples)))
 
-    def fit(self, examples: Sequence[Any], epochs: int = 30, lr: float = 3e-3, batch: int = 32, weight_decay: float = 0.0, seed: int = 0) -> list[float]:
+    def fit(self, examples: Sequence[Any], epochs: int = 30, lr: float = 3e-3, batch: int = 32,
+            weight_decay: float = 0.0, seed: int = 0) -> list[float]:
         """Train the q/k head with cross-entropy over each question's options; returns the mean loss per epoch
         (the encoder is frozen; features are computed once)."""
         data = self.featurize(examples)
@@ -340,7 +350,8 @@ class ContextualMoLRouter(Router):
             total = 0.0
             for start in range(0, len(order), batch):
                 chunk = [data[i] for i in order[start : start + batch]]
-                loss = sum(F.cross_entropy(self.head(e.query[None], e.keys), torch.tensor([e.answer], device=e.keys.device)) for e in chunk) / len(chunk)
+                loss = sum(F.cross_entropy(self.head(e.query[None], e.keys),
+                                           torch.tensor([e.answer], device=e.keys.device)) for e in chunk) / len(chunk)
                 opt.zero_grad()
                 loss.backward()  # type: ignore[union-attr]
                 opt.step()
@@ -358,16 +369,19 @@ class MoL2Router(Router):
 
     name = "MoL2"
 
-    def __init__(self, head: PointerHead, embed_weight: torch.Tensor, tokenizer: ChatTokenizer, trained: bool = True) -> None:
+    def __init__(self, head: PointerHead, embed_weight: torch.Tensor, tokenizer: ChatTokenizer,
+                 trained: bool = True) -> None:
         if embed_weight.dim() != 2 or embed_weight.shape[1] != head.cfg.model_dim:
-            raise RoutingError(f"embedding {tuple(embed_weight.shape)} does not match the head's model_dim {head.cfg.model_dim}")
+            raise RoutingError(f"embedding {tuple(embed_weight.shape)} does not match the head's model_dim "
+                               f"{head.cfg.model_dim}")
         self.head = head.eval()
         self.embed = embed_weight.detach().float()
         self.tokenizer, self.trained = tokenizer, trained
         self._cache: _LRU = _LRU(OPTION_CACHE_SIZE)
 
     @classmethod
-    def from_model(cls, model_dir: str | Path, embed_weight: torch.Tensor, tokenizer: ChatTokenizer, seed: int = 0) -> "MoL2Router":
+    def from_model(cls, model_dir: str | Path, embed_weight: torch.Tensor, tokenizer: ChatTokenizer,
+                   seed: int = 0) -> "MoL2Router":
         """The trained head at `<model_dir>/router/` when present, else a seeded untrained head (`trained` False)."""
         router_dir = Path(model_dir) / ROUTER_DIR
         if (router_dir / "router_config.json").exists():
@@ -382,7 +396,8 @@ class MoL2Router(Router):
     def compute_option_side(self, options: Sequence[str]) -> OptionCache:
         """The option side, uncached: each option's route prompt + description through the embedding, then the head."""
         key = _check_options(options)
-        embedded = [self.embed[torch.tensor(self.tokenizer.encode(option_text(o)) or [self.tokenizer.pad_id])] for o in key]
+        embedded = [self.embed[torch.tensor(self.tokenizer.encode(option_text(o)) or [self.tokenizer.pad_id])]
+                    for o in key]
         return self.head.encode_options(embedded)
 
     def option_side(self, options: Sequence[str]) -> OptionCache:
@@ -402,6 +417,7 @@ class MoL2Router(Router):
         """The decision from a pooled H19 alone (what serving does)."""
         return int(self.scores(h19_pooled, options).argmax())
 
-    def decide_info(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str], h19: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
+    def decide_info(self, conv: Conversation, query_ids: Sequence[int], options: Sequence[str],
+                    h19: torch.Tensor | None = None) -> tuple[int, dict[str, Any]]:
         q = user_turn_h19(conv, len(query_ids), h19)
         return self.decide_h19(q, options), {}

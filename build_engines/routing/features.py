@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from build_engines.data.tokenizer import ChatTokenizer, Message
-from build_engines.model.network import EncoderEngine
 from build_engines.routing.train import query_ids
+from ced.model.network import EncoderEngine
+from ced.text.tokenizer import ChatTokenizer, Message
 
 POOLINGS = ("mean", "max", "meanmax", "last", "meanlast")
 
@@ -80,7 +80,8 @@ def extract_h19_tokens(encoder: EncoderEngine, tok: ChatTokenizer, queries: Sequ
     if histories is not None and len(histories) != len(queries):
         raise ValueError(f"{len(histories)} histories for {len(queries)} queries")
     hist_key = "" if histories is None else "\x01" + json.dumps([[(m.role, m.content) for m in h] for h in histories])
-    key = hashlib.sha256(("tokens\x00" + model_digest + "\x00" + "\x00".join(queries) + hist_key).encode()).hexdigest()[:16]
+    key = hashlib.sha256(("tokens\x00" + model_digest + "\x00" + "\x00".join(queries)
+                          + hist_key).encode()).hexdigest()[:16]
     path = cache_dir / f"h19tok_{key}.npz"
     if path.exists():
         with np.load(path) as z:

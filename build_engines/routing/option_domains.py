@@ -63,8 +63,10 @@ _SOURCES = {"novels": ("corpus", "novels", None), "news": ("labelled", "bbc_topi
 
 _BOOKS = {
     "austen-emma": ("Emma", "Jane Austen"), "austen-prideprejudice": ("Pride and Prejudice", "Jane Austen"),
-    "austen-sensesensibility": ("Sense and Sensibility", "Jane Austen"), "austen-persuasion": ("Persuasion", "Jane Austen"),
-    "austen-mansfieldpark": ("Mansfield Park", "Jane Austen"), "austen-northangerabbey": ("Northanger Abbey", "Jane Austen"),
+    "austen-sensesensibility": ("Sense and Sensibility", "Jane Austen"),
+    "austen-persuasion": ("Persuasion", "Jane Austen"),
+    "austen-mansfieldpark": ("Mansfield Park", "Jane Austen"),
+    "austen-northangerabbey": ("Northanger Abbey", "Jane Austen"),
     "moby-dick": ("Moby Dick", "Herman Melville"), "great-expectations": ("Great Expectations", "Charles Dickens"),
     "twenty-thousand-leagues-under-the-sea": ("Twenty Thousand Leagues under the Sea", "Jules Verne"),
     "the-war-of-the-worlds": ("The War of the Worlds", "H. G. Wells"),
@@ -76,7 +78,8 @@ _PHRASINGS: dict[str, tuple[str, ...]] = {
         "What happens to {character} in {book}?", "Summarise chapter {chapter} of {book}.", "What is {book} about?",
         "Explain this passage from {book}: \"{sentence}\"", "What does {character} mean when saying \"{sentence}\"",
         "Rewrite in plain English: \"{sentence}\"", "Who wrote {book}, and what is it about?",
-        "Describe the relationship between {character} and {other} in {book}.", "Write a paragraph in the style of {author}.",
+        "Describe the relationship between {character} and {other} in {book}.",
+        "Write a paragraph in the style of {author}.",
         "Quote a memorable line from {book}.", "Why does {character} matter to the story of {book}?",
         "Continue this passage from {book}: \"{sentence}\"",
     ),
@@ -99,7 +102,8 @@ def _chapter_slots(doc_id: str, text: str) -> dict[str, Any] | None:
     if book not in _BOOKS:
         return None
     lower = set(re.findall(r"\b[a-z]{3,}\b", text))
-    names = collections.Counter(w for w in re.findall(r"\b[A-Z][a-z]{2,}\b", text) if w.lower() not in lower and w not in _NOT_NAMES)
+    names = collections.Counter(w for w in re.findall(r"\b[A-Z][a-z]{2,}\b", text)
+                                if w.lower() not in lower and w not in _NOT_NAMES)
     characters = [w for w, k in names.most_common(6) if k >= 2]
     sentences = [" ".join(s.split()) for s in re.split(r"(?<=[.!?])\s+", text) if 6 <= len(s.split()) <= 22]
     if not characters or not sentences:
@@ -128,7 +132,8 @@ def _novel_requests(data_dir: Path, split: str, n: int, rng: random.Random) -> l
 
 def _labelled_requests(data_dir: Path, domain: str, split: str, n: int, rng: random.Random) -> list[str]:
     _, name, label = _SOURCES[domain]
-    rows = [r for r in reader.load_labelled(data_dir, name) if r["split"] == split and (label is None or r["label"] == label)]
+    rows = [r for r in reader.load_labelled(data_dir, name)
+            if r["split"] == split and (label is None or r["label"] == label)]
     rng.shuffle(rows)
     out = []
     for row in rows[:n]:
@@ -154,7 +159,8 @@ def domain_requests(data_dir: str | Path, domain: str, split: str, n: int, seed:
     return _labelled_requests(Path(data_dir), domain, split, n, rng)
 
 
-def _with_options(adapter_descriptions: list[str], answer: str, extra: list[str], rng: random.Random) -> tuple[list[str], int]:
+def _with_options(adapter_descriptions: list[str], answer: str, extra: list[str],
+                  rng: random.Random) -> tuple[list[str], int]:
     options = list(adapter_descriptions) + ([answer] if answer not in adapter_descriptions else []) + extra
     rng.shuffle(options)
     return options, options.index(answer)
@@ -181,8 +187,8 @@ def build_option_items(data_dir: str | Path, adapter_descriptions: dict[str, str
 
 
 def vary_options(items: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]:
-    """The items of `VARIED_TASKS` with 0-3 (`EXTRA_OPTIONS`) option-domain descriptions (one wording per domain) added to their
-    options, the answer re-indexed to the same description; other items unchanged. Seeded per item id."""
+    """The items of `VARIED_TASKS` with 0-3 (`EXTRA_OPTIONS`) option-domain descriptions (one wording per domain) added
+    to their options, the answer re-indexed to the same description; other items unchanged. Seeded per item id."""
     out = []
     for item in items:
         if item["task"] not in VARIED_TASKS:
@@ -196,7 +202,8 @@ def vary_options(items: list[dict[str, Any]], seed: int) -> list[dict[str, Any]]
     return out
 
 
-def manifest_record(items: list[dict[str, Any]], seed: int, train_per_domain: int, bench_per_domain: int) -> dict[str, Any]:
+def manifest_record(items: list[dict[str, Any]], seed: int, train_per_domain: int,
+                    bench_per_domain: int) -> dict[str, Any]:
     """How the option items were made, for the routing data manifest."""
     counts: dict[str, dict[str, int]] = collections.defaultdict(dict)
     for item in items:

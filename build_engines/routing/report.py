@@ -1,7 +1,7 @@
 """Adapter-routing scores for the report: accuracy, per class and a confusion matrix from one head's predictions.
 
-Kept apart from training so `scripts/train_router.py` (the study and the shipped head) and the zero-shot check
-score the two benchmarks (document windows, natural requests) the same way.
+Kept apart from training so the router stage (`router_stage.py`: the study and the shipped head) and the zero-shot
+check score the two benchmarks (document windows, natural requests) the same way.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import statistics
 from collections.abc import Sequence
 
 
-def adapter_scores(name: str, predicted: Sequence[str], expected: Sequence[str], labels: Sequence[str]) -> dict[str, float | list[list[int]]]:
+def adapter_scores(name: str, predicted: Sequence[str], expected: Sequence[str],
+                   labels: Sequence[str]) -> dict[str, float | list[list[int]]]:
     """`{name}` accuracy, `{name}:{label}` per-class accuracy and `{name}:confusion` (rows: expected label, columns:
     predicted label, both in `labels` order) from parallel lists of adapter names."""
     if len(predicted) != len(expected) or not expected:

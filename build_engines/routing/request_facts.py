@@ -265,8 +265,9 @@ def code_facts(doc_id: str, text: str) -> list[Fact]:
                             if a.strip() and a.strip() not in ("self", "cls"))
         snippet = textwrap.dedent("\n".join(lines[i: i + 6])).strip()
         facts.append({"module": module, "name": name, "kind": "class" if kind == "class" else "function",
-                      "args": arglist, "purpose": as_verb_phrase(doc) if kind == "def" else "", "snippet": snippet[:MAX_SNIPPET_CHARS].rstrip(),
-                      "method": "yes" if indent else "", "doc": doc_id})
+                      "args": arglist, "purpose": as_verb_phrase(doc) if kind == "def" else "",
+                      "snippet": snippet[:MAX_SNIPPET_CHARS].rstrip(), "method": "yes" if indent else "",
+                      "doc": doc_id})
     return facts
 
 

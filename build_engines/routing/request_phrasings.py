@@ -157,7 +157,8 @@ TEMPLATES: dict[str, dict[str, list[str]]] = {
 }
 
 OPENERS: dict[str, list[str]] = {
-    "train": ["", "", "", "", "hi, ", "quick question: ", "please, ", "hey! ", "I'm stuck. ", "sorry if this is basic, "],
+    "train": ["", "", "", "", "hi, ", "quick question: ", "please, ", "hey! ", "I'm stuck. ",
+              "sorry if this is basic, "],
     "benchmark": ["", "", "", "", "Hello. ", "Excuse me, ", "Hey there, ", "One more thing: ", "Need help. "],
 }
 CLOSERS: dict[str, list[str]] = {

@@ -186,7 +186,7 @@ def manifest_record(items: list[dict[str, Any]], drawn: dict[str, Any], seed: in
 
 
 # The zero-shot fifth domain: an adapter on Shakespeare's plays registered after the head was trained, with this
-# description only (`scripts/zero_shot_adapter.py`); no router training item is drawn from it (`option_domains`).
+# description only (`benchmarks/zero_shot_adapter.py`); no router training item is drawn from it (`option_domains`).
 ZERO_SHOT_ADAPTER, ZERO_SHOT_SOURCE, ZERO_SHOT_KIND = "L4_drama", "shakespeare", "drama"
 ZERO_SHOT_DESCRIPTION = ("recites and explains Shakespeare's plays: characters, acts and scenes, speeches, sonnets, "
                          "blank verse and Early Modern English")
@@ -205,7 +205,8 @@ def zero_shot_requests(data_dir: str | Path, source: str, kind: str, label: str,
         facts = [{**fact, "doc": doc_id} for fact in EXTRACTORS[kind](record["doc_id"], record["text"])]
         if facts:
             docs.append((doc_id, facts))
-    got = _draw(docs, kind, "benchmark", n, random.Random(f"{seed}:zero-shot:{source}"), set(), ZERO_SHOT_TEMPLATES[kind])
+    got = _draw(docs, kind, "benchmark", n, random.Random(f"{seed}:zero-shot:{source}"), set(),
+                ZERO_SHOT_TEMPLATES[kind])
     if not got:
         raise RequestDataError(f"no request could be built from the {split} documents of {source} in {data_dir}")
     return [{"id": f"zero_shot:{label}:{i:05d}", "query": query, "label": label, "doc": doc_id,

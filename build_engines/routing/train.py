@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from build_engines.data.tokenizer import ChatTokenizer, Message
-from build_engines.model.network import EncoderEngine
-from build_engines.routing.pointer_head import PointerHead, RouterConfig, option_text, pool_h19
+from ced.model.network import EncoderEngine
+from ced.routing.pointer_head import PointerHead, RouterConfig, option_text, pool_h19
+from ced.text.tokenizer import ChatTokenizer, Message
 
 MAX_QUERY_TOKENS = 192
 HISTORY_CHARS = 240  # each synthetic history message is cut to this many characters
@@ -65,7 +65,8 @@ def model_digest(model_dir: str | Path) -> str:
 
 
 @torch.no_grad()
-def extract_h19(encoder: EncoderEngine, tok: ChatTokenizer, queries: list[str], cache_dir: Path, model_digest: str, batch: int = 32, histories: Sequence[Sequence[Message]] | None = None) -> np.ndarray:
+def extract_h19(encoder: EncoderEngine, tok: ChatTokenizer, queries: list[str], cache_dir: Path, model_digest: str,
+                batch: int = 32, histories: Sequence[Sequence[Message]] | None = None) -> np.ndarray:
     """(N, dim) pooled H19 per query, batched with right padding (causal: padding never reaches real positions).
 
     With `histories`, query i is encoded after its conversation prefix, as a later turn is in serving."""
@@ -79,7 +80,8 @@ def extract_h19(encoder: EncoderEngine, tok: ChatTokenizer, queries: list[str], 
     seqs = [query_ids(tok, q, histories[i] if histories is not None else ()) for i, q in enumerate(queries)]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
     out = np.zeros((len(queries), encoder.cfg.dim), dtype=np.float32)
-    for start in tqdm(range(0, len(order), batch), desc="H19 extraction" + (" (with history)" if histories is not None else ""), leave=False):
+    for start in tqdm(range(0, len(order), batch),
+                      desc="H19 extraction" + (" (with history)" if histories is not None else ""), leave=False):
         idx = order[start : start + batch]
         lengths = [len(seqs[i][0]) + len(seqs[i][1]) for i in idx]
         T = max(lengths)
@@ -111,7 +113,8 @@ class TaskSet:
         return self.features.shape[0]
 
     def subset(self, idx: torch.Tensor) -> "TaskSet":
-        return TaskSet(self.task, self.descriptions, self.features[idx], self.candidates[idx], self.answers[idx], self.option_tokens)
+        return TaskSet(self.task, self.descriptions, self.features[idx], self.candidates[idx], self.answers[idx],
+                       self.option_tokens)
 
 
 def build_task_sets(items: list[dict], features: np.ndarray, tok: ChatTokenizer) -> dict[str, TaskSet]:
@@ -128,7 +131,8 @@ def build_task_sets(items: list[dict], features: np.ndarray, tok: ChatTokenizer)
             for d in items[i]["options"]:
                 cand[r, pos[d]] = True
             ans[r] = pos[items[i]["options"][items[i]["answer"]]]
-        sets[task] = TaskSet(task, descriptions, torch.from_numpy(features[rows]), cand, ans, [torch.tensor(tok.encode(option_text(d))) for d in descriptions])
+        sets[task] = TaskSet(task, descriptions, torch.from_numpy(features[rows]), cand, ans,
+                             [torch.tensor(tok.encode(option_text(d))) for d in descriptions])
     return sets
 
 
@@ -137,7 +141,8 @@ def _logits(head: PointerHead, embed: torch.Tensor, ts: TaskSet, rows: torch.Ten
     return head.score(ts.features[rows], cache, ts.candidates[rows])
 
 
-def train_head(head: PointerHead, embed: torch.Tensor, stages: list[list[TaskSet]], steps_per_stage: list[int], batch: int = 64, lr: float = 2e-3, seed: int = 0, progress: bool = True) -> list[float]:
+def train_head(head: PointerHead, embed: torch.Tensor, stages: list[list[TaskSet]], steps_per_stage: list[int],
+               batch: int = 64, lr: float = 2e-3, seed: int = 0, progress: bool = True) -> list[float]:
     """Each stage samples batches across its task sets in proportion to their sizes; returns the loss curve."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -153,7 +158,8 @@ def train_head(head: PointerHead, embed: torch.Tensor, stages: list[list[TaskSet
             lr_now = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(1, total))))
             for group in opt.param_groups:
                 group["lr"] = lr_now
-            counts = torch.multinomial(sizes / sizes.sum(), batch, replacement=True, generator=g).bincount(minlength=len(sets))
+            counts = torch.multinomial(sizes / sizes.sum(), batch, replacement=True,
+                                       generator=g).bincount(minlength=len(sets))
             loss = torch.zeros(())
             for ts, n in zip(sets, counts.tolist()):
                 if n == 0:
@@ -177,7 +183,8 @@ def train_head(head: PointerHead, embed: torch.Tensor, stages: list[list[TaskSet
 def predictions(head: PointerHead, embed: torch.Tensor, ts: TaskSet, batch: int = 512) -> torch.Tensor:
     """(N,) chosen description index per item."""
     head.eval()
-    return torch.cat([_logits(head, embed, ts, torch.arange(s, min(s + batch, len(ts)))).argmax(-1) for s in range(0, len(ts), batch)])
+    return torch.cat([_logits(head, embed, ts, torch.arange(s, min(s + batch, len(ts)))).argmax(-1)
+                      for s in range(0, len(ts), batch)])
 
 
 def accuracy(head: PointerHead, embed: torch.Tensor, ts: TaskSet, batch: int = 512) -> float:

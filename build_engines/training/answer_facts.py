@@ -25,7 +25,8 @@ from build_engines.routing.request_facts import Fact
 
 HELDOUT_SHARE = 0.25
 # Fields that identify a fact, per domain: a training fact is dropped when any of them is held out.
-IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {"agent": ("cmd", "option", "option2"), "code": ("name",), "design": ("property",)}
+IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {"agent": ("cmd", "option", "option2"), "code": ("name",),
+                                               "design": ("property",)}
 # Common English words that say nothing about what an utterance is about (the chat key is any other word).
 _STOPWORDS = frozenset("""
 about above after again against also always another anything around because been before being below between

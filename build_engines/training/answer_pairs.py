@@ -58,7 +58,8 @@ def _agent_answer(fact: Fact, fields: set[str], rng: random.Random) -> str:
                   f"{cmd} is the command: it is used to {summary}; for example: {usage}"]
         return rng.choice(shapes)
     option = fact["option"]
-    does = f"it will {fact['option_desc']}" if fact.get("option_desc") else f"it is an option of {cmd}, which is used to {summary}"
+    does = (f"it will {fact['option_desc']}" if fact.get("option_desc")
+            else f"it is an option of {cmd}, which is used to {summary}")
     shapes = [f"{option}: {does}. For example: {cmd} {option}",
               f"{option} ({cmd}) - {does}.",
               f"{option} is an option of {cmd}: {does}. Usage: {usage}"]
@@ -199,7 +200,8 @@ def build_answer_data(data_dir: str | Path, seed: int = 0, train_per_domain: int
                 return fact.get(key_field(kind, fields), "") in trained
 
             rng = random.Random(f"{seed}:answers:seen:{kind}")
-            for i, (fact, request, index) in enumerate(draw(test_docs, kind, "benchmark", eval_per_domain, rng, seen_ok)):
+            for i, (fact, request, index) in enumerate(draw(test_docs, kind, "benchmark", eval_per_domain, rng,
+                                                            seen_ok)):
                 fields = set(template_fields(TEMPLATES["benchmark"][kind][index]))
                 key = fact[key_field(kind, fields)]
                 seen.append({"id": f"answers:seen:{adapter}:{i:04d}", "domain": kind, "adapter": adapter,
@@ -245,7 +247,8 @@ def write_answer_data(data_dir: str | Path, out_dir: str | Path, seed: int = 0,
     """Build the pairs once into `out_dir` (pairs.jsonl, eval.jsonl, manifest.json); a re-run with the same
     settings and data reads them back instead of rebuilding."""
     out_dir = Path(out_dir)
-    settings = {"format_version": FORMAT_VERSION, "seed": seed, "train_per_domain": train_per_domain, "eval_per_domain": eval_per_domain,
+    settings = {"format_version": FORMAT_VERSION, "seed": seed, "train_per_domain": train_per_domain,
+                "eval_per_domain": eval_per_domain,
                 "data_manifest_sha256": hashlib.sha256((Path(data_dir) / "manifest.json").read_bytes()).hexdigest()}
     manifest_path = out_dir / MANIFEST_FILE
     if manifest_path.exists() and json.loads(manifest_path.read_text()).get("settings") == settings:
@@ -255,7 +258,8 @@ def write_answer_data(data_dir: str | Path, out_dir: str | Path, seed: int = 0,
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in ((PAIRS_FILE, data["train"]), (EVAL_FILE, data["eval"]), (SEEN_FILE, data["seen"])):
         (out_dir / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    files = {name: hashlib.sha256((out_dir / name).read_bytes()).hexdigest() for name in (PAIRS_FILE, EVAL_FILE, SEEN_FILE)}
+    files = {name: hashlib.sha256((out_dir / name).read_bytes()).hexdigest()
+             for name in (PAIRS_FILE, EVAL_FILE, SEEN_FILE)}
     manifest = {"settings": settings, **data["manifest"], "files_sha256": files}
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
     return {**data, "manifest": manifest}

@@ -26,10 +26,6 @@ import torch
 
 from build_engines.data.corpora.reader import sources
 from build_engines.data.token_data import Mixture, size_weights, token_stream, tokenizer_digest
-from build_engines.data.tokenizer import TOKENIZER_FILE, ChatTokenizer
-from build_engines.formats.checkpoint import load_checkpoint
-from build_engines.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from build_engines.model.network import CEDNetwork
 from build_engines.training.answer_pairs import ADAPTERS, write_answer_data
 from build_engines.training.answer_tuning import (
     STAGE_KEY,
@@ -39,6 +35,10 @@ from build_engines.training.answer_tuning import (
     stage_record,
     tune_adapter,
 )
+from ced.formats.checkpoint import load_checkpoint
+from ced.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ced.model.network import CEDNetwork
+from ced.text.tokenizer import TOKENIZER_FILE, ChatTokenizer
 
 
 def keep_domain_adapter(model_adapter: Path, keep: Path) -> Path:
@@ -48,9 +48,11 @@ def keep_domain_adapter(model_adapter: Path, keep: Path) -> Path:
     if STAGE_KEY in cfg:
         if not (keep / ADAPTER_WEIGHTS).exists():
             raise FileNotFoundError(f"{model_adapter} is already answer-tuned and {keep} holds no domain-text adapter "
-                                    "to start from; restore the domain adapter there (or remove the model's adapter to retrain it)")
+                                    "to start from; restore the domain adapter there (or remove the model's adapter to "
+                                    "retrain it)")
         return keep
-    if (keep / ADAPTER_WEIGHTS).exists() and (keep / ADAPTER_WEIGHTS).read_bytes() == (model_adapter / ADAPTER_WEIGHTS).read_bytes():
+    if ((keep / ADAPTER_WEIGHTS).exists()
+            and (keep / ADAPTER_WEIGHTS).read_bytes() == (model_adapter / ADAPTER_WEIGHTS).read_bytes()):
         return keep
     shutil.rmtree(keep, ignore_errors=True)
     tmp = keep.with_name(keep.name + ".tmp")
@@ -83,7 +85,8 @@ def run_answer_stage(net: CEDNetwork, tok: ChatTokenizer, data_dir: Path, train_
         srcs = sources(data_dir, kind)
         text = Mixture({s: train_streams[s] for s in srcs}, size_weights(train_streams, srcs))
         t = time.perf_counter()
-        history = tune_adapter(net, start, name, pairs, text, settings, work / "answers" / name, target, record, tok.pad_id)
+        history = tune_adapter(net, start, name, pairs, text, settings, work / "answers" / name, target, record,
+                               tok.pad_id)
         timings[f"answers_{name}_s"] = max(time.perf_counter() - t, training_seconds(history))
     return timings
 
@@ -104,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser, steps: int | None = None) -> 
     the default build until its adapters meet the goal in every domain; see docs/model_card.md)."""
     d = AnswerSettings()
     parser.add_argument("--answer-steps", type=int, default=d.steps if steps is None else steps,
-                        help=f"answer fine-tuning steps per adapter (0: skip the stage; the recipe measured: {d.steps})")
+                        help=f"answer fine-tuning steps per adapter (0: skip the stage; the recipe measured: "
+                             f"{d.steps})")
     parser.add_argument("--answer-pair-rows", type=int, default=d.pair_rows)
     parser.add_argument("--answer-text-rows", type=int, default=d.text_rows, help="domain-text windows per step")
     parser.add_argument("--answer-seq-len", type=int, default=d.seq_len)
@@ -120,7 +124,8 @@ def settings_from(args: argparse.Namespace) -> AnswerSettings:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=Path("embedded/mol2-small"), help="base model and its domain adapters")
+    parser.add_argument("--model", type=Path, default=Path("embedded/mol2-small"),
+                        help="base model and its domain adapters")
     parser.add_argument("--data", type=Path, default=Path("artifacts/data"))
     parser.add_argument("--out", type=Path, default=Path("artifacts/answers/adapters"))
     parser.add_argument("--work", type=Path, default=Path("artifacts/train"))
@@ -136,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                for kind in ADAPTERS for s in sources(args.data, kind)}
     net = load_checkpoint(args.model)
     timings = run_answer_stage(net, tok, args.data, streams, args.model / "adapters", args.out, args.work,
-                               settings_from(args), args.answer_train_pairs, args.answer_eval_requests, tuple(args.adapters))
+                               settings_from(args), args.answer_train_pairs, args.answer_eval_requests,
+                               tuple(args.adapters))
     print(json.dumps(timings, indent=1))
 
 

@@ -22,10 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from build_engines.data.token_data import Mixture
-from build_engines.data.tokenizer import ChatTokenizer, Message
-from build_engines.lora import Adapter, AdapterBank, save_adapter
-from build_engines.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from build_engines.model.network import CEDNetwork
 from build_engines.training.train import (
     STATE_FILE,
     TrainSettings,
@@ -33,6 +29,10 @@ from build_engines.training.train import (
     adapter_parameters,
     run_training,
 )
+from ced.lora import Adapter, AdapterBank, save_adapter
+from ced.lora.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ced.model.network import CEDNetwork
+from ced.text.tokenizer import ChatTokenizer, Message
 
 STAGE_KEY = "mol2_training"  # in adapter_config.json: which stage produced the adapter, with its settings
 
@@ -65,7 +65,8 @@ class PairBatches:
     """Batches of `pair_rows` pairs (right-padded) and `text_rows` domain-text windows, as one (2, rows, width)
     tensor: ids and loss mask. Has the `batch(rng, batch, seq_len)` shape `run_training` samples from."""
 
-    def __init__(self, pairs: list[tuple[list[int], list[int]]], text: Mixture, settings: AnswerSettings, pad_id: int) -> None:
+    def __init__(self, pairs: list[tuple[list[int], list[int]]], text: Mixture, settings: AnswerSettings,
+                 pad_id: int) -> None:
         if not pairs:
             raise ValueError("no pairs to fine-tune on")
         self.pairs, self.text, self.settings, self.pad_id = pairs, text, settings, pad_id
@@ -133,11 +134,13 @@ def stage_record(source_dir: Path, settings: AnswerSettings, pairs_sha256: str) 
 def is_done(out_dir: Path, record: dict[str, Any]) -> bool:
     """Whether `out_dir` already holds the adapter this exact run would write (the stage is then skipped)."""
     cfg = out_dir / ADAPTER_CONFIG
-    return (out_dir / ADAPTER_WEIGHTS).exists() and cfg.exists() and json.loads(cfg.read_text()).get(STAGE_KEY) == record
+    return ((out_dir / ADAPTER_WEIGHTS).exists() and cfg.exists()
+            and json.loads(cfg.read_text()).get(STAGE_KEY) == record)
 
 
 def tune_adapter(net: CEDNetwork, source_dir: Path, name: str, pairs: list[tuple[list[int], list[int]]], text: Mixture,
-                 settings: AnswerSettings, work_dir: Path, out_dir: Path, record: dict[str, Any], pad_id: int) -> list[dict]:
+                 settings: AnswerSettings, work_dir: Path, out_dir: Path, record: dict[str, Any],
+                 pad_id: int) -> list[dict]:
     """Fine-tune the adapter in `source_dir` on `pairs` + `text` and write it to `out_dir` (PEFT layout, the source's
     config keys kept, `mol2_training` added). Resumes from `work_dir` when interrupted."""
     for p in net.parameters():
@@ -145,7 +148,8 @@ def tune_adapter(net: CEDNetwork, source_dir: Path, name: str, pairs: list[tuple
     work_dir.mkdir(parents=True, exist_ok=True)
     record_path = work_dir / "record.json"
     if record_path.exists() and json.loads(record_path.read_text()) != record:
-        (work_dir / STATE_FILE).unlink(missing_ok=True)  # other pairs or another start: this state is not ours to resume
+        # other pairs or another start: this state is not ours to resume
+        (work_dir / STATE_FILE).unlink(missing_ok=True)
     record_path.write_text(json.dumps(record, indent=1) + "\n")
     bank = AdapterBank(net.cfg, net)
     adapter = trainable_copy(bank.load(source_dir, name=name, path_id=f"adapters/{name}"))

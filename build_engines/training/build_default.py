@@ -31,11 +31,6 @@ import torch
 from build_engines.committed import refuse_to_overwrite
 from build_engines.data.corpora.reader import iter_documents, load_manifest, sources
 from build_engines.data.token_data import Mixture, size_weights, token_stream, tokenizer_digest
-from build_engines.data.tokenizer import TOKENIZER_FILE, ChatTokenizer, train_tokenizer
-from build_engines.formats.checkpoint import load_checkpoint, save_checkpoint
-from build_engines.lora import AdapterBank
-from build_engines.model.config import get_preset
-from build_engines.model.network import CEDNetwork, init_weights
 from build_engines.training.answer_stage import add_arguments as add_answer_arguments
 from build_engines.training.answer_stage import run_answer_stage, settings_from
 from build_engines.training.drafter_stage import DataSettings as DrafterDataSettings
@@ -49,6 +44,11 @@ from build_engines.training.train import (
     train_adapter,
     trainable_adapter,
 )
+from ced.formats.checkpoint import load_checkpoint, save_checkpoint
+from ced.lora import AdapterBank
+from ced.model.config import get_preset
+from ced.model.network import CEDNetwork, init_weights
+from ced.text.tokenizer import TOKENIZER_FILE, ChatTokenizer, train_tokenizer
 
 DOMAINS = {"chat": "L0_chat", "agent": "L1_agent", "code": "L2_code", "design": "L3_design"}
 MANIFEST = "manifest.json"
@@ -94,17 +94,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--adapter-steps", type=int, default=100)
     parser.add_argument("--batch", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--domain-share", type=float, default=0.1, help="share of base pre-training drawn from the adapter domains")
+    parser.add_argument("--domain-share", type=float, default=0.1,
+                        help="share of base pre-training drawn from the adapter domains")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--eval-windows", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the base training step")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.compile the base training step")
     add_answer_arguments(parser, steps=0)
-    parser.add_argument("--drafter-steps", type=int, default=DrafterTraining().steps, help="last stage: self-distil the "
-                        "DSpark drafter into OUT/drafter/ (drafter_stage; skipped when it exists; 0: no drafter)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default; 1 while others share the machine)")
-    parser.add_argument("--force", action="store_true", help="write into --out even where it holds committed files (the default "
-                        "--out, embedded/mol2-small, is committed: its manifest and adapters would be rewritten)")
+    parser.add_argument("--drafter-steps", type=int, default=DrafterTraining().steps,
+                        help="last stage: self-distil the DSpark drafter into OUT/drafter/ (drafter_stage; skipped "
+                        "when it exists; 0: no drafter)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (0: torch's default; 1 while others share the machine)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into --out even where it holds committed files (the default --out, "
+                        "embedded/mol2-small, is committed: its manifest and adapters would be rewritten)")
     args = parser.parse_args(argv)
     refuse_to_overwrite([args.out], args.force, "--out DIR (e.g. artifacts/mol2-small)")
     if args.threads:
@@ -126,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     domain_sources = {d: sources(args.data, d) for d in DOMAINS}
     all_sources = base_sources + [s for d in DOMAINS for s in domain_sources[d]]
     t = time.perf_counter()
-    streams = {split: {s: token_stream(args.data, s, split, tok, cache, digest) for s in all_sources} for split in ("train", "val", "test")}
+    streams = {split: {s: token_stream(args.data, s, split, tok, cache, digest) for s in all_sources}
+               for split in ("train", "val", "test")}
     timings["tokenize_s"] = time.perf_counter() - t
 
     cfg = get_preset(args.preset, vocab_size=tok.vocab_size)
@@ -142,9 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         dw = size_weights(streams["train"], domain_all)
         total_dom = sum(dw.values())
         share = args.domain_share
-        mixture_weights = {s: (1 - share) * w / total_base for s, w in weights.items()} | {s: share * w / total_dom for s, w in dw.items()}
+        mixture_weights = ({s: (1 - share) * w / total_base for s, w in weights.items()}
+                           | {s: share * w / total_dom for s, w in dw.items()})
         mixture = Mixture({s: streams["train"][s] for s in mixture_weights}, mixture_weights)
-        settings = TrainSettings(steps=args.base_steps, batch=args.batch, seq_len=args.seq_len, lr=2e-3, warmup=60, weight_decay=0.1, seed=args.seed, compile=args.compile and device.type == "cpu")
+        settings = TrainSettings(steps=args.base_steps, batch=args.batch, seq_len=args.seq_len, lr=2e-3, warmup=60,
+                                 weight_decay=0.1, seed=args.seed, compile=args.compile and device.type == "cpu")
         t = time.perf_counter()
         history = run_training(net, list(net.parameters()), mixture, settings, work / "base", "base pre-training")
         timings["base_training_s"] = time.perf_counter() - t
@@ -160,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         if (target / "adapter_model.safetensors").exists():
             continue
         adapter = trainable_adapter(net, name, f"adapters/{name}", args.rank, 2.0 * args.rank, True, args.seed + 1)
-        mixture = Mixture({s: streams["train"][s] for s in domain_sources[domain]}, size_weights(streams["train"], domain_sources[domain]))
-        settings = TrainSettings(steps=args.adapter_steps, batch=args.batch, seq_len=args.seq_len, lr=3e-3, warmup=10, weight_decay=0.0, seed=args.seed + 1, checkpoint_every=40)
+        mixture = Mixture({s: streams["train"][s] for s in domain_sources[domain]},
+                          size_weights(streams["train"], domain_sources[domain]))
+        settings = TrainSettings(steps=args.adapter_steps, batch=args.batch, seq_len=args.seq_len, lr=3e-3, warmup=10,
+                                 weight_decay=0.0, seed=args.seed + 1, checkpoint_every=40)
         t = time.perf_counter()
         train_adapter(net, adapter, mixture, settings, work / f"adapter_{name}", target, cfg.name)
         timings[f"adapter_{name}_s"] = time.perf_counter() - t
@@ -176,28 +186,37 @@ def main(argv: list[str] | None = None) -> None:
     net = load_checkpoint(base_dir).to(device)
     bank = AdapterBank(net.cfg, net)
     bank.attach(net)
-    adapters = {name: bank.load(adapters_dir / name, name=name, path_id=f"adapters/{name}") for name in DOMAINS.values()}
+    adapters = {name: bank.load(adapters_dir / name, name=name, path_id=f"adapters/{name}")
+                for name in DOMAINS.values()}
     t = time.perf_counter()
-    base_ppl = {split: {s: perplexity(net, streams[split][s], args.seq_len, args.eval_windows) for s in all_sources} for split in ("val", "test")}
+    base_ppl = {split: {s: perplexity(net, streams[split][s], args.seq_len, args.eval_windows) for s in all_sources}
+                for split in ("val", "test")}
     domain_test = {d: domain_sources[d] for d in DOMAINS}
-    table: dict[str, dict[str, float]] = {"BASE": {d: _mean_ppl(net, streams["test"], srcs, args, None) for d, srcs in domain_test.items()}}
+    table: dict[str, dict[str, float]] = {
+        "BASE": {d: _mean_ppl(net, streams["test"], srcs, args, None) for d, srcs in domain_test.items()}
+    }
     for name, adapter in adapters.items():
         table[name] = {d: _mean_ppl(net, streams["test"], srcs, args, adapter) for d, srcs in domain_test.items()}
     timings["evaluation_s"] = time.perf_counter() - t
 
-    files = {p.relative_to(out).as_posix(): sha256(p) for p in sorted(out.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    files = {p.relative_to(out).as_posix(): sha256(p) for p in sorted(out.rglob("*"))
+             if p.is_file() and p.name != MANIFEST}
     manifest = {
         "preset": cfg.name,
         "config": cfg.to_dict(),
-        "command": "python -m build_engines.training.build_default " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "command": "python -m build_engines.training.build_default "
+                   + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "settings": vars(args) | {"data": str(args.data), "out": str(args.out), "work": str(args.work)},
         "data_manifest_sha256": hashlib.sha256(json.dumps(data_manifest, sort_keys=True).encode()).hexdigest(),
         "tokenizer_sha256": sha256(out / TOKENIZER_FILE),
         "parameters": sum(p.numel() for p in net.parameters()),
-        "adapters": {name: {"path": f"adapters/{name}", "hash": a.hash, "rank": a.rank, "alpha": a.alpha, "modules": len(a.modules), "domain": d} for (d, name), a in zip(DOMAINS.items(), adapters.values())},
+        "adapters": {name: {"path": f"adapters/{name}", "hash": a.hash, "rank": a.rank, "alpha": a.alpha,
+                            "modules": len(a.modules), "domain": d}
+                     for (d, name), a in zip(DOMAINS.items(), adapters.values())},
         "perplexity": {"base_by_source": base_ppl, "adapter_by_domain_test": table},
         "timings_s": timings,
-        "machine": {"device": str(device), "cpu_count": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": {"device": str(device), "cpu_count": torch.get_num_threads(), "platform": platform.platform(),
+                    "torch": torch.__version__},
         "files_sha256": files,
         "total_bytes": sum((out / f).stat().st_size for f in files),
         "wall_s": time.perf_counter() - started,
@@ -210,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     record_smoke_generation(out)
     if args.drafter_steps > 0 and not (out / "drafter").exists():
         run_drafter_stage(out, args.data, work / "drafter", DrafterDataSettings(seed=args.seed),
-                          DrafterTraining(steps=args.drafter_steps, seed=args.seed), manifest["command"] + " (drafter stage)")
+                          DrafterTraining(steps=args.drafter_steps, seed=args.seed),
+                          manifest["command"] + " (drafter stage)")
     print(json.dumps(manifest["perplexity"]["adapter_by_domain_test"], indent=1))
     print(f"embedded default written to {out} ({manifest['total_bytes'] / 1e6:.1f} MB)")
 
@@ -220,7 +240,8 @@ def answers_record(work: Path, adapters_dir: Path) -> dict:
     from build_engines.training.answer_tuning import STAGE_KEY
 
     pairs = json.loads((work / "answers" / "pairs" / "manifest.json").read_text())
-    runs = {name: json.loads((adapters_dir / name / "adapter_config.json").read_text()).get(STAGE_KEY) for name in DOMAINS.values()}
+    runs = {name: json.loads((adapters_dir / name / "adapter_config.json").read_text()).get(STAGE_KEY)
+            for name in DOMAINS.values()}
     return {"pairs": pairs, "adapters": runs}
 
 
@@ -232,7 +253,8 @@ def merge_previous(path: Path, manifest: dict) -> dict:
     previous = json.loads(path.read_text())
     before = previous.get("timings_s", {})
     cached = ("tokenizer_s", "tokenize_s")  # always timed, but only loaded from disk when the stage was skipped
-    timings = before | {k: v for k, v in manifest["timings_s"].items() if k not in before or (v > 0 and k not in cached)}
+    timings = before | {k: v for k, v in manifest["timings_s"].items()
+                        if k not in before or (v > 0 and k not in cached)}
     merged = previous | manifest | {"timings_s": timings}
     merged["wall_s"] = max(manifest["wall_s"], sum(timings.values()))
     return merged
@@ -294,7 +316,8 @@ def _mean_ppl(net: CEDNetwork, streams: dict, srcs: list[str], args: argparse.Na
     import math
 
     total_tokens = sum(min(streams[s].shape[0], args.eval_windows * args.seq_len) for s in srcs)
-    log_sum = sum(math.log(perplexity(net, streams[s], args.seq_len, args.eval_windows, adapter)) * min(streams[s].shape[0], args.eval_windows * args.seq_len) for s in srcs)
+    log_sum = sum(math.log(perplexity(net, streams[s], args.seq_len, args.eval_windows, adapter))
+                  * min(streams[s].shape[0], args.eval_windows * args.seq_len) for s in srcs)
     return math.exp(log_sum / max(1, total_tokens))
 
 

@@ -49,11 +49,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from build_engines.committed import refuse_to_overwrite
-from build_engines.lora import Adapter, AdapterBank
-from build_engines.model.drafter_files import DRAFTER_DIR, WEIGHTS_FILE, load_drafter, save_drafter
-from build_engines.model.dspark import DSpark, DSparkSpec
-from build_engines.model.network import CEDNetwork, init_weights
 from build_engines.training.train import lr_at, save_atomic
+from ced.formats.drafter_files import DRAFTER_DIR, WEIGHTS_FILE, load_drafter, save_drafter
+from ced.lora import Adapter, AdapterBank
+from ced.model.dspark import DSpark, DSparkSpec
+from ced.model.network import CEDNetwork, init_weights
 
 FORMAT_VERSION = 1  # bump when the generated data changes for the same model, data and settings
 BASE = "BASE"
@@ -468,7 +468,7 @@ def drafter_acceptance(drafter: DSpark, net: CEDNetwork, seqs: Sequence[Conversa
 
 def ngram_acceptance(seqs: Sequence[Conversation], block: int) -> dict[str, dict[str, float]]:
     """The server's prompt-lookup drafter over the reply so far (as the scheduler calls it), on the same anchors."""
-    from tritonserver_backend.drafting import NgramDrafter
+    from ced.drafting.ngram import NgramDrafter
 
     drafter = NgramDrafter(block=block)
     sums: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -514,8 +514,8 @@ def evaluation_table(trained: DSpark, untrained: DSpark, net: CEDNetwork,
 # ------------------------------------------------------------------------------------------------ the stage
 def load_target(model_dir: Path) -> tuple[CEDNetwork, dict[str, Adapter | None], Any]:
     """The reference network (fp32), base + bundled adapters in a fixed order, and the model's tokenizer."""
-    from build_engines.data.tokenizer import ChatTokenizer
-    from build_engines.formats.checkpoint import load_checkpoint
+    from ced.formats.checkpoint import load_checkpoint
+    from ced.text.tokenizer import ChatTokenizer
 
     net = load_checkpoint(model_dir).eval()
     bank = AdapterBank(net.cfg, net)

@@ -22,8 +22,8 @@ from torch import nn
 from tqdm import tqdm
 
 from build_engines.data.token_data import Mixture, eval_windows
-from build_engines.lora import Adapter, AdapterBank, decoder_lora_modules, save_adapter
-from build_engines.model.network import CEDNetwork
+from ced.lora import Adapter, AdapterBank, decoder_lora_modules, save_adapter
+from ced.model.network import CEDNetwork
 
 STATE_FILE = "train_state.pt"
 
@@ -75,7 +75,8 @@ def lm_loss(net: CEDNetwork, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
-def merged_lm_loss(net: CEDNetwork, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float, batch: torch.Tensor) -> torch.Tensor:
+def merged_lm_loss(net: CEDNetwork, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
+                   batch: torch.Tensor) -> torch.Tensor:
     """Loss with W + scale * B @ A substituted for each adapted weight (one adapter for the whole batch).
 
     Mathematically the bank's hook path; as a pure function of the factors it compiles into one graph and its
@@ -112,14 +113,16 @@ def run_training(
     state_path = work_dir / STATE_FILE
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
     rng = np.random.default_rng(settings.seed)
     torch.manual_seed(settings.seed)
     start, history = 0, []
     if state_path.exists():
         saved = torch.load(state_path, map_location=device, weights_only=False)
         if saved["settings"] != asdict(settings):
-            raise ValueError(f"{state_path} was written with other settings {saved['settings']}; remove it to start over")
+            raise ValueError(f"{state_path} was written with other settings {saved['settings']}; remove it to start "
+                             f"over")
         net.load_state_dict(saved["model"])
         if restore_extra is not None:
             restore_extra(saved["extra"])
@@ -167,7 +170,8 @@ def run_training(
 
 
 @torch.no_grad()
-def perplexity(net: CEDNetwork, stream: np.ndarray, seq_len: int, max_windows: int, adapter: Adapter | None = None) -> float:
+def perplexity(net: CEDNetwork, stream: np.ndarray, seq_len: int, max_windows: int,
+               adapter: Adapter | None = None) -> float:
     """exp(mean next-token NLL) over non-overlapping held-out windows, optionally under an adapter."""
     device = next(net.parameters()).device
     total, count = 0.0, 0
@@ -182,7 +186,8 @@ def perplexity(net: CEDNetwork, stream: np.ndarray, seq_len: int, max_windows: i
 
 
 # ------------------------------------------------------------------------------------------------- adapters
-def trainable_adapter(net: CEDNetwork, name: str, path_id: str, rank: int, alpha: float, include_first_decoder_ffn: bool, seed: int) -> Adapter:
+def trainable_adapter(net: CEDNetwork, name: str, path_id: str, rank: int, alpha: float,
+                      include_first_decoder_ffn: bool, seed: int) -> Adapter:
     """LoRA factors on every allowed decoder Linear: A Kaiming-like, B zero (the adapter starts as the base)."""
     g = torch.Generator().manual_seed(seed)
     device = next(net.parameters()).device
@@ -199,7 +204,8 @@ def adapter_parameters(adapter: Adapter) -> list[nn.Parameter]:
 
 
 def adapter_checkpoint_hooks(adapter: Adapter) -> tuple[Callable[[], dict], Callable[[dict], None]]:
-    """What a resumable adapter run saves beside the optimizer state (the A/B factors, on CPU) and how it puts them back."""
+    """What a resumable adapter run saves beside the optimizer state (the A/B factors, on CPU) and how it puts them
+    back."""
     names = sorted(adapter.weights)
 
     def extra() -> dict:
@@ -214,7 +220,8 @@ def adapter_checkpoint_hooks(adapter: Adapter) -> tuple[Callable[[], dict], Call
     return extra, restore
 
 
-def train_adapter(net: CEDNetwork, adapter: Adapter, mixture: Mixture, settings: TrainSettings, work_dir: Path, out_dir: Path, base_model: str) -> list[dict]:
+def train_adapter(net: CEDNetwork, adapter: Adapter, mixture: Mixture, settings: TrainSettings, work_dir: Path,
+                  out_dir: Path, base_model: str) -> list[dict]:
     """Train one adapter with the base frozen; writes it in the PEFT layout to `out_dir`."""
     for p in net.parameters():
         p.requires_grad_(False)
@@ -225,6 +232,7 @@ def train_adapter(net: CEDNetwork, adapter: Adapter, mixture: Mixture, settings:
         return merged_lm_loss(net, adapter.weights, adapter.scale, batch)
 
     history = run_training(net, params, mixture, settings, work_dir, f"adapter {adapter.name}", extra, restore, loss)
-    save_adapter(out_dir, {n: (a.detach(), b.detach()) for n, (a, b) in adapter.weights.items()}, adapter.rank, adapter.alpha, base_model, {"mol2_name": adapter.name})
+    save_adapter(out_dir, {n: (a.detach(), b.detach()) for n, (a, b) in adapter.weights.items()}, adapter.rank,
+                 adapter.alpha, base_model, {"mol2_name": adapter.name})
     (work_dir / "history.json").write_text(json.dumps(history))
     return history

@@ -19,18 +19,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from build_engines.export.layout import StepLayout
-from build_engines.export.rows import (
-    HANDOVER_FIELDS,
-    HANDOVER_KEYS,
-    DecoderRow,
-    EncoderRow,
-    absorb_decoder,
-    absorb_encoder,
-    decoder_inputs,
-    encoder_inputs,
-)
 from build_engines.quantize.scoring import Adapters, Arrays, Runner
+from ced.steps.layout import StepLayout
+from ced.steps.rows import (
+    HANDOVER_KEYS,
+)
+from ced.steps.step_loop import StepLoop
 
 
 def batched_nll(layout: StepLayout, encoder: Runner, decoder: Runner, bank: Arrays, sequences: list[list[int]],
@@ -41,20 +35,12 @@ def batched_nll(layout: StepLayout, encoder: Runner, decoder: Runner, bank: Arra
         raise ValueError("batched_nll needs sequences of one length and one slot per sequence")
     ids = np.asarray(sequences, np.int64)
     batch, length = ids.shape
-    erows, drows = [EncoderRow.empty(layout) for _ in range(batch)], [DecoderRow.empty(layout) for _ in range(batch)]
-    handover = []
-    for b in range(batch):
-        out = encoder(encoder_inputs(layout, [erows[b]], ids[b:b + 1]))
-        absorb_encoder(layout, [erows[b]], out, length)
-        handover.append({k: out[k][0] for k in HANDOVER_KEYS})
+    loop = StepLoop(layout, encoder, decoder, slots, bank)
+    handover = [StepLoop.handovers(StepLoop(layout, encoder, decoder, [slot], bank).encode(ids[b:b + 1]), 1)[0]
+                for b, slot in enumerate(slots)]  # each sequence's prefill in an encoder step of its own
     nll = np.empty((batch, length - 1))
     for t in range(length - 1):
-        rows = [{k: h[k][t:t + 1] for k in HANDOVER_KEYS} for h in handover]
-        for drow, row in zip(drows, rows):
-            drow.absorb(layout, row)
-        feed = {**decoder_inputs(layout, drows, [{k: r[k] for k in HANDOVER_FIELDS} for r in rows], slots), **bank}
-        result = decoder(feed)
-        absorb_decoder(drows, result, feed, False, slots)
+        result = loop.decode([{k: h[k][t:t + 1] for k in HANDOVER_KEYS} for h in handover])
         logits = result["logits"].astype(np.float64)
         top = logits.max(axis=1)
         nll[:, t] = top + np.log(np.exp(logits - top[:, None]).sum(axis=1)) - logits[np.arange(batch), ids[:, t + 1]]

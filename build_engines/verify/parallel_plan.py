@@ -7,7 +7,7 @@ shapes and the release's storage formats (`plan.py`), nothing measured. What eac
 
 * attention tensor parallel (`attn_tp`): query heads (`wq_b`, `attn_sink`), the grouped output projection (`wo_a`, by
   group) and `wo_b` (by its input), the indexer's query heads (`indexer.wq_b`, `indexer.weights_proj`), and the
-  vocabulary (embedding and head rows), as `build_engines/parallel` splits them. V4.1's attention reads ONE shared KV
+  vocabulary (embedding and head rows), as `ced/parallel` splits them. V4.1's attention reads ONE shared KV
   latent per layer (`wkv`, 512 wide), so the KV projection, the compressor, the indexer keys and therefore every
   session's global KV and window rings are replicated on each rank of an attention group. The GPUs not in one group
   serve other sessions (attention data parallel, `attn_dp = gpus / attn_tp`): each session's KV lives in one group.
@@ -17,10 +17,11 @@ shapes and the release's storage formats (`plan.py`), nothing measured. What eac
 
 Collectives per token and layer, bf16 activations of `dim`: attention tensor parallel ends each attention with an
 all-reduce over its group, and each indexed layer all-reduces its per-head scores over the layer's T / ratio store
-entries (fp32: it grows with the context T); sliced experts end the FFN with an all-reduce over `expert_tp`; expert parallel sends each
-token to the ranks of its top-k experts and back (all-to-all dispatch and combine; a token's experts on its own rank
-move nothing). Bytes are what one GPU sends per token: a ring all-reduce of n ranks sends 2 (n - 1) / n of the
-vector; an all-to-all sends each of the top-k copies that lands on another rank, (ep - 1) / ep of them on average.
+entries (fp32: it grows with the context T); sliced experts end the FFN with an all-reduce over `expert_tp`; expert
+parallel sends each token to the ranks of its top-k experts and back (all-to-all dispatch and combine; a token's experts
+on its own rank move nothing). Bytes are what one GPU sends per token: a ring all-reduce of n ranks sends 2 (n - 1) / n
+of the vector; an all-to-all sends each of the top-k copies that lands on another rank, (ep - 1) / ep of them on
+average.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from build_engines.model.config import CEDConfig, get_preset
-
-from .plan import MemoryPlan, _stored_bytes, plan, state_shapes
+from ced.model.config import CEDConfig, get_preset
+from ced.plan import MemoryPlan, _stored_bytes, plan, state_shapes
 
 HBM_BYTES = 141e9  # an H200
 RESERVE = 0.10  # kept for activations, workspaces, the runtime
@@ -78,7 +78,8 @@ def role_of(name: str, first_decoder: int) -> str:
 
 def share(name: str, layout: Layout) -> float:
     """The fraction of this tensor one GPU holds."""
-    if name in ("embed.weight", "head.weight") or re.search(r"\.attn\.(wq_b|wo_a|wo_b|attn_sink|indexer\.wq_b|indexer\.weights_proj)", name):
+    if name in ("embed.weight", "head.weight") or re.search(
+            r"\.attn\.(wq_b|wo_a|wo_b|attn_sink|indexer\.wq_b|indexer\.weights_proj)", name):
         return 1 / layout.attn_tp
     if ".ffn.experts." in name:
         return 1 / (layout.expert_ep * layout.expert_tp)
@@ -154,7 +155,8 @@ def plan_markdown(cfg: CEDConfig, gpus: int) -> str:
     rows = ["| layout | role | weights per GPU | free per GPU | sessions at 32K | sessions at 128K "
             "| collective KB per decode token per GPU, 32K / 128K context |", "|---|---|---|---|---|---|---|"]
     for p in role_plans(cfg, gpus):
-        rows.append(f"| {p.layout.name} | {p.role} | {p.weights_per_gpu / 1e9:.1f} GB | {p.free_per_gpu / 1e9:.1f} GB | "
+        rows.append(f"| {p.layout.name} | {p.role} | {p.weights_per_gpu / 1e9:.1f} GB | "
+                    f"{p.free_per_gpu / 1e9:.1f} GB | "
                     f"{p.sessions(32768, gpus):,} | {p.sessions(131072, gpus):,} | "
                     f"{p.collective_bytes(32768) / 1e3:.0f} / {p.collective_bytes(131072) / 1e3:.0f} |")
     return "\n".join(rows)

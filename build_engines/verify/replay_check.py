@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from build_engines.lora import Adapter, AdapterBank
-from build_engines.model.conversation import Conversation
-from build_engines.model.network import CEDNetwork
+from ced.conversation import Conversation
+from ced.lora import Adapter, AdapterBank
+from ced.model.network import CEDNetwork
 
 BASE = "BASE"
 
@@ -42,7 +42,8 @@ class Comparison:
         agree = (logits.argmax(-1) == oracle.argmax(-1)).float()
         ce_path = F.cross_entropy(logits, targets).item()
         ce_oracle = F.cross_entropy(oracle, targets).item()
-        return Comparison(float(diff.mean()), float(agree.mean()), math.exp(ce_path - ce_oracle), diff.tolist(), agree.tolist())
+        return Comparison(float(diff.mean()), float(agree.mean()), math.exp(ce_path - ce_oracle), diff.tolist(),
+                          agree.tolist())
 
 
 @dataclass
@@ -64,12 +65,14 @@ class TargetResult:
 class ReplayExperiment:
     """Runs the switch experiment on one network and a set of named adapters (None = BASE)."""
 
-    def __init__(self, net: CEDNetwork, adapters: dict[str, Adapter | None], replay_window: int | None = None, adapter_on_encoder: bool = False) -> None:
+    def __init__(self, net: CEDNetwork, adapters: dict[str, Adapter | None], replay_window: int | None = None,
+                 adapter_on_encoder: bool = False) -> None:
         self.net, self.cfg = net.eval(), net.cfg
         self.adapters = adapters
         self.encoder, self.decoder = net.split()
         bank = AdapterBank(self.cfg, net)
-        self._hooks = bank.attach(self.net) + bank.attach(self.decoder) + (bank.attach(self.encoder) if adapter_on_encoder else [])
+        self._hooks = (bank.attach(self.net) + bank.attach(self.decoder)
+                       + (bank.attach(self.encoder) if adapter_on_encoder else []))
         self.replay_window = replay_window or self.cfg.window_size
         self.adapter_on_encoder = adapter_on_encoder
 
@@ -98,7 +101,9 @@ class ReplayExperiment:
         return torch.tensor([tokens], dtype=torch.long)
 
     @torch.no_grad()
-    def switch_and_decode(self, history: Conversation, turn: torch.Tensor, target: str, forced: torch.Tensor | None, n: int, trace: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+    def switch_and_decode(self, history: Conversation, turn: torch.Tensor, target: str, forced: torch.Tensor | None,
+                          n: int, trace: bool = False,
+                          ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
         """New turn + switch to `target`, then decode n tokens (forced, or greedy when `forced` is None).
 
         Returns (logits (n, V) predicting each continuation token, the continuation (n,), replay hidden states).
@@ -135,13 +140,16 @@ class ReplayExperiment:
                 logits.append(out.logits[0, -1])
         return torch.stack(logits)
 
-    def run(self, prompt: torch.Tensor, reply_len: int, turn: torch.Tensor, n_continuation: int, sources: list[str] | None = None, targets: list[str] | None = None, progress: bool = True) -> tuple[list[PairResult], list[TargetResult]]:
+    def run(self, prompt: torch.Tensor, reply_len: int, turn: torch.Tensor, n_continuation: int,
+            sources: list[str] | None = None, targets: list[str] | None = None,
+            progress: bool = True) -> tuple[list[PairResult], list[TargetResult]]:
         """All (source, target) pairs; every source writes the same tokens (prompt + BASE's greedy reply)."""
         sources = sources or list(self.adapters)
         targets = targets or list(self.adapters)
         E = self.cfg.first_decoder_layer
         history = torch.cat((prompt, self.greedy_reply(prompt, reply_len)), 1)
-        histories = {s: self.write_history(s, history) for s in tqdm(sources, desc="histories (token by token)", disable=not progress)}
+        histories = {s: self.write_history(s, history)
+                     for s in tqdm(sources, desc="histories (token by token)", disable=not progress)}
         base_history = histories[BASE] if BASE in histories else self.write_history(BASE, history)
         rows = slice(history.shape[1] + turn.shape[1] - self.replay_window, history.shape[1] + turn.shape[1])
         pairs: list[PairResult] = []
@@ -153,8 +161,10 @@ class ReplayExperiment:
             control = Comparison.of(self.control(t, sequence, n_continuation), oracle_logits, forced)
             per_target.append(TargetResult(t, control, F.cross_entropy(oracle_logits, forced).item()))
             for s in sources:
-                logits, _, replay_hidden = self.switch_and_decode(histories[s], turn, t, forced, n_continuation, trace=True)
-                layer_mae = [float((h - oracle_hidden[E + i][:, rows]).abs().mean()) for i, h in enumerate(replay_hidden or [])]
+                logits, _, replay_hidden = self.switch_and_decode(histories[s], turn, t, forced, n_continuation,
+                                                                  trace=True)
+                layer_mae = [float((h - oracle_hidden[E + i][:, rows]).abs().mean())
+                             for i, h in enumerate(replay_hidden or [])]
                 pairs.append(PairResult(s, t, Comparison.of(logits, oracle_logits, forced), logits, layer_mae))
         return pairs, per_target
 

@@ -59,7 +59,8 @@ def pointer_scores_kernel(xn_ptr, aq_ptr, ab_ptr, mask_ptr, B, W, N, HL, HEADS, 
     b_ok = offs_b < B
     c_ok = offs_c < HL
     L = HL // HEADS
-    s = score_tile(xn_ptr, aq_ptr, ab_ptr, mask_ptr, offs_b, b_ok, offs_c, c_ok, W, N, HL, L, L // N, BLOCK_B, BLOCK_C, BLOCK_W)
+    s = score_tile(xn_ptr, aq_ptr, ab_ptr, mask_ptr, offs_b, b_ok, offs_c, c_ok, W, N, HL, L, L // N, BLOCK_B, BLOCK_C,
+                   BLOCK_W)
     tl.store(scores_ptr + offs_b[:, None] * HL + offs_c[None, :], s, mask=b_ok[:, None] & c_ok[None, :])
 
 
@@ -86,9 +87,11 @@ def pointer_logits_kernel(x_ptr, xn_ptr, aq_ptr, ab_ptr, pq_ptr, pr_ptr, pb_ptr,
             l_ok = offs_l < L
             cols = (h * L + offs_l).to(tl.int64)
             if FUSED:
-                s = score_tile(xn_ptr, aq_ptr, ab_ptr, mask_ptr, offs_b, b_ok, cols, l_ok, W, N, HL, L, T, BLOCK_B, BLOCK_L, BLOCK_W)
+                s = score_tile(xn_ptr, aq_ptr, ab_ptr, mask_ptr, offs_b, b_ok, cols, l_ok, W, N, HL, L, T, BLOCK_B,
+                               BLOCK_L, BLOCK_W)
             else:
-                s = tl.load(scores_ptr + offs_b[:, None] * HL + cols[None, :], mask=b_ok[:, None] & l_ok[None, :], other=float("-inf"))
+                s = tl.load(scores_ptr + offs_b[:, None] * HL + cols[None, :], mask=b_ok[:, None] & l_ok[None, :],
+                            other=float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: keep exp() finite
             alpha = tl.exp(m - shift)
@@ -128,13 +131,15 @@ def config_for(options: int) -> Config:
     return Config(block_n=max(16, triton.next_power_of_2(options)), num_warps=4 if options <= 64 else 8)
 
 
-def check_inputs(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor, point_query: torch.Tensor,
-                 point_read: torch.Tensor, point_bias: torch.Tensor, option_mask: torch.Tensor, heads: int) -> None:
+def check_inputs(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor,
+                 point_query: torch.Tensor, point_read: torch.Tensor, point_bias: torch.Tensor,
+                 option_mask: torch.Tensor, heads: int) -> None:
     B, n = option_mask.shape
     w = x.shape[1]
     HL = attn_bias.shape[0]
-    shapes = {"x": (x, (B, w)), "xn": (xn, (B, w)), "attn_query": (attn_query, (w, HL)), "point_query": (point_query, (w, n)),
-              "point_read": (point_read, (HL, n)), "point_bias": (point_bias, (n,))}
+    shapes = {"x": (x, (B, w)), "xn": (xn, (B, w)), "attn_query": (attn_query, (w, HL)),
+              "point_query": (point_query, (w, n)), "point_read": (point_read, (HL, n)),
+              "point_bias": (point_bias, (n,))}
     for name, (t, want) in shapes.items():
         if tuple(t.shape) != want:
             raise ValueError(f"{name} must be {want}, got {tuple(t.shape)}")
@@ -149,9 +154,9 @@ def check_inputs(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, at
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def launch(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor, point_query: torch.Tensor,
-           point_read: torch.Tensor, point_bias: torch.Tensor, option_mask: torch.Tensor, heads: int, out: torch.Tensor,
-           fused: bool = False, config: Config | None = None) -> torch.Tensor:
+def launch(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor,
+           point_query: torch.Tensor, point_read: torch.Tensor, point_bias: torch.Tensor, option_mask: torch.Tensor,
+           heads: int, out: torch.Tensor, fused: bool = False, config: Config | None = None) -> torch.Tensor:
     """Write the logits into `out` (contiguous (B, n) fp32). fused=True runs the single-kernel form (the AOT one)."""
     check_inputs(x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask, heads)
     B, n = option_mask.shape
@@ -178,8 +183,9 @@ def launch(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bia
     return out
 
 
-def pointer_score_triton(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor, point_query: torch.Tensor,
-                         point_read: torch.Tensor, point_bias: torch.Tensor, option_mask: torch.Tensor, heads: int) -> torch.Tensor:
+def pointer_score_triton(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor,
+                         point_query: torch.Tensor, point_read: torch.Tensor, point_bias: torch.Tensor,
+                         option_mask: torch.Tensor, heads: int) -> torch.Tensor:
     """Same signature and semantics as `pointer_score_reference` (shapes in reference.py)."""
     out = torch.empty((option_mask.shape[0], point_query.shape[1]), dtype=torch.float32, device=x.device)
     return launch(x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask, int(heads), out)
@@ -195,9 +201,10 @@ def aot_source(options: int = 64):  # type: ignore[no-untyped-def]
     cfg = config_for(options)
     names = ("x_ptr", "xn_ptr", "aq_ptr", "ab_ptr", "pq_ptr", "pr_ptr", "pb_ptr")
     signature = {name: "*fp32" for name in names}
-    signature.update({"mask_ptr": "*i1", "B": "i32", "W": "i32", "N": "i32", "HL": "i32", "HEADS": "i32", "out_ptr": "*fp32"})
-    constexprs = {"scores_ptr": None, "FUSED": True, "BLOCK_B": cfg.block_b, "BLOCK_L": cfg.block_l, "BLOCK_W": cfg.block_w,
-                  "BLOCK_N": cfg.block_n}
+    signature.update({"mask_ptr": "*i1", "B": "i32", "W": "i32", "N": "i32", "HL": "i32", "HEADS": "i32",
+                      "out_ptr": "*fp32"})
+    constexprs = {"scores_ptr": None, "FUSED": True, "BLOCK_B": cfg.block_b, "BLOCK_L": cfg.block_l,
+                  "BLOCK_W": cfg.block_w, "BLOCK_N": cfg.block_n}
     signature.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): ALIGNED for i in (0, 1, 2, 3, 4, 5, 6, 7, 13)}
     return ASTSource(pointer_logits_kernel, signature, constexprs=constexprs, attrs=attrs), cfg

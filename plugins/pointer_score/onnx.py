@@ -6,8 +6,7 @@ import onnx
 from onnx import AttributeProto, TensorProto
 
 from plugins.onnx_common import FunctionBuilder, register_once, schema
-
-from .op import OP_TYPE
+from plugins.pointer_score.op import OP_TYPE
 
 INPUTS = ("x", "xn", "attn_query", "attn_bias", "point_query", "point_read", "point_bias", "option_mask")
 
@@ -28,7 +27,8 @@ def function(opset: int) -> onnx.FunctionProto:
     scores = fb.op("Where", mask, scores, neg_inf)
     attn = fb.op("Softmax", fb.op("Reshape", scores, fb.op("Concat", batch, heads, length, axis=0)), axis=-1)
     attn = fb.op("Reshape", attn, fb.op("Concat", batch, total, axis=0))
-    logits = fb.op("Add", fb.op("Add", fb.op("MatMul", "x", "point_query"), "point_bias"), fb.op("MatMul", attn, "point_read"))
+    logits = fb.op("Add", fb.op("Add", fb.op("MatMul", "x", "point_query"), "point_bias"),
+                   fb.op("MatMul", attn, "point_read"))
     out = fb.op("Where", "option_mask", logits, neg_inf)
     fb.rename_output(out, "logits")
     return fb.function(OP_TYPE, INPUTS, ["logits"], ["heads"], opset)

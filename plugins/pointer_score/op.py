@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from plugins.op_wrapper import cuda_kernel_or_reference, exporting, needs_grad, symbolic
-
-from .reference import pointer_score_reference
+from plugins.pointer_score.reference import pointer_score_reference
 
 OP_TYPE = "PointerScore"
 
@@ -14,10 +13,12 @@ OP_TYPE = "PointerScore"
 @torch.library.custom_op("mol2::pointer_score", mutates_args=(), device_types="cpu")
 def _op(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor, point_query: torch.Tensor,
         point_read: torch.Tensor, point_bias: torch.Tensor, option_mask: torch.Tensor, heads: int) -> torch.Tensor:
-    return pointer_score_reference(x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask, heads)
+    return pointer_score_reference(x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask,
+                                   heads)
 
 
-_op.register_kernel("cuda")(cuda_kernel_or_reference("plugins.pointer_score.kernel", "pointer_score_triton", pointer_score_reference))
+_op.register_kernel("cuda")(cuda_kernel_or_reference("plugins.pointer_score.kernel", "pointer_score_triton",
+                                                     pointer_score_reference))
 
 
 @_op.register_fake
@@ -25,8 +26,9 @@ def _(x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_
     return x.new_empty(x.shape[0], point_query.shape[1])
 
 
-def pointer_score(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor, point_query: torch.Tensor,
-                  point_read: torch.Tensor, point_bias: torch.Tensor, option_mask: torch.Tensor, heads: int) -> torch.Tensor:
+def pointer_score(x: torch.Tensor, xn: torch.Tensor, attn_query: torch.Tensor, attn_bias: torch.Tensor,
+                  point_query: torch.Tensor, point_read: torch.Tensor, point_bias: torch.Tensor,
+                  option_mask: torch.Tensor, heads: int) -> torch.Tensor:
     """See reference.py for shapes. One `mol2::PointerScore` node when exporting."""
     args = (x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask)
     if exporting():

@@ -11,7 +11,7 @@
     heads        int
     -> logits    (B, n), -inf where the option is not a candidate
 
-The cross-attention reads only the row's candidate options; see build_engines.routing.pointer_head.OptionCache.
+The cross-attention reads only the row's candidate options; see ced.routing.pointer_head.OptionCache.
 """
 
 from __future__ import annotations

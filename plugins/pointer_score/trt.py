@@ -8,6 +8,7 @@ decorated functions' annotations as objects.
 from typing import Any
 
 from plugins import PLUGIN_NAMESPACE
+from plugins.pointer_score.op import OP_TYPE
 from plugins.sparse_global_attention.trt import (
     DEFAULT_TARGET,
     AotKernel,
@@ -18,14 +19,13 @@ from plugins.sparse_global_attention.trt import (
 )
 from plugins.tensorrt_support import registration
 
-from .op import OP_TYPE
-
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
-IO_TYPES = ", ".join(["FP32"] * 7 + ["BOOL", "FP32"])  # x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask -> logits
+# x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask -> logits
+IO_TYPES = ", ".join(["FP32"] * 7 + ["BOOL", "FP32"])
 
 
 def compile_kernel(target: tuple[int, int] = DEFAULT_TARGET, options: int = 64) -> AotKernel:
-    from .kernel import aot_source
+    from plugins.pointer_score.kernel import aot_source
 
     src, config = aot_source(options)
     return compile_source(src, config, target)
@@ -41,8 +41,8 @@ def _define() -> None:
 
     @trtp.register(PLUGIN_ID)
     def desc(x: trtp.TensorDesc, xn: trtp.TensorDesc, attn_query: trtp.TensorDesc, attn_bias: trtp.TensorDesc,
-             point_query: trtp.TensorDesc, point_read: trtp.TensorDesc, point_bias: trtp.TensorDesc, option_mask: trtp.TensorDesc,
-             heads: int) -> trtp.TensorDesc:
+             point_query: trtp.TensorDesc, point_read: trtp.TensorDesc, point_bias: trtp.TensorDesc,
+             option_mask: trtp.TensorDesc, heads: int) -> trtp.TensorDesc:
         return trtp.from_shape_expr((x.shape_expr[0], point_query.shape_expr[1]), dtype=x.dtype)
 
     @trtp.autotune(PLUGIN_ID)
@@ -53,7 +53,7 @@ def _define() -> None:
     def impl(x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask, heads, outputs, stream):  # type: ignore[no-untyped-def]
         import torch
 
-        from .kernel import launch
+        from plugins.pointer_score.kernel import launch
 
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             args = torch_views((x, xn, attn_query, attn_bias, point_query, point_read, point_bias, option_mask))

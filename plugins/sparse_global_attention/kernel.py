@@ -62,9 +62,11 @@ def attend_rows(q_ptr, local_ptr, global_ptr, idx_ptr, sink_ptr, out_ptr, S, H, 
                               mask=(valid & is_local)[:, None] & d_ok[None, :], other=0.0)
             k_global = tl.load(global_ptr + (b * TG + global_row)[:, None] * D + offs_d[None, :],
                                mask=(valid & ~is_local)[:, None] & d_ok[None, :], other=0.0)
-            k = tl.where(is_local[:, None], k_local, k_global.to(k_local.dtype))  # the reference casts global to local's dtype
+            # the reference casts global to local's dtype
+            k = tl.where(is_local[:, None], k_local, k_global.to(k_local.dtype))
         else:
-            k = tl.load(local_ptr + (b * TL + safe)[:, None] * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
+            k = tl.load(local_ptr + (b * TL + safe)[:, None] * D + offs_d[None, :], mask=valid[:, None] & d_ok[None, :],
+                        other=0.0)
         if FP32_MATH:
             k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=FP32_DOT)
@@ -114,7 +116,7 @@ def config_for(heads: int, head_dim: int, fp32: bool = True) -> Config:
     """BLOCK_D covers D (next power of two, >= 16 as `tl.dot` needs); the head block keeps the fp32 accumulator
     (BLOCK_H x BLOCK_D) at <= 8K values. At D = 512 the fp32 path takes 16 rows a step in one stage (64 KB of shared
     memory on sm_90) and the 16-bit path 32 rows in two stages. First choices made without a GPU:
-    `scripts/device_check.py` times alternatives (docs/kernels.md)."""
+    `benchmarks/device_check.py` times alternatives (docs/kernels.md)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, min(triton.next_power_of_2(heads), 8192 // block_d))
     if block_d >= 256:
@@ -156,8 +158,8 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:  # type: ig
 # ----------------------------------------------------------------------------------------------- launch
 
 
-def launch(q: torch.Tensor, local_kv: torch.Tensor, global_kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float,
-           out: torch.Tensor, config: Config | None = None) -> torch.Tensor:
+def launch(q: torch.Tensor, local_kv: torch.Tensor, global_kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+           scale: float, out: torch.Tensor, config: Config | None = None) -> torch.Tensor:
     """Run the kernel writing into `out` (contiguous, q's shape and dtype); inputs are made contiguous (a no-op when
     they are). Used by the public function and by the TensorRT plugin's `impl` (which owns `out`)."""
     check_inputs(q, (local_kv, global_kv), idx, sink)
@@ -177,7 +179,8 @@ def launch(q: torch.Tensor, local_kv: torch.Tensor, global_kv: torch.Tensor, idx
             q.contiguous(), local_kv.contiguous(), global_kv.contiguous(), idx.contiguous(), sink.contiguous(),
             S, H, D, Tl, Tg, J, out,
             SCALE=float(scale), FP32_MATH=fp32, FP32_DOT=cfg.fp32_dot,
-            BLOCK_H=cfg.block_h, BLOCK_J=cfg.block_j, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_H=cfg.block_h, BLOCK_J=cfg.block_j, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return out
 

@@ -14,8 +14,7 @@ import onnx
 from onnx import AttributeProto, TensorProto
 
 from plugins.onnx_common import FunctionBuilder, register_once, schema
-
-from .op import OP_TYPE
+from plugins.sparse_global_attention.op import OP_TYPE
 
 INPUTS = ("q", "local_kv", "global_kv", "idx", "sink")
 
@@ -28,7 +27,8 @@ def attend_nodes(fb: FunctionBuilder, q: str, keys: str, valid: str, sink: str, 
     sink_b = fb.op("Reshape", sink, fb.const([1, 1, -1, 1]))
     peak = fb.op("Max", fb.op("ReduceMax", scores, fb.const([-1]), keepdims=1), sink_b)
     weights = fb.op("Exp", fb.op("Sub", scores, peak))
-    denom = fb.op("Add", fb.op("ReduceSum", weights, fb.const([-1]), keepdims=1), fb.op("Exp", fb.op("Sub", sink_b, peak)))
+    denom = fb.op("Add", fb.op("ReduceSum", weights, fb.const([-1]), keepdims=1),
+                  fb.op("Exp", fb.op("Sub", sink_b, peak)))
     return fb.op("MatMul", fb.op("Div", weights, denom), keys)  # type: ignore[return-value]
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from plugins.op_wrapper import cuda_kernel_or_reference, exporting, needs_grad, symbolic
-
-from .reference import sparse_global_attention_reference
+from plugins.sparse_global_attention.reference import sparse_global_attention_reference
 
 OP_TYPE = "SparseGlobalAttention"
 
@@ -17,7 +16,8 @@ def _op(q: torch.Tensor, local_kv: torch.Tensor, global_kv: torch.Tensor, idx: t
     return sparse_global_attention_reference(q, local_kv, global_kv, idx, sink, scale, window)
 
 
-_op.register_kernel("cuda")(cuda_kernel_or_reference("plugins.sparse_global_attention.kernel", "sparse_global_attention_triton",
+_op.register_kernel("cuda")(cuda_kernel_or_reference("plugins.sparse_global_attention.kernel",
+                                                     "sparse_global_attention_triton",
                                                      sparse_global_attention_reference))
 
 

@@ -28,11 +28,13 @@ def check_window(idx: torch.Tensor, local_rows: int, window: int) -> None:
     if not 0 <= window <= idx.shape[-1]:
         raise ValueError(f"window must lie in [0, {idx.shape[-1]}] (the list length), got {window}")
     if window and bool((idx[..., :window] >= local_rows).any()):
-        raise ValueError(f"the first {window} entries of every index list must be rows of local_kv (< {local_rows}) or -1")
+        raise ValueError(f"the first {window} entries of every index list must be rows of local_kv (< {local_rows}) "
+                         f"or -1")
 
 
-def sparse_global_attention_reference(q: torch.Tensor, local_kv: torch.Tensor, global_kv: torch.Tensor, idx: torch.Tensor,
-                                      sink: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+def sparse_global_attention_reference(q: torch.Tensor, local_kv: torch.Tensor, global_kv: torch.Tensor,
+                                      idx: torch.Tensor, sink: torch.Tensor, scale: float,
+                                      window: int = 0) -> torch.Tensor:
     check_window(idx, local_kv.shape[1], window)
     table = torch.cat((local_kv, global_kv.to(local_kv.dtype)), 1)
     return attend(q, gather_keys(table, idx), idx >= 0, sink, scale)

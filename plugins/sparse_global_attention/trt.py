@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plugins import PLUGIN_NAMESPACE
+from plugins.sparse_global_attention.op import OP_TYPE
 from plugins.tensorrt_support import registration
-
-from .op import OP_TYPE
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 FLOATS = "FP32|FP16|BF16"
@@ -51,13 +50,14 @@ def compile_source(src: Any, config: Any, target: tuple[int, int] = DEFAULT_TARG
     meta = compiled.metadata
     for scratch in ("global_scratch_size", "profile_scratch_size"):
         if getattr(meta, scratch, 0):
-            raise RuntimeError(f"{meta.name} needs {scratch}={getattr(meta, scratch)}: TensorRT's AOT launch cannot provide it")
+            raise RuntimeError(f"{meta.name} needs {scratch}={getattr(meta, scratch)}: TensorRT's AOT launch cannot "
+                               f"provide it")
     return AotKernel(meta.name, compiled.asm["ptx"], meta.num_warps, meta.shared, config, compiled)
 
 
 def compile_kernel(target: tuple[int, int] = DEFAULT_TARGET, dtype: str = "fp32", heads: int = 64, head_dim: int = 512,
                    scale: float | None = None) -> AotKernel:
-    from .kernel import aot_source
+    from plugins.sparse_global_attention.kernel import aot_source
 
     src, config = aot_source(dtype, heads, head_dim, scale)
     return compile_source(src, config, target)
@@ -121,7 +121,7 @@ def _define() -> None:
         # window: the kernel picks each row's table itself (kernel.py), so the attribute only has to be accepted
         import torch
 
-        from .kernel import launch
+        from plugins.sparse_global_attention.kernel import launch
 
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             args = torch_views((q, local_kv, global_kv, idx, sink))
@@ -137,7 +137,8 @@ def _define() -> None:
         params.grid_y = qs[0] * qs[1]
         params.block_x = kernel.num_warps * 32
         params.shared_mem = kernel.shared
-        dims = (qs[1], qs[2], qs[3], local_kv.shape_expr[1], global_kv.shape_expr[1], idx.shape_expr[2])  # S H D Tl Tg J
+        # S H D Tl Tg J
+        dims = (qs[1], qs[2], qs[3], local_kv.shape_expr[1], global_kv.shape_expr[1], idx.shape_expr[2])
         extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(d) for d in dims])
         return kernel.name.encode(), kernel.ptx.encode(), params, extra
 

@@ -54,12 +54,14 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Ten
         swa_replay_attention_kernel[grid](
             q.contiguous(), kv.contiguous(), idx.contiguous(), sink.contiguous(), S, H, D, T, J, out,
             SCALE=float(scale), FP32_MATH=fp32, FP32_DOT=cfg.fp32_dot,
-            BLOCK_H=cfg.block_h, BLOCK_J=cfg.block_j, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_H=cfg.block_h, BLOCK_J=cfg.block_j, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return out
 
 
-def swa_replay_attention_triton(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def swa_replay_attention_triton(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                                scale: float) -> torch.Tensor:
     """Same signature and semantics as `swa_replay_attention_reference` (shapes in reference.py)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return launch(q, kv, idx, sink, scale, out)

@@ -7,8 +7,7 @@ from onnx import AttributeProto
 
 from plugins.onnx_common import FunctionBuilder, register_once, schema
 from plugins.sparse_global_attention.onnx import attend_nodes
-
-from .op import OP_TYPE
+from plugins.swa_replay_attention.op import OP_TYPE
 
 INPUTS = ("q", "kv", "idx", "sink")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from plugins.op_wrapper import cuda_kernel_or_reference, exporting, needs_grad, symbolic
-
-from .reference import swa_replay_attention_reference
+from plugins.swa_replay_attention.reference import swa_replay_attention_reference
 
 OP_TYPE = "SwaReplayAttention"
 
@@ -16,8 +15,8 @@ def _op(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor
     return swa_replay_attention_reference(q, kv, idx, sink, scale)
 
 
-_op.register_kernel("cuda")(cuda_kernel_or_reference("plugins.swa_replay_attention.kernel", "swa_replay_attention_triton",
-                                                     swa_replay_attention_reference))
+_op.register_kernel("cuda")(cuda_kernel_or_reference("plugins.swa_replay_attention.kernel",
+                                                     "swa_replay_attention_triton", swa_replay_attention_reference))
 
 
 @_op.register_fake
@@ -25,7 +24,8 @@ def _(q, kv, idx, sink, scale):  # type: ignore[no-untyped-def]
     return torch.empty_like(q)
 
 
-def swa_replay_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def swa_replay_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                         scale: float) -> torch.Tensor:
     """See reference.py for shapes. One `mol2::SwaReplayAttention` node when exporting."""
     if exporting():
         return symbolic(OP_TYPE, (q, kv, idx, sink), {"scale": float(scale)}, q)

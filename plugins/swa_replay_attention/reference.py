@@ -17,5 +17,6 @@ import torch
 from plugins.attention_math import attend, gather_keys
 
 
-def swa_replay_attention_reference(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+def swa_replay_attention_reference(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink: torch.Tensor,
+                                   scale: float) -> torch.Tensor:
     return attend(q, gather_keys(kv, idx), idx >= 0, sink, scale)

@@ -17,9 +17,8 @@ from plugins.sparse_global_attention.trt import (
     torch_views,
     triton_dtype,
 )
+from plugins.swa_replay_attention.op import OP_TYPE
 from plugins.tensorrt_support import registration
-
-from .op import OP_TYPE
 
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{OP_TYPE}"
 IO_TYPES = ", ".join([FLOATS, FLOATS, "INT64", FLOATS, FLOATS])  # q, kv, idx, sink -> out
@@ -27,7 +26,7 @@ IO_TYPES = ", ".join([FLOATS, FLOATS, "INT64", FLOATS, FLOATS])  # q, kv, idx, s
 
 def compile_kernel(target: tuple[int, int] = DEFAULT_TARGET, dtype: str = "fp32", heads: int = 64, head_dim: int = 512,
                    scale: float | None = None) -> AotKernel:
-    from .kernel import aot_source
+    from plugins.swa_replay_attention.kernel import aot_source
 
     src, config = aot_source(dtype, heads, head_dim, scale)
     return compile_source(src, config, target)
@@ -42,7 +41,8 @@ def _define() -> None:
     import tensorrt.plugin as trtp
 
     @trtp.register(PLUGIN_ID)
-    def desc(q: trtp.TensorDesc, kv: trtp.TensorDesc, idx: trtp.TensorDesc, sink: trtp.TensorDesc, scale: float) -> trtp.TensorDesc:
+    def desc(q: trtp.TensorDesc, kv: trtp.TensorDesc, idx: trtp.TensorDesc, sink: trtp.TensorDesc,
+             scale: float) -> trtp.TensorDesc:
         return q.like()
 
     @trtp.autotune(PLUGIN_ID)
@@ -53,7 +53,7 @@ def _define() -> None:
     def impl(q, kv, idx, sink, scale, outputs, stream):  # type: ignore[no-untyped-def]
         import torch
 
-        from .kernel import launch
+        from plugins.swa_replay_attention.kernel import launch
 
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
             launch(*torch_views((q, kv, idx, sink)), float(scale), torch_views(outputs)[0])

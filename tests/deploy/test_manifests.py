@@ -35,7 +35,7 @@ from tests.deploy.checks import (
     one,
     validation_problems,
 )
-from tritonserver_backend.admin_auth import AdminKeyError, read_admin_key
+from tritonserver_backend.auth.admin_auth import AdminKeyError, read_admin_key
 
 TREES = {
     "base": K8S / "base",

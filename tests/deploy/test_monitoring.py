@@ -39,8 +39,8 @@ from tests.deploy.checks import (
     scrape_config_added_labels,
 )
 from tests.tiny import PROJECT_ROOT
-from tritonserver_backend.counters import DESCRIPTIONS
-from tritonserver_backend.triton_glue import GAUGE_METRICS, HISTOGRAM_METRICS, ITL_METRIC, TTFT_METRIC
+from tritonserver_backend.core.counters import DESCRIPTIONS
+from tritonserver_backend.triton.glue import GAUGE_METRICS, HISTOGRAM_METRICS, ITL_METRIC, TTFT_METRIC
 
 DASH: dict[str, Any] = json.loads(DASHBOARD.read_text())
 CONFIG: dict[str, Any] = load_yaml_documents(PROMETHEUS)[0]
@@ -143,7 +143,7 @@ def test_every_triton_metric_the_dashboard_queries_is_exposed_after_a_conversati
     tmp_path: Path, default_engines: Path
 ) -> None:
     from tests.tritonserver_backend.streams import concurrent_token_ids
-    from tritonserver_backend.client import GrpcChat, TurnRequest
+    from tritonserver_backend.clients.client import GrpcChat, TurnRequest
     from tritonserver_backend.launcher import TritonServer
 
     # the pod's repository: the ConfigMap's parameters, the layout's paths under tmp_path; one turn at a time and no

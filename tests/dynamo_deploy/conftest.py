@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import EMBEDDED
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.core.pipeline import InProcessPipeline
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from dynamo_deploy.worker_common import make_runtime  # noqa: E402
+from dynamo_deploy.worker_common import make_runtime
 
 
 async def call_all(calls: list[dict]) -> list[dict]:

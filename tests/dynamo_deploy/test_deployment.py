@@ -14,16 +14,16 @@ from dynamo_deploy.client import Conversation
 from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment, read_turns
 from dynamo_deploy.model_ids import model_id
 from tests.conftest import EMBEDDED
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry import Registry
-from tritonserver_backend.sampling import SamplingParams
+from tritonserver_backend.adapters.registry import Registry
+from tritonserver_backend.core.pipeline import InProcessPipeline
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
-CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "Make the header sticky with a shadow.",
-                "git log --oneline shows nothing, why?", "Thanks, that helps."]
-OPENERS = ["Hello there, any plans today?", "import numpy as np\nx = np.zeros(3)", "The button colour looks off on mobile.",
-           "How do I squash my last two commits?"]
+CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)",
+                "Make the header sticky with a shadow.", "git log --oneline shows nothing, why?", "Thanks, that helps."]
+OPENERS = ["Hello there, any plans today?", "import numpy as np\nx = np.zeros(3)",
+           "The button colour looks off on mobile.", "How do I squash my last two commits?"]
 
 
 def _port() -> int:
@@ -70,8 +70,9 @@ def test_routed_conversation_equals_single_server(fleet, reference) -> None:  # 
         assert reply["text"] == reference.text.decode(ids)  # and the text the client got
         assert reply["usage"]["completion_tokens"] == len(ids)
     assert not any(t["rebuilt"] for t in served)
-    assert [t["new_tokens"] for t in served[1:]] == [len(reference.text.tokenizer.turn({"role": "user", "content": c}, True))
-                                                     for c in CONVERSATION[1:]]  # later turns encode only the new turn
+    assert ([t["new_tokens"] for t in served[1:]]
+            == [len(reference.text.tokenizer.turn({"role": "user", "content": c}, True))
+                for c in CONVERSATION[1:]])  # later turns encode only the new turn
     assert len({t["adapter_hash"] for t in served}) > 1  # the router chose more than one adapter along the way
 
 
@@ -105,8 +106,10 @@ def test_concurrent_sessions_stay_on_their_workers(fleet, reference) -> None:  #
     decoders = {d for _, d in placements.values()}
     assert len(decoders) == 2, placements  # both decoder workers took sessions
     stats = fleet.stats()
-    written = sum(v for w in stats.values() if w["role"] == "encoder" for k, v in w["counters"].items() if k.startswith("routing_decisions_written"))
-    applied = sum(v for w in stats.values() if w["role"] == "decoder" for k, v in w["counters"].items() if k.startswith("routing_decisions_applied"))
+    written = sum(v for w in stats.values() if w["role"] == "encoder" for k, v in w["counters"].items()
+                  if k.startswith("routing_decisions_written"))
+    applied = sum(v for w in stats.values() if w["role"] == "decoder" for k, v in w["counters"].items()
+                  if k.startswith("routing_decisions_applied"))
     assert written == applied == len(read_turns(fleet.run_dir))
 
 
@@ -116,7 +119,8 @@ def test_explicit_adapter_wins_over_routing(fleet, reference) -> None:  # type: 
     assert {"mol2-small", "mol2-small:base", "mol2-small:L2_code", "mol2-small:L0_chat"} <= set(fleet._models())
     texts = CONVERSATION[:4]
     plan = [None, "base", "L2_code", None]  # explicit adapter per turn (None: routed)
-    would_route = [reference.chat("ref-explicit-probe", t, new_session=(i == 0), params=SamplingParams(max_tokens=MAX_TOKENS)).adapter
+    would_route = [reference.chat("ref-explicit-probe", t, new_session=(i == 0),
+                                  params=SamplingParams(max_tokens=MAX_TOKENS)).adapter
                    for i, t in enumerate(texts)]
     assert would_route[2] != "L2_code" and would_route[1] != "base"  # the explicit choice is not what routing gives
     conv = Conversation(fleet.url, "explicit-0")
@@ -124,7 +128,8 @@ def test_explicit_adapter_wins_over_routing(fleet, reference) -> None:  # type: 
         conv.model = model_id(adapter)
         conv.say(text, max_tokens=MAX_TOKENS)
     served = _served(fleet.run_dir, "explicit-0")
-    expected = [reference.chat("ref-explicit-0", t, adapter=a, new_session=(i == 0), params=SamplingParams(max_tokens=MAX_TOKENS))
+    expected = [reference.chat("ref-explicit-0", t, adapter=a, new_session=(i == 0),
+                               params=SamplingParams(max_tokens=MAX_TOKENS))
                 for i, (t, a) in enumerate(zip(texts, plan))]
     registry = Registry(fleet.run_dir / "registry")
     assert [t["explicit"] for t in served] == plan
@@ -191,15 +196,19 @@ def test_killed_decoder_rebuilds_elsewhere_with_same_tokens(tmp_path, default_en
             conv.say(text, max_tokens=MAX_TOKENS)
         served = _served(d.run_dir, "killed-0")
         assert served[2]["rebuilt"] and served[2]["decoder"] != victim_id  # rebuilt from the conversation elsewhere
-        assert not any(t["rebuilt"] for t in served[3:]) and {t["decoder"] for t in served[2:]} == {served[2]["decoder"]}
-        assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-killed-0", CONVERSATION)  # as if undisturbed
-        assert [t["transport"] for t in served] == ["nixl" if t["handover_bytes"] >= NIXL_THRESHOLD else "inline" for t in served]
+        assert (not any(t["rebuilt"] for t in served[3:])
+                and {t["decoder"] for t in served[2:]} == {served[2]["decoder"]})
+        # as if undisturbed
+        assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-killed-0", CONVERSATION)
+        assert [t["transport"] for t in served] == ["nixl" if t["handover_bytes"] >= NIXL_THRESHOLD else "inline"
+                                                    for t in served]
         assert served[2]["transport"] == "nixl" and all(t["transport"] == "inline" for t in served[:2] + served[3:])
         stats = d.stats()
         received = {k: sum(w["figures"].get(k, 0) for n, w in stats.items() if w["role"] == "decoder")
                     for k in ("received_nixl_bytes", "received_inline_bytes")}
         sent = {k: stats["encoder-0"]["figures"].get(k, 0) for k in ("sent_nixl_bytes", "sent_inline_bytes")}
-        assert received["received_nixl_bytes"] == sent["sent_nixl_bytes"] == served[2]["handover_bytes"]  # per-worker counters
+        # per-worker counters
+        assert received["received_nixl_bytes"] == sent["sent_nixl_bytes"] == served[2]["handover_bytes"]
         inline = sum(t["handover_bytes"] for t in served) - served[2]["handover_bytes"]
         assert received["received_inline_bytes"] == inline  # the decoders got exactly the inline turns
         assert sent["sent_inline_bytes"] > inline  # + the first try of turn 3, offered to the dead decoder
@@ -240,8 +249,10 @@ def test_killed_encoder_rebuilds_on_the_other_with_same_tokens(tmp_path, default
         served = _served(d.run_dir, "enc-killed-0")
         assert len(served) == len(CONVERSATION)  # every failed try left no turn behind
         assert served[2]["rebuilt"] and served[2]["worker"] != victim  # rebuilt from the resent conversation elsewhere
-        assert served[2]["new_tokens"] > sum(len(t["tokens"]) for t in served[:2])  # the whole conversation, from position 0
+        # the whole conversation, from position 0
+        assert served[2]["new_tokens"] > sum(len(t["tokens"]) for t in served[:2])
         assert not any(t["rebuilt"] for t in served[3:]) and {t["worker"] for t in served[2:]} == {served[2]["worker"]}
-        assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-enc-killed-0", CONVERSATION)  # as if undisturbed
+        # as if undisturbed
+        assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-enc-killed-0", CONVERSATION)
     finally:
         d.stop()

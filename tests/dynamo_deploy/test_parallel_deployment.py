@@ -10,8 +10,8 @@ from dynamo_deploy.client import Conversation
 from tests.conftest import EMBEDDED
 from tests.dynamo_deploy.test_deployment import CONVERSATION, MAX_TOKENS, _deploy, _reference_turns, _served
 from tests.tritonserver_backend.test_serving_parallel import assert_exit, rank_workers
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.core.pipeline import InProcessPipeline
 
 pytestmark = pytest.mark.slow
 

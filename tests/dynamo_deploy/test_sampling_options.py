@@ -22,18 +22,22 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 
 def test_every_option_maps_and_crosses_the_wire_unchanged() -> None:
-    request = {"sampling_options": {"temperature": 0.7, "top_k": 5, "min_p": 0.1, "seed": 3, "logit_bias": {"42": -100.0},
-                                    "guided_decoding": {"json": SCHEMA}},
-               "stop_conditions": {"max_tokens": 9, "stop_token_ids": [7], "stop_token_ids_hidden": [6], "stop": ["zz"]}}
+    request = {"sampling_options": {"temperature": 0.7, "top_k": 5, "min_p": 0.1, "seed": 3,
+                                    "logit_bias": {"42": -100.0}, "guided_decoding": {"json": SCHEMA}},
+               "stop_conditions": {"max_tokens": 9, "stop_token_ids": [7], "stop_token_ids_hidden": [6],
+                                   "stop": ["zz"]}}
     p = sampling_params(request)
-    assert (p.top_k, p.min_p, p.logit_bias, p.stop_token_ids, p.seed, p.max_tokens) == (5, 0.1, ((42, -100.0),), (7,), 3, 9)
+    assert ((p.top_k, p.min_p, p.logit_bias, p.stop_token_ids, p.seed, p.max_tokens)
+            == (5, 0.1, ((42, -100.0),), (7,), 3, 9))
     assert json.loads(p.grammar) == {"type": "json_schema", "schema": SCHEMA}
-    assert params_from_json(json.loads(json.dumps(params_to_json(p)))) == p, "the decoder worker samples as the encoder read"
+    assert params_from_json(json.loads(json.dumps(params_to_json(p)))) == p, (
+        "the decoder worker samples as the encoder read")
     plain = sampling_params({"stop_conditions": {"min_tokens": 2, "ignore_eos": True}})
     assert (plain.min_tokens, plain.ignore_eos, plain.grammar) == (2, True, "")
     choice = sampling_params({"sampling_options": {"guided_decoding": {"choice": ["yes", "no."]}}})
     assert json.loads(choice.grammar) == {"type": "regex", "pattern": "(yes|no\\.)"}
-    assert json.loads(sampling_params({"sampling_options": {"guided_decoding": {"json": {}}}}).grammar) == {"type": "json_object"}
+    assert (json.loads(sampling_params({"sampling_options": {"guided_decoding": {"json": {}}}}).grammar)
+            == {"type": "json_object"})
 
 
 @pytest.mark.parametrize("options,message", [
@@ -57,7 +61,8 @@ def _port() -> int:
 def deployment(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
     if not DYNAMO_PYTHON.exists():
         pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
-    d = Deployment(tmp_path_factory.mktemp("dynamo-sampling"), EMBEDDED, default_engines, encoders=1, decoders=1, http_port=_port())
+    d = Deployment(tmp_path_factory.mktemp("dynamo-sampling"), EMBEDDED, default_engines, encoders=1, decoders=1,
+                   http_port=_port())
     try:
         d.start(timeout_s=300)
         yield d

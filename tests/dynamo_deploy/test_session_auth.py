@@ -23,7 +23,7 @@ from dynamo_deploy.launcher import PROJECT_ROOT, Deployment, read_turns
 from dynamo_deploy.session_guard import CallAuth
 from dynamo_deploy.worker_common import DECODER_TURN, ENCODER_CONTROL, ENCODER_STEP
 from tests.dynamo_deploy.test_deployment import CONVERSATION, MAX_TOKENS, _deploy, _reference_turns, _served
-from tritonserver_backend.session_auth import InternalKey, new_token
+from tritonserver_backend.auth.session_auth import InternalKey, new_token
 
 pytestmark = pytest.mark.slow
 DIRECT_CALLS = Path(__file__).with_name("direct_calls.py")
@@ -78,7 +78,8 @@ def test_a_stranger_with_the_session_id_is_refused_and_disturbs_nothing(pair, re
     assert len(served) == len(CONVERSATION)  # nothing of the strangers' turns was served or logged
     assert not any(t["rebuilt"] for t in served)  # the owner's session was never ended or replaced
     assert len({t["internal_session"] for t in served}) == 1
-    assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-alice-1", CONVERSATION)  # as if undisturbed
+    # as if undisturbed
+    assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-alice-1", CONVERSATION)
     logs = "".join(p.read_text(errors="replace") for p in (pair.run_dir / "logs").glob("*.log"))
     assert owner.session_token not in logs and other.session_token not in logs  # tokens are never logged
 
@@ -123,14 +124,16 @@ def test_direct_calls_on_the_request_plane_without_the_key_are_refused(pair, ref
         {"endpoint": ENCODER_STEP, "instance": encoder, "body": step},
         {"endpoint": ENCODER_STEP, "instance": encoder, "body": forged.sign(ENCODER_STEP, step)},
         {"endpoint": ENCODER_CONTROL, "instance": encoder, "body": {"op": "end", "session_id": sid}},
-        {"endpoint": ENCODER_CONTROL, "instance": encoder, "body": forged.sign(ENCODER_CONTROL, {"op": "rollback", "session_id": sid})},
+        {"endpoint": ENCODER_CONTROL, "instance": encoder,
+         "body": forged.sign(ENCODER_CONTROL, {"op": "rollback", "session_id": sid})},
         {"endpoint": DECODER_TURN, "instance": decoder, "body": turn},
         {"endpoint": DECODER_TURN, "instance": decoder, "body": {**turn, "grant": forged.key.grant(sid, 0)}},
     ]
     results = _direct(pair, calls)
     for call, result in zip(calls, results):
         chunks = result.get("chunks")
-        assert chunks and len(chunks) == 1 and f"no live session {sid!r}" in chunks[0].get("error", ""), (call["endpoint"], result)
+        assert chunks and len(chunks) == 1 and f"no live session {sid!r}" in chunks[0].get("error", ""), (
+            call["endpoint"], result)
     assert _refusals(pair, "encoder")["step"] >= 2 and _refusals(pair, "encoder")["control"] >= 2
     assert _refusals(pair, "decoder")["handover"] >= 2
     assert _counter(pair, "encoder", "encoded_tokens/step") == steps_before  # no forged step ran the encoder
@@ -146,7 +149,8 @@ def test_conversations_without_a_session_id_are_kept_apart_by_their_history(pair
     for text in CONVERSATION[:2]:
         first.say(text, max_tokens=MAX_TOKENS)
     # another client: the same opening message, then a history of its own (a reply the server never gave)
-    intruder = Conversation(pair.url, None, messages=[dict(first.messages[0]), {"role": "assistant", "content": "Sure."}])
+    intruder = Conversation(pair.url, None,
+                            messages=[dict(first.messages[0]), {"role": "assistant", "content": "Sure."}])
     intruder.say(CONVERSATION[1], max_tokens=MAX_TOKENS)
     for text in CONVERSATION[2:4]:
         first.say(text, max_tokens=MAX_TOKENS)

@@ -22,8 +22,8 @@ from dynamo_deploy.session_guard import (
     wants_engine_data,
 )
 from dynamo_deploy.worker_common import ENCODER_CONTROL, ENCODER_STEP, WorkerSettings
-from tritonserver_backend.admin_auth import AdminKeyError
-from tritonserver_backend.session_auth import REFUSAL, InternalKey, SessionRefused, new_token
+from tritonserver_backend.auth.admin_auth import AdminKeyError
+from tritonserver_backend.auth.session_auth import REFUSAL, InternalKey, SessionRefused, new_token
 
 
 def test_the_client_side_round_trip() -> None:
@@ -31,13 +31,16 @@ def test_the_client_side_round_trip() -> None:
     request's `annotations`, nvext.extra_fields -> extra_args.nvext), and the worker's engine_data is what it reads."""
     first = client_nvext(None)
     assert first == {"extra_fields": ["engine_data"]}
-    request = {"annotations": first.get("annotations", []), "extra_args": {"nvext": {"extra_fields": first["extra_fields"]}}}
+    request = {"annotations": first.get("annotations", []),
+               "extra_args": {"nvext": {"extra_fields": first["extra_fields"]}}}
     assert presented_token(request) is None and wants_engine_data(request)
     token = new_token()
     later = client_nvext(token)
-    request = {"annotations": ["something-else", *later["annotations"]], "extra_args": {"nvext": {"extra_fields": later["extra_fields"]}}}
+    request = {"annotations": ["something-else", *later["annotations"]],
+               "extra_args": {"nvext": {"extra_fields": later["extra_fields"]}}}
     assert presented_token(request) == token
-    assert not wants_engine_data({}) and not wants_engine_data({"extra_args": {"nvext": {"extra_fields": "engine_data"}}})
+    assert (not wants_engine_data({})
+            and not wants_engine_data({"extra_args": {"nvext": {"extra_fields": "engine_data"}}}))
     assert issued_token({"engine_data": {ENGINE_DATA_KEY: token}}) == token
     assert issued_token(None) is None and issued_token({"engine_data": "x"}) is None
 
@@ -88,7 +91,8 @@ def test_worker_flags(tmp_path: Path) -> None:
     base = ["--index", "0", "--run-dir", str(tmp_path), "--model-dir", "m", "--engine-dir", "e", "--registry-root", "r"]
     settings = WorkerSettings.from_args("encoder", base)
     assert settings.session_auth and settings.internal_key_path == tmp_path / "internal.key"
-    settings = WorkerSettings.from_args("decoder", [*base, "--no-session-auth", "--internal-key-file", str(tmp_path / "k")])
+    settings = WorkerSettings.from_args("decoder",
+                                        [*base, "--no-session-auth", "--internal-key-file", str(tmp_path / "k")])
     assert not settings.session_auth and settings.internal_key_path == tmp_path / "k"
     key = InternalKey.from_file(settings.internal_key_path)  # what each worker does at start-up: created once, 0600
     assert stat.S_IMODE(settings.internal_key_path.stat().st_mode) == 0o600

@@ -91,7 +91,8 @@ def _pair(fleet, tag: str, source: str) -> tuple[int, ...]:  # type: ignore[no-u
     conv.say(SECOND, max_tokens=6)
     rebuilt = Conversation(fleet.url, f"dyn-rebuilt-{tag}", messages=list(conv.messages[:2]), model=model_id(TARGET))
     rebuilt.say(SECOND, max_tokens=6)
-    first, got, want = _turn(fleet, f"dyn-{tag}", 0), _turn(fleet, f"dyn-{tag}", 1), _turn(fleet, f"dyn-rebuilt-{tag}", 0)
+    first, got, want = (_turn(fleet, f"dyn-{tag}", 0), _turn(fleet, f"dyn-{tag}", 1),
+                        _turn(fleet, f"dyn-rebuilt-{tag}", 0))
     assert first["explicit"] == source and got["explicit"] == want["explicit"] == TARGET
     assert not got["rebuilt"] and want["rebuilt"], "the continued turn replays; the other session is rebuilt"
     assert got["prompt_tokens"] == want["prompt_tokens"], "the rebuilt session holds the same history"

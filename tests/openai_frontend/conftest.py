@@ -13,7 +13,7 @@ import openai
 import pytest
 import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken install must fail, not skip
 
-from build_engines.data.tokenizer import ChatTokenizer
+from ced.text.tokenizer import ChatTokenizer
 from tests.conftest import EMBEDDED
 
 

@@ -1,5 +1,5 @@
 """The frontend against real processes: tritonserver + `python -m openai_frontend` on loopback, driven by the real
-`openai` package, compared with the tensor API (`tritonserver_backend.client.GrpcChat`) on the same server."""
+`openai` package, compared with the tensor API (`tritonserver_backend.clients.client.GrpcChat`) on the same server."""
 
 from __future__ import annotations
 
@@ -9,20 +9,22 @@ import time
 
 import pytest
 
-from build_engines.data.tokenizer import Message
+from ced.text.tokenizer import Message
 from tests.openai_frontend.conftest import EMBEDDED, TENANT_KEYS, encoded_tokens, token_refusals
 from tests.waiting import holds_for, wait_until
-from tritonserver_backend.client import GrpcChat, TurnRequest
+from tritonserver_backend.clients.client import GrpcChat, TurnRequest
 
 pytestmark = pytest.mark.slow
 TOKENS = 8
-TURNS = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "git log --oneline shows nothing, why?"]
+TURNS = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)",
+         "git log --oneline shows nothing, why?"]
 
 
 def _tensor_api(triton, session: str, turns: list[str], adapter: str | None = None) -> list:  # type: ignore[no-untyped-def]
     chat = GrpcChat(triton.grpc_url)
     try:
-        return [chat.turn(TurnRequest(session, t, new_session=i == 0, adapter=adapter, max_tokens=TOKENS)) for i, t in enumerate(turns)]
+        return [chat.turn(TurnRequest(session, t, new_session=i == 0, adapter=adapter, max_tokens=TOKENS))
+                for i, t in enumerate(turns)]
     finally:
         chat.close()
 
@@ -49,7 +51,8 @@ def test_resent_conversation_reuses_its_session_and_equals_the_tensor_api(client
         encoded = encoded_tokens(triton) - before
         reply = done.choices[0].message.content
         assert ref.error is None and reply == ref.text, (i, reply, ref.text)
-        assert done.adapter == ref.adapter == raw.headers["x-mol2-adapter"], "the routed adapter is reported (field and header)"
+        assert done.adapter == ref.adapter == raw.headers["x-mol2-adapter"], (
+            "the routed adapter is reported (field and header)")
         assert done.usage.completion_tokens == len(ref.token_ids)
         assert done.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
         if i == 0:
@@ -78,7 +81,8 @@ def test_switching_model_id_mid_conversation_keeps_the_session(client, triton, t
     for i, (text, adapter, ref) in enumerate(zip(TURNS, adapters, want)):
         messages.append({"role": "user", "content": text})
         before = encoded_tokens(triton)
-        raw = client.chat.completions.with_raw_response.create(model=f"mol2:{adapter}", messages=messages, max_tokens=TOKENS)
+        raw = client.chat.completions.with_raw_response.create(model=f"mol2:{adapter}", messages=messages,
+                                                               max_tokens=TOKENS)
         done = raw.parse()
         assert done.choices[0].message.content == ref.text and done.adapter == adapter == ref.adapter, (i, adapter)
         if i > 0:
@@ -92,12 +96,14 @@ def test_unknown_prefix_is_rebuilt_from_history_like_the_tensor_api(client, trit
                {"role": "assistant", "content": "Hi, what do you need?"}]
     last = "Center a div with flexbox."
     before = encoded_tokens(triton)
-    done = client.chat.completions.create(model="mol2", messages=[*earlier, {"role": "user", "content": last}], max_tokens=TOKENS)
+    done = client.chat.completions.create(model="mol2", messages=[*earlier, {"role": "user", "content": last}],
+                                          max_tokens=TOKENS)
     encoded = encoded_tokens(triton) - before
     assert encoded == len(tokenizer.chat([Message(m["role"], m["content"]) for m in earlier] + [Message("user", last)]))
     assert done.usage.prompt_tokens == encoded and done.usage.prompt_tokens_details.cached_tokens == 0
     chat = GrpcChat(triton.grpc_url)
-    ref = chat.turn(TurnRequest("tensor-rebuilt", last, new_session=True, history=json.dumps(earlier), max_tokens=TOKENS))
+    ref = chat.turn(TurnRequest("tensor-rebuilt", last, new_session=True, history=json.dumps(earlier),
+                                max_tokens=TOKENS))
     chat.close()
     assert done.choices[0].message.content == ref.text and done.adapter == ref.adapter
 
@@ -125,7 +131,9 @@ def test_streaming_equals_non_streaming_and_ends_with_done(client, frontend) -> 
 @pytest.mark.parametrize("adapter", ["L2_code", "L0_chat", "base"])
 def test_explicit_model_ids_choose_the_adapter(client, triton, adapter: str) -> None:  # type: ignore[no-untyped-def]
     text = "import os\nprint(os.listdir('.'))"
-    raw = client.chat.completions.with_raw_response.create(model=f"mol2:{adapter}", messages=[{"role": "user", "content": text}], max_tokens=TOKENS)
+    raw = client.chat.completions.with_raw_response.create(model=f"mol2:{adapter}",
+                                                           messages=[{"role": "user", "content": text}],
+                                                           max_tokens=TOKENS)
     done = raw.parse()
     ref = _tensor_api(triton, f"tensor-explicit-{adapter}", [text], adapter=adapter)[0]
     assert done.adapter == raw.headers["x-mol2-adapter"] == adapter == ref.adapter
@@ -133,10 +141,12 @@ def test_explicit_model_ids_choose_the_adapter(client, triton, adapter: str) -> 
 
 
 def test_routed_turn_reports_mol2s_choice(client, triton) -> None:  # type: ignore[no-untyped-def]
-    texts = {"import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n        yield from files": "L2_code",
+    texts = {"import os\n\ndef walk(path):\n    for root, dirs, files in os.walk(path):\n"
+             "        yield from files": "L2_code",
              ".card { display: flex; justify-content: space-between; padding: 1rem; }": "L3_design"}
     for text, expected in texts.items():
-        done = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": text}], max_tokens=TOKENS)
+        done = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": text}],
+                                              max_tokens=TOKENS)
         ref = _tensor_api(triton, f"tensor-routed-{expected}", [text])[0]
         assert done.adapter == ref.adapter, "the frontend reports the router's decision"
         assert done.adapter == expected, f"MoL2 routed {text[:20]!r} to {done.adapter}"
@@ -177,7 +187,8 @@ def test_bad_requests_get_openai_errors_and_lose_nothing(client, frontend) -> No
         # parameters the server does not honour are refused by name, never silently dropped
         (dict(model="mol2", messages=user, response_format={"type": "xml"}), openai.BadRequestError, None),
         (dict(model="mol2", messages=user, logit_bias={"5": 500}), openai.BadRequestError, None),
-        (dict(model="mol2", messages=user, extra_body={"best_of": 2, "use_beam_search": True}), openai.BadRequestError, None),
+        (dict(model="mol2", messages=user, extra_body={"best_of": 2, "use_beam_search": True}), openai.BadRequestError,
+         None),
     ]
     for kwargs, error, code in cases:
         with pytest.raises(error) as info:
@@ -196,7 +207,8 @@ def test_busy_server_answers_429_and_recovers(client) -> None:  # type: ignore[n
     """The test server admits one turn at a time: a second turn while a long one streams is refused at once."""
     import openai
 
-    stream = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": "Tell me a long story."}],
+    stream = client.chat.completions.create(model="mol2",
+                                            messages=[{"role": "user", "content": "Tell me a long story."}],
                                             max_tokens=400, stream=True)
     first = next(iter(stream))
     assert first.choices[0].delta.role == "assistant"
@@ -230,8 +242,8 @@ def _leave_after_three_chunks(client, triton, messages: list[dict], long: int) -
     land a moment after the client got the previous turn's last token (CI read a previous 600-token turn's 601 steps
     as the abandoned turn's)."""
     steps_before = _settled(lambda: encoded_tokens(triton, "step"))
-    raw = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=long, stream=True,
-                                                           extra_body={"ignore_eos": True})
+    raw = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, max_tokens=long,
+                                                           stream=True, extra_body={"ignore_eos": True})
     stream = raw.parse()
     chunks = iter(stream)
     for _ in range(3):
@@ -258,15 +270,19 @@ def test_client_that_leaves_mid_stream_cancels_its_turn(client, triton) -> None:
     the previous turn's count landing late, read as the abandoned turn's; `_leave_after_three_chunks` now waits for
     the count to settle first.)"""
     long, story, more = 600, [{"role": "user", "content": "Tell me a long story."}], "Go on, and make it longer."
-    whole = client.chat.completions.create(model="mol2", messages=story, max_tokens=long, extra_body={"ignore_eos": True})
-    assert whole.usage.completion_tokens == long, "left alone, this turn runs to max_tokens (else the test proves nothing)"
+    whole = client.chat.completions.create(model="mol2", messages=story, max_tokens=long,
+                                           extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == long, (
+        "left alone, this turn runs to max_tokens (else the test proves nothing)")
     cancel_refusals = token_refusals(triton, "cancel")
     # the encoder counts a turn's steps when the turn ends: counted at all means the abandoned turn has ended
     steps, reused = _leave_after_three_chunks(client, triton, story, long)
     assert 3 <= steps < long // 2 and reused == "false", f"the abandoned turn ran on or never ended: {steps} steps"
-    continued = [*story, {"role": "assistant", "content": whole.choices[0].message.content}, {"role": "user", "content": more}]
+    continued = [*story, {"role": "assistant", "content": whole.choices[0].message.content},
+                 {"role": "user", "content": more}]
     steps, reused = _leave_after_three_chunks(client, triton, continued, long)
-    assert 3 <= steps < long // 2 and reused == "true", f"the abandoned continued turn ran on or never ended: {steps} steps"
+    assert 3 <= steps < long // 2 and reused == "true", (
+        f"the abandoned continued turn ran on or never ended: {steps} steps")
     assert token_refusals(triton, "cancel") == cancel_refusals, "each cancel carried its session's token"
     done = client.chat.completions.create(model="mol2", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
     assert done.usage.completion_tokens >= 1, "the slot of the abandoned turn was freed"
@@ -310,22 +326,26 @@ def test_lora_adapters_load_and_unload_through_vllms_routes_behind_the_admin_key
         return httpx.post(f"{frontend.base_url}/{route}", json=body, headers=headers or {}, timeout=120)
 
     before = [m.id for m in client.models.list().data]
-    for headers, status, code in (({}, 401, "admin_key_required"), ({"mol2-admin-key": "wrong-" + key}, 403, "wrong_admin_key")):
+    for headers, status, code in (({}, 401, "admin_key_required"),
+                                  ({"mol2-admin-key": "wrong-" + key}, 403, "wrong_admin_key")):
         resp = post("load_lora_adapter", load, headers)
         assert resp.status_code == status and resp.json()["error"]["code"] == code, resp.text
-    assert post("load_lora_adapter", {"lora_name": "oai_new"}, {"mol2-admin-key": key}).status_code == 400, "no lora_path"
+    assert post("load_lora_adapter", {"lora_name": "oai_new"}, {"mol2-admin-key": key}).status_code == 400, (
+        "no lora_path")
     assert [m.id for m in client.models.list().data] == before, "a refused load changes nothing"
     resp = post("load_lora_adapter", load, {"mol2-admin-key": key})
     assert resp.status_code == 200 and resp.json()["loaded"] == "oai_new", resp.text
     assert "mol2:oai_new" in [m.id for m in client.models.list().data]
-    done = client.chat.completions.create(model="mol2:oai_new", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
+    done = client.chat.completions.create(model="mol2:oai_new", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=TOKENS)
     assert done.adapter == "oai_new"
     assert post("unload_lora_adapter", {"lora_name": "oai_new"}).status_code == 401
     resp = post("unload_lora_adapter", {"lora_name": "oai_new"}, {"mol2-admin-key": key})
     assert resp.status_code == 200 and resp.json()["unloaded"] == "oai_new", resp.text
     assert [m.id for m in client.models.list().data] == before
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="mol2:oai_new", messages=[{"role": "user", "content": "hi"}], max_tokens=TOKENS)
+        client.chat.completions.create(model="mol2:oai_new", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=TOKENS)
     shutil.rmtree(copy)
 
 
@@ -333,7 +353,8 @@ def _scrape(frontend) -> dict[str, float]:  # type: ignore[no-untyped-def]
     import httpx
 
     text = httpx.get(frontend.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def test_frontend_metrics_count_what_the_clients_were_told(client, frontend) -> None:  # type: ignore[no-untyped-def]
@@ -343,13 +364,15 @@ def test_frontend_metrics_count_what_the_clients_were_told(client, frontend) -> 
     ok = 'mol2_frontend_requests_total{route="/v1/chat/completions",status="200"}'
     messages = [{"role": "user", "content": "Count me."}]
     first = client.chat.completions.create(model="mol2", messages=messages, max_tokens=TOKENS)
-    stream = client.chat.completions.create(model="mol2", messages=messages + [{"role": "assistant", "content": first.choices[0].message.content},
+    stream = client.chat.completions.create(model="mol2", messages=messages
+                                            + [{"role": "assistant", "content": first.choices[0].message.content},
                                                                                {"role": "user", "content": "Again."}],
                                             max_tokens=TOKENS, stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     usage = [c.usage for c in chunks if c.usage][0]
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="mol2", messages=messages, extra_body={"use_beam_search": True})  # refused by name
+        # refused by name
+        client.chat.completions.create(model="mol2", messages=messages, extra_body={"use_beam_search": True})
     after = _scrape(frontend)
 
     def grew(name: str) -> float:
@@ -360,7 +383,8 @@ def test_frontend_metrics_count_what_the_clients_were_told(client, frontend) -> 
     assert grew('mol2_frontend_errors_total{code="",type="invalid_request_error"}') == 1
     assert grew("mol2_frontend_prompt_tokens_total") == first.usage.prompt_tokens + usage.prompt_tokens
     assert grew("mol2_frontend_completion_tokens_total") == first.usage.completion_tokens + usage.completion_tokens
-    assert grew("mol2_frontend_cached_tokens_total") == usage.prompt_tokens_details.cached_tokens > 0, "the resent one continued"
+    assert grew("mol2_frontend_cached_tokens_total") == usage.prompt_tokens_details.cached_tokens > 0, (
+        "the resent one continued")
     assert grew('mol2_frontend_sessions_total{outcome="reused"}') == 1
     assert grew("mol2_frontend_time_to_first_token_seconds_count") == 2
     assert grew("mol2_frontend_request_duration_seconds_count") == 2
@@ -375,13 +399,15 @@ def test_logprobs_are_the_samplers_and_top_1_is_the_greedy_token(client, triton)
     import math
 
     messages = [{"role": "user", "content": "def add(a, b):"}]
-    kwargs = dict(model="mol2:L2_code", messages=messages, max_tokens=TOKENS, temperature=0, logprobs=True, top_logprobs=3)
+    kwargs = dict(model="mol2:L2_code", messages=messages, max_tokens=TOKENS, temperature=0, logprobs=True,
+                  top_logprobs=3)
     done = client.chat.completions.create(**kwargs)
     content = done.choices[0].logprobs.content
     assert len(content) == done.usage.completion_tokens >= 2
     for entry in content:
         tops = entry.top_logprobs
-        assert len(tops) == 3 and tops[0].token == entry.token and math.isclose(tops[0].logprob, entry.logprob, abs_tol=1e-6)
+        assert (len(tops) == 3 and tops[0].token == entry.token
+                and math.isclose(tops[0].logprob, entry.logprob, abs_tol=1e-6))
         assert all(a.logprob >= b.logprob for a, b in zip(tops, tops[1:])) and all(t.logprob <= 0 for t in tops)
         assert bytes(entry.bytes) == entry.token.encode("utf-8")
     assert "".join(e.token for e in content).startswith(done.choices[0].message.content[:8])
@@ -415,7 +441,8 @@ def test_a_refused_session_token_rebuilds_the_conversation(triton, tokenizer) ->
     first = [{"role": "user", "content": TURNS[0]}]
 
     async def run() -> tuple[str, str, str, str, ChatService]:
-        service = ChatService(TritonStream(triton.grpc_url), tokenizer, PrefixCache(10**12, SessionCost.of_model(EMBEDDED)))
+        service = ChatService(TritonStream(triton.grpc_url), tokenizer,
+                              PrefixCache(10**12, SessionCost.of_model(EMBEDDED)))
         try:
             body = {"model": "mol2", "messages": first, "max_tokens": TOKENS}
             answer = await service.start(ChatRequest.parse(json.dumps(body).encode()))
@@ -424,7 +451,8 @@ def test_a_refused_session_token_rebuilds_the_conversation(triton, tokenizer) ->
             held = (("user", TURNS[0]), ("assistant", reply))
             entry = service.cache.take(prefix_key(held))
             assert entry is not None and entry.session_token == answer.session_token
-            service.cache.put(prefix_key(held), dataclasses.replace(entry, session_token="forged-" + entry.session_token))
+            service.cache.put(prefix_key(held),
+                              dataclasses.replace(entry, session_token="forged-" + entry.session_token))
             body["messages"] = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": TURNS[1]}]
             again = await service.start(ChatRequest.parse(json.dumps(body).encode()))
             text = await again.collect()
@@ -440,7 +468,8 @@ def test_a_refused_session_token_rebuilds_the_conversation(triton, tokenizer) ->
     chat = GrpcChat(triton.grpc_url)
     try:
         earlier = json.dumps([{"role": "user", "content": TURNS[0]}, {"role": "assistant", "content": reply}])
-        ref = chat.turn(TurnRequest("tensor-refused-rebuild", TURNS[1], new_session=True, history=earlier, max_tokens=TOKENS))
+        ref = chat.turn(TurnRequest("tensor-refused-rebuild", TURNS[1], new_session=True, history=earlier,
+                                    max_tokens=TOKENS))
     finally:
         chat.close()
     assert text == ref.text
@@ -452,7 +481,8 @@ def test_two_api_keys_never_share_a_conversation(keyed_frontend, triton, tokeniz
     import openai
 
     key_a, key_b = TENANT_KEYS
-    a, b = (openai.OpenAI(base_url=keyed_frontend.base_url, api_key=k, max_retries=0, timeout=120) for k in (key_a, key_b))
+    a, b = (openai.OpenAI(base_url=keyed_frontend.base_url, api_key=k, max_retries=0, timeout=120)
+            for k in (key_a, key_b))
     want = _tensor_api(triton, "tensor-tenants", TURNS)
     refused = token_refusals(triton)
     try:
@@ -472,11 +502,13 @@ def test_two_api_keys_never_share_a_conversation(keyed_frontend, triton, tokeniz
             assert done.choices[0].message.content == ref.text and done.usage.completion_tokens == len(ref.token_ids), i
             assert raw.headers["x-mol2-session-reused"] == ("true" if i else "false"), i
             if i:
-                assert encoded_tokens(triton) - before == len(tokenizer.turn(Message("user", text), generation_prompt=True)), i
+                assert encoded_tokens(triton) - before == len(tokenizer.turn(Message("user", text),
+                                                                             generation_prompt=True)), i
             messages.append({"role": "assistant", "content": done.choices[0].message.content})
         assert token_refusals(triton) == refused, "no tenant ever presented another's session"
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=keyed_frontend.base_url, api_key="sk-tenant-c", max_retries=0, timeout=30).models.list()
+            openai.OpenAI(base_url=keyed_frontend.base_url, api_key="sk-tenant-c", max_retries=0,
+                          timeout=30).models.list()
     finally:
         a.close()
         b.close()

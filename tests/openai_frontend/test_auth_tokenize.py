@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from build_engines.data.tokenizer import ChatTokenizer, Message
+from ced.text.tokenizer import ChatTokenizer, Message
 from openai_frontend.process import FrontendProcess
 from tests.conftest import EMBEDDED
 from tests.waiting import wait_until
@@ -49,7 +49,8 @@ def test_tokenize_and_detokenize_follow_the_model_directorys_tokenizer(keyed) ->
     tok = ChatTokenizer.load(EMBEDDED)
     text = "def mean(xs): return sum(xs) / len(xs)"
     plain = httpx.post(f"{root}/tokenize", json={"model": "mol2", "prompt": text}, headers=auth, timeout=30).json()
-    assert plain["tokens"] == tok.encode(text) and plain["count"] == len(plain["tokens"]) and plain["max_model_len"] == 8192
+    assert (plain["tokens"] == tok.encode(text) and plain["count"] == len(plain["tokens"])
+            and plain["max_model_len"] == 8192)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
     chat = httpx.post(f"{root}/tokenize", json={"messages": messages}, headers=auth, timeout=30).json()
     assert chat["tokens"] == tok.chat([Message("system", "be brief"), Message("user", text)])

@@ -1,7 +1,7 @@
 """Completions (issue 32): the tensor API's raw sessions, teacher forcing (`forced_ids`) and forks (`fork_from`), and
 `POST /v1/completions` on them, driven by the real `openai` package against a real tritonserver.
 
-The reference for teacher forcing is the in-process pipeline (tritonserver_backend/pipeline.py) on the same engine
+The reference for teacher forcing is the in-process pipeline (tritonserver_backend/core/pipeline.py) on the same engine
 backend (torch) and the same adapters: the server's forced log-probabilities must equal it bit for bit."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from build_engines.data.tokenizer import ChatTokenizer
+from ced.text.tokenizer import ChatTokenizer
 from openai_frontend import completions as cmpl
 from openai_frontend.errors import APIError
 from tests.openai_frontend.conftest import EMBEDDED, encoded_tokens
-from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, cancel_turn
+from tritonserver_backend.clients.client import GrpcChat, HttpChat, TurnRequest, cancel_turn
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
@@ -57,10 +57,11 @@ def test_parameter_table_names_every_key_once() -> None:
 def reference(tmp_path_factory):  # type: ignore[no-untyped-def]
     import torch
 
-    from tritonserver_backend.pipeline import InProcessPipeline
-    from tritonserver_backend.registry_init import ensure_registry
+    from tritonserver_backend.adapters.registry_init import ensure_registry
+    from tritonserver_backend.core.pipeline import InProcessPipeline
 
-    torch.set_num_threads(1)  # the server's models run torch on one thread (torch_threads); a reduction's order follows it
+    # the server's models run torch on one thread (torch_threads); a reduction's order follows it
+    torch.set_num_threads(1)
     root = Path(tmp_path_factory.mktemp("completions-registry"))
     ensure_registry(root, EMBEDDED)
     return InProcessPipeline(EMBEDDED, root, backend="torch", max_context=2048)
@@ -70,22 +71,24 @@ def test_in_process_forks_and_forced_ids(reference, tokenizer) -> None:  # type:
     """The pipeline alone (no server): a prefill-only raw turn, forks of it with no new tokens reply like a session of
     their own (and encode nothing), forced ids come back as sent and then continue like the prefill path, a fork of a
     session that is gone is refused, and a fork's rollback leaves no trace."""
-    from tritonserver_backend import counters as k
+    from tritonserver_backend.core import counters as k
     from tritonserver_backend.errors import ServingError
-    from tritonserver_backend.sampling import SamplingParams
+    from tritonserver_backend.sampling.sampler import SamplingParams
 
     ids = tokenizer.encode(PROMPT)
     greedy = SamplingParams(max_tokens=5, raw=True)
     head = reference.chat("ip-src", PROMPT, "base", True, params=SamplingParams(max_tokens=0, raw=True))
     assert head.token_ids == [] and head.finish_reason == "length"
     encoded = reference.encoder.counters.get(k.ENCODED_TOKENS, k.TURN)
-    forks = [reference.chat(f"ip-fork-{i}", "", "base", True, params=greedy, fork_from="ip-src", end_session=True) for i in range(2)]
+    forks = [reference.chat(f"ip-fork-{i}", "", "base", True, params=greedy, fork_from="ip-src", end_session=True)
+             for i in range(2)]
     direct = reference.chat("ip-direct", PROMPT, "base", True, params=greedy, end_session=True)
-    forced = reference.chat("ip-forced", "", "base", True, params=SamplingParams(max_tokens=5, raw=True, forced_ids=tuple(ids)),
-                            end_session=True)
+    forced = reference.chat("ip-forced", "", "base", True,
+                            params=SamplingParams(max_tokens=5, raw=True, forced_ids=tuple(ids)), end_session=True)
     assert [f.token_ids for f in forks] == [direct.token_ids] * 2 and forced.token_ids == ids + direct.token_ids
     assert reference.encoder.counters.get(k.ENCODED_TOKENS, k.TURN) == encoded + (len(ids) + 1) + 1, \
-        "forks encode nothing: the direct session <|bos|> + the prompt, the forced one <|bos|> (its prompt goes by steps)"
+        ("forks encode nothing: the direct session <|bos|> + the prompt, the forced one <|bos|> (its prompt goes "
+         "by steps)")
     reference.end("ip-src")
     with pytest.raises(ServingError):
         reference.chat("ip-late", "", "base", True, params=greedy, fork_from="ip-src")
@@ -106,14 +109,16 @@ def test_forced_ids_equal_the_in_process_teacher_forcing_bit_for_bit(triton, ref
     """A raw session of <|bos|> alone with the prompt as forced_ids: the server emits every prompt token with its
     log-probability and top-3, then samples 4 more; gRPC streaming and HTTP /generate both equal the in-process
     pipeline's teacher forcing exactly (same engine backend, same adapters), and the forced ids come back as sent."""
-    from tritonserver_backend.sampling import SamplingParams
+    from tritonserver_backend.sampling.sampler import SamplingParams
 
     ids = tokenizer.encode(PROMPT)
-    kw = dict(raw=True, forced_ids=ids, max_tokens=4, logprobs=True, top_logprobs=3, adapter=adapter, end_session=True, new_session=True)
+    kw = dict(raw=True, forced_ids=ids, max_tokens=4, logprobs=True, top_logprobs=3, adapter=adapter, end_session=True,
+              new_session=True)
     [streamed] = _grpc(triton, TurnRequest(f"forced-grpc-{adapter}", "", **kw))
     whole = HttpChat(triton.http_url).turn(TurnRequest(f"forced-http-{adapter}", "", stream=False, **kw))
     ref = reference.chat(f"forced-ref-{adapter}", "", adapter, True,
-                         params=SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3, raw=True, forced_ids=tuple(ids)),
+                         params=SamplingParams(max_tokens=4, logprobs=True, top_logprobs=3, raw=True,
+                                               forced_ids=tuple(ids)),
                          end_session=True)
     for got in (streamed, whole):
         assert got.error is None, got.error
@@ -140,8 +145,10 @@ def test_a_fork_shares_the_prompts_prefill_and_equals_a_session_of_its_own(trito
         forks = [chat.turn(TurnRequest(f"fork-{i}", "", new_session=True, raw=True, fork_from="fork-src", max_tokens=6,
                                        end_session=True)) for i in range(2)]
         assert encoded_tokens(triton) - before == len(ids) + 1, "a fork re-encodes nothing"
-        direct = chat.turn(TurnRequest("fork-direct", PROMPT, new_session=True, raw=True, max_tokens=6, end_session=True))
-        assert all(f.error is None and f.token_ids == direct.token_ids and f.adapter == direct.adapter for f in forks), (forks, direct)
+        direct = chat.turn(TurnRequest("fork-direct", PROMPT, new_session=True, raw=True, max_tokens=6,
+                                       end_session=True))
+        assert all(f.error is None and f.token_ids == direct.token_ids and f.adapter == direct.adapter
+                   for f in forks), (forks, direct)
         stranger = chat.turn(TurnRequest("fork-stranger", "", new_session=True, raw=True, fork_from="fork-src",
                                          fork_token="not-the-token", max_tokens=2))
         assert stranger.error and "session_token" in stranger.error
@@ -184,22 +191,27 @@ def test_echo_with_logprobs_scores_the_prompt_streamed_and_not(client, triton, t
     assert all(len(t) <= 2 and max(t.values()) >= x for t, x in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
     assert [choice.text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens)] == lp.tokens
     assert done.usage.prompt_tokens == len(ids) and done.usage.completion_tokens == 3
-    [ref] = _grpc(triton, TurnRequest("echo-ref", "", new_session=True, raw=True, forced_ids=ids, max_tokens=3, adapter="base",
+    [ref] = _grpc(triton,
+                  TurnRequest("echo-ref", "", new_session=True, raw=True, forced_ids=ids, max_tokens=3, adapter="base",
                                      logprobs=True, top_logprobs=2, end_session=True))
     assert lp.token_logprobs[1:] == ref.logprobs[1:] and choice.text == "".join(ref.pieces)
     streamed = _merged(client.completions.create(**kwargs, stream=True))
     assert streamed == {0: (choice.text, lp.tokens, lp.token_logprobs, lp.top_logprobs, "length")}
     for model in ("mol2:base", "mol2"):  # a routed forced session runs under the adapter the prompt is routed to
         plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
-        echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True, logprobs=0)
+        echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, echo=True,
+                                           logprobs=0)
         assert plain.choices[0].logprobs is None and echoed.choices[0].text == PROMPT + plain.choices[0].text, model
         assert echoed.adapter == plain.adapter, model
     full = client.completions.create(model="mol2:base", prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
     stop = full.strip()[1:3]
     want = full[:full.index(stop)]
-    for extra in ({}, {"echo": True, "logprobs": 0}):  # the prefill path (the server stops) and the forced one (the frontend)
-        cut = client.completions.create(model="mol2:base", prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop], **extra).choices[0]
-        assert cut.text == (PROMPT if extra else "") + want and cut.finish_reason == "stop", (extra, stop, full, cut.text)
+    # the prefill path (the server stops) and the forced one (the frontend)
+    for extra in ({}, {"echo": True, "logprobs": 0}):
+        cut = client.completions.create(model="mol2:base", prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop],
+                                        **extra).choices[0]
+        assert cut.text == (PROMPT if extra else "") + want and cut.finish_reason == "stop", (
+            extra, stop, full, cut.text)
 
 
 @pytest.mark.slow
@@ -213,13 +225,15 @@ def test_n3_gives_three_choices_from_one_prefill(client, triton, tokenizer) -> N
     assert encoded_tokens(triton) - before == len(ids) + 1, "one prefill for three choices"
     assert [c.index for c in done.choices] == [0, 1, 2] and done.usage.prompt_tokens == len(ids)
     assert 3 <= done.usage.completion_tokens <= 18
-    single = [client.completions.create(model="mol2", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11 + i).choices[0].text
+    single = [client.completions.create(model="mol2", prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                        seed=11 + i).choices[0].text
               for i in range(3)]
     assert [c.text for c in done.choices] == single
     assert len(set(single)) > 1, "different seeds, different samples"
     streamed = _merged(client.completions.create(**kwargs, stream=True))
     assert [streamed[i][0] for i in range(3)] == single
-    scored = client.completions.create(model="mol2:base", prompt=PROMPT, max_tokens=2, n=2, echo=True, logprobs=1, temperature=0)
+    scored = client.completions.create(model="mol2:base", prompt=PROMPT, max_tokens=2, n=2, echo=True, logprobs=1,
+                                       temperature=0)
     a, b = (c.logprobs for c in scored.choices)
     assert a.token_logprobs == b.token_logprobs and a.tokens[:len(ids)] == b.tokens[:len(ids)], "greedy forks agree"
 
@@ -231,7 +245,8 @@ def test_lm_evaluation_harness_loglikelihood_request(client, triton, tokenizer) 
     top_logprobs; the continuation's sum equals the tensor API's forced log-probabilities."""
     context, continuation = tokenizer.encode("The quick brown fox"), tokenizer.encode(" jumps over the lazy dog")
     prompts = [context + continuation, context + tokenizer.encode(" sleeps")]
-    out = client.completions.create(model="mol2:base", prompt=prompts, temperature=0, max_tokens=1, logprobs=1, seed=1234, echo=True)
+    out = client.completions.create(model="mol2:base", prompt=prompts, temperature=0, max_tokens=1, logprobs=1,
+                                    seed=1234, echo=True)
     assert [c.index for c in out.choices] == [0, 1]
     scores = []
     for choice, tokens in zip(sorted(out.choices, key=lambda c: c.index), prompts):
@@ -240,7 +255,8 @@ def test_lm_evaluation_harness_loglikelihood_request(client, triton, tokenizer) 
         ctxlen = len(context)
         scores.append(sum(lp.token_logprobs[ctxlen:-1]))
         assert all(isinstance(t, dict) and len(t) == 1 for t in lp.top_logprobs[ctxlen:-1])
-    [ref] = _grpc(triton, TurnRequest("lm-eval-ref", "", new_session=True, raw=True, forced_ids=prompts[0], max_tokens=0,
+    [ref] = _grpc(triton,
+                  TurnRequest("lm-eval-ref", "", new_session=True, raw=True, forced_ids=prompts[0], max_tokens=0,
                                      adapter="base", logprobs=True, end_session=True))
     assert scores[0] == pytest.approx(sum(ref.logprobs[len(context):]), abs=1e-9)
 

@@ -11,15 +11,18 @@ from openai_frontend.schemas import ChatRequest
 
 
 def _parse(**body) -> ChatRequest:  # type: ignore[no-untyped-def]
-    return ChatRequest.parse(json.dumps({"model": "mol2", "messages": [{"role": "user", "content": "hi"}], **body}).encode())
+    return ChatRequest.parse(json.dumps({"model": "mol2", "messages": [{"role": "user", "content": "hi"}],
+                                         **body}).encode())
 
 
 def test_fields_map_onto_the_tensor_api() -> None:
     r = _parse(model="mol2:L2_code", max_completion_tokens=7, max_tokens=3, stop="END", temperature=0.5, seed=3,
-               messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+               messages=[{"role": "developer", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
                stream=True, stream_options={"include_usage": True}, user="ignored")
     assert r.adapter == "L2_code" and r.max_tokens == 7 and r.stop == ("END",) and r.seed == 3
-    assert r.messages == (("system", "be brief"), ("user", "ab")) and r.earlier == (("system", "be brief"),) and r.last == "ab"
+    assert (r.messages == (("system", "be brief"), ("user", "ab")) and r.earlier == (("system", "be brief"),)
+            and r.last == "ab")
     assert r.stream and r.include_usage
     assert _parse().adapter is None and _parse(model="mol2:base").adapter == "base"
 
@@ -34,7 +37,8 @@ def test_fields_map_onto_the_tensor_api() -> None:
     (dict(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     (dict(messages=[]), 400, "messages"),
     (dict(messages=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]), 400, "messages"),
-    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages.0.content.list[TextPart].0.type"),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages.0.content.list[TextPart].0.type"),
     (dict(top_logprobs=3), 400, "top_logprobs"),  # needs logprobs: true
     (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
 ])

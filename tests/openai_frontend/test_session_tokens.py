@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import pytest
 from fastapi.testclient import TestClient
 
-from build_engines.data.tokenizer import ChatTokenizer
+from ced.text.tokenizer import ChatTokenizer
 from openai_frontend import app as app_module
 from openai_frontend.app import create_app, key_checker
 from openai_frontend.cli import api_keys, parser
@@ -21,8 +21,8 @@ from openai_frontend.prefix_cache import PrefixCache, namespace_of, prefix_key
 from openai_frontend.service import ChatService
 from openai_frontend.session_cost import SessionCost
 from openai_frontend.triton_stream import Piece
-from tritonserver_backend.client import TurnRequest
-from tritonserver_backend.session_auth import refusal
+from tritonserver_backend.auth.session_auth import refusal
+from tritonserver_backend.clients.client import TurnRequest
 
 KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
 
@@ -70,12 +70,14 @@ def _app(tokenizer: ChatTokenizer, keys: list[str] | None = None) -> tuple[TestC
 
 def _chat(http: TestClient, messages: list[dict], key: str | None = None):  # type: ignore[no-untyped-def]
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return http.post("/v1/chat/completions", json={"model": "mol2", "messages": messages, "max_tokens": 4}, headers=headers)
+    return http.post("/v1/chat/completions", json={"model": "mol2", "messages": messages, "max_tokens": 4},
+                     headers=headers)
 
 
 def _metrics(http: TestClient) -> dict[str, float]:
     text = http.get("/metrics").text
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 def _converse(http: TestClient, turns: list[str], key: str | None = None) -> tuple[list[dict], list]:  # type: ignore[type-arg]
@@ -93,7 +95,8 @@ def _converse(http: TestClient, turns: list[str], key: str | None = None) -> tup
 def test_the_refusal_message_is_a_lost_session() -> None:
     error = from_triton(f"in ensemble 'mol2', {refusal('oai-123')}")
     assert error.code == "session_refused" and session_refused(error) and session_lost(error)
-    assert not session_refused(from_triton("session 'x' was evicted")) and session_lost(from_triton("session 'x' was evicted"))
+    assert (not session_refused(from_triton("session 'x' was evicted"))
+            and session_lost(from_triton("session 'x' was evicted")))
 
 
 def test_a_continued_session_sends_the_token_its_first_reply_issued(tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -127,7 +130,8 @@ def test_a_refused_token_rebuilds_the_session_under_a_new_id_and_is_counted(toke
     messages.append({"role": "user", "content": "three"})
     resp = _chat(http, messages)  # the rebuilt session, with its own new token
     assert resp.headers["x-mol2-session-reused"] == "true"
-    assert fake.turns[-1].session_id == rebuilt.session_id and fake.turns[-1].session_token == fake.sessions[rebuilt.session_id]
+    assert (fake.turns[-1].session_id == rebuilt.session_id
+            and fake.turns[-1].session_token == fake.sessions[rebuilt.session_id])
     assert service.refusals == 1 and service.rebuilt_after_refusal == 1
 
 
@@ -187,7 +191,8 @@ def test_the_same_messages_under_two_keys_never_share_a_session(tokenizer) -> No
     assert resp.headers["x-mol2-session-reused"] == "true", "A's own session is still A's to continue"
     assert fake.turns[-1].session_id == a_session and fake.turns[-1].session_token == fake.sessions[a_session]
     assert service.refusals == 0
-    assert prefix_key(a_messages, namespace_of(KEY_A)) != prefix_key(a_messages, namespace_of(KEY_B)) != prefix_key(a_messages)
+    assert (prefix_key(a_messages, namespace_of(KEY_A)) != prefix_key(a_messages, namespace_of(KEY_B))
+            != prefix_key(a_messages))
     assert prefix_key(a_messages) == prefix_key(a_messages, ""), "without keys: one namespace"
 
 

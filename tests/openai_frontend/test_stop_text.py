@@ -24,7 +24,8 @@ def _stream(text: str, stops: tuple[str, ...], cuts: list[int]) -> str:
     ("tail a", ("a l",), "tail a"),  # a held tail that never becomes a stop string comes out at the end
     ("plain", (), "plain"),
 ])
-def test_stop_text_matches_the_text_before_the_first_stop_for_any_split(text: str, stops: tuple[str, ...], want: str, seed: int) -> None:
+def test_stop_text_matches_the_text_before_the_first_stop_for_any_split(text: str, stops: tuple[str, ...], want: str,
+                                                                        seed: int) -> None:
     rng = random.Random(seed)
     for _ in range(50):
         cuts = rng.sample(range(1, len(text)), rng.randint(0, len(text) - 1)) if len(text) > 1 else []

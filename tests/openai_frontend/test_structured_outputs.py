@@ -49,7 +49,8 @@ def test_vllms_structured_output_names(client, stream: bool) -> None:  # type: i
         text, finish, _ = _reply(client, "mol2", stream, max_tokens=100, extra_body=extra)
         jsonschema.validate(json.loads(text), schema)
         assert finish == "stop"
-    text, _, _ = _reply(client, "mol2:L3_design", stream, max_tokens=20, extra_body={"guided_regex": "[a-z]{3}-[0-9]{2}"})
+    text, _, _ = _reply(client, "mol2:L3_design", stream, max_tokens=20,
+                        extra_body={"guided_regex": "[a-z]{3}-[0-9]{2}"})
     assert len(text) == 6 and text[3] == "-" and text[:3].isalpha() and text[4:].isdigit(), text
     for extra in ({"guided_choice": ["yes", "no", "maybe"]}, {"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
                   {"guided_grammar": 'root ::= "yes" | "no" | "maybe"'}):
@@ -60,8 +61,8 @@ def test_vllms_structured_output_names(client, stream: bool) -> None:  # type: i
 def test_json_object_is_a_json_object(client) -> None:  # type: ignore[no-untyped-def]
     """json_object bounds nothing and the default writes one endless string when greedy: penalised, it closes."""
     for stream in (False, True):
-        text, finish, _ = _reply(client, "mol2:L3_design", stream, max_tokens=400, response_format={"type": "json_object"},
-                                 presence_penalty=2.0, frequency_penalty=2.0)
+        text, finish, _ = _reply(client, "mol2:L3_design", stream, max_tokens=400,
+                                 response_format={"type": "json_object"}, presence_penalty=2.0, frequency_penalty=2.0)
         if finish == "stop":
             assert isinstance(json.loads(text), dict), text
         else:  # cut by max_tokens: an unfinished object, never anything else
@@ -69,9 +70,11 @@ def test_json_object_is_a_json_object(client) -> None:  # type: ignore[no-untype
 
 
 def test_sampling_extensions(client, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    kwargs = dict(model="mol2:L3_design", messages=[{"role": "user", "content": "How do I center a div?"}], max_tokens=10)
+    kwargs = dict(model="mol2:L3_design", messages=[{"role": "user", "content": "How do I center a div?"}],
+                  max_tokens=10)
     greedy = client.chat.completions.create(**kwargs).choices[0].message.content
-    top1 = client.chat.completions.create(**kwargs, temperature=1.3, seed=3, extra_body={"top_k": 1}).choices[0].message.content
+    top1 = client.chat.completions.create(**kwargs, temperature=1.3, seed=3,
+                                          extra_body={"top_k": 1}).choices[0].message.content
     assert top1 == greedy
     sampled = client.chat.completions.create(**kwargs, temperature=1.0, seed=3, extra_body={"top_k": 40, "min_p": 0.05})
     assert sampled.choices[0].finish_reason in ("stop", "length")
@@ -79,10 +82,13 @@ def test_sampling_extensions(client, tokenizer) -> None:  # type: ignore[no-unty
     forced = client.chat.completions.create(**{**kwargs, "max_tokens": 4}, logit_bias={str(brace): 100})
     assert forced.choices[0].message.content == "{" * 4 and forced.usage.completion_tokens == 4
     # stop_token_ids: the forced token ends the reply at once; with min_tokens it is masked for the first two
-    stopped = client.chat.completions.create(**kwargs, logit_bias={str(brace): 100}, extra_body={"stop_token_ids": [brace]})
+    stopped = client.chat.completions.create(**kwargs, logit_bias={str(brace): 100},
+                                             extra_body={"stop_token_ids": [brace]})
     assert stopped.usage.completion_tokens == 0 and stopped.choices[0].finish_reason == "stop"
-    later = client.chat.completions.create(**kwargs, logit_bias={str(brace): 100}, extra_body={"stop_token_ids": [brace], "min_tokens": 2})
-    assert later.usage.completion_tokens == 2 and "{" not in later.choices[0].message.content and later.choices[0].finish_reason == "stop"
+    later = client.chat.completions.create(**kwargs, logit_bias={str(brace): 100},
+                                           extra_body={"stop_token_ids": [brace], "min_tokens": 2})
+    assert (later.usage.completion_tokens == 2 and "{" not in later.choices[0].message.content
+            and later.choices[0].finish_reason == "stop")
     eot = {str(EOT): 100}
     assert client.chat.completions.create(**kwargs, logit_bias=eot).usage.completion_tokens == 0
     at_least = client.chat.completions.create(**kwargs, logit_bias=eot, extra_body={"min_tokens": 3})

@@ -14,8 +14,8 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from build_engines.data.tokenizer import ChatTokenizer
-from build_engines.data.tool_parsers import JsonTagSyntax, ToolCall
+from ced.text.tokenizer import ChatTokenizer
+from ced.text.tool_parsers import JsonTagSyntax, ToolCall
 from openai_frontend.app import create_app
 from openai_frontend.errors import APIError
 from openai_frontend.prefix_cache import PrefixCache
@@ -24,9 +24,10 @@ from openai_frontend.service import ChatService
 from openai_frontend.session_cost import SessionCost
 from openai_frontend.tool_calls import ToolReply, stream_deltas, wire
 from openai_frontend.triton_stream import Piece
-from tritonserver_backend.client import TurnRequest
+from tritonserver_backend.clients.client import TurnRequest
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}
 CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
 
@@ -67,7 +68,8 @@ def setup(tokenizer):  # type: ignore[no-untyped-def]
     fake = ScriptedEnsemble()
     service = ChatService(fake, tokenizer, PrefixCache(10**9, SessionCost(100, 10.0)))  # type: ignore[arg-type]
     http = TestClient(create_app(service))
-    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0), fake, service
+    return (openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0), fake,
+            service)
 
 
 def _stream(client, **kw):  # type: ignore[no-untyped-def]
@@ -98,7 +100,8 @@ def test_a_forced_call_is_parsed_into_tool_calls_and_the_conversation_continues(
     if stream:
         content, calls, finish, shapes = _stream(client, **kw)
         assert shapes[0]["id"] == calls[0]["id"] and shapes[0]["type"] == "function" and shapes[0]["function"] == {
-            "name": "get_weather", "arguments": ""} and shapes[1] == {"index": 0, "function": {"arguments": '{"city": "Paris"}'}}
+            "name": "get_weather", "arguments": ""} and shapes[1] == {
+                "index": 0, "function": {"arguments": '{"city": "Paris"}'}}
     else:
         reply = client.chat.completions.create(**kw)
         message, finish = reply.choices[0].message, reply.choices[0].finish_reason
@@ -114,14 +117,17 @@ def test_a_forced_call_is_parsed_into_tool_calls_and_the_conversation_continues(
     # the call's result, resent with the conversation, continues the same session: the result is the turn
     fake.reply = "It is sunny."
     messages += [{"role": "assistant", "content": None, "tool_calls": [
-                     {"id": calls[0]["id"], "type": "function", "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}]},
+                     {"id": calls[0]["id"], "type": "function",
+                      "function": {"name": calls[0]["name"], "arguments": calls[0]["arguments"]}}]},
                  {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny, 21 C"}]
     reply = client.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER, CLOCK], max_tokens=40)
     assert reply.choices[0].message.content == "It is sunny." and reply.choices[0].finish_reason == "stop"
     assert not reply.choices[0].message.tool_calls
     follow = fake.turns[-1]
-    assert not follow.new_session and follow.session_id == sent.session_id and follow.text == "" and follow.grammar is None
-    assert json.loads(follow.turn_messages) == [{"role": "tool", "content": "sunny, 21 C", "tool_call_id": calls[0]["id"]}]
+    assert (not follow.new_session and follow.session_id == sent.session_id and follow.text == ""
+            and follow.grammar is None)
+    assert json.loads(follow.turn_messages) == [{"role": "tool", "content": "sunny, 21 C",
+                                                 "tool_call_id": calls[0]["id"]}]
     assert service.reused == 1
     # what the server renders for that turn is the conversation's next text
     chat_format = service.tokenizer.chat_format
@@ -134,8 +140,10 @@ def test_a_forced_call_is_parsed_into_tool_calls_and_the_conversation_continues(
 def test_required_auto_and_none(setup) -> None:  # type: ignore[no-untyped-def]
     client, fake, service = setup
     messages = [{"role": "user", "content": "What time is it?"}]
-    fake.reply = "Let me look. " + JsonTagSyntax().render([ToolCall("now", "{}"), ToolCall("get_weather", '{"city": "Oslo"}')])
-    reply = client.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER, CLOCK], tool_choice="required")
+    fake.reply = "Let me look. " + JsonTagSyntax().render([ToolCall("now", "{}"),
+                                                           ToolCall("get_weather", '{"city": "Oslo"}')])
+    reply = client.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER, CLOCK],
+                                           tool_choice="required")
     assert fake.turns[-1].grammar["grammar"] == JsonTagSyntax().grammar([WEATHER, CLOCK])
     assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["now"]  # a forced reply holds one call
     # auto: every call the model writes, after its text; parallel_tool_calls false: the first only
@@ -154,7 +162,8 @@ def test_required_auto_and_none(setup) -> None:  # type: ignore[no-untyped-def]
             content, calls, finish, _ = _stream(client, model="mol2", messages=messages, tools=[WEATHER])
         else:
             reply = client.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER])
-            content, calls, finish = reply.choices[0].message.content, reply.choices[0].message.tool_calls or [], reply.choices[0].finish_reason
+            content, calls, finish = (reply.choices[0].message.content, reply.choices[0].message.tool_calls or [],
+                                      reply.choices[0].finish_reason)
         assert (content, calls, finish) == (fake.reply, [], "stop")
     # none: the tools are not sent, the reply is not parsed
     fake.reply = JsonTagSyntax().render([ToolCall("now", "{}")])
@@ -178,7 +187,8 @@ def test_bad_tool_requests_are_400s(setup) -> None:  # type: ignore[no-untyped-d
         client.chat.completions.create(model="mol2", messages=[*messages, {"role": "tool", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="JSON object"):
         client.chat.completions.create(model="mol2", messages=[
-            *messages, {"role": "assistant", "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
+            *messages, {"role": "assistant",
+                        "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]},
             {"role": "tool", "tool_call_id": "a", "content": "x"}])
     assert len(fake.turns) == sent  # nothing reached the server
 
@@ -186,12 +196,14 @@ def test_bad_tool_requests_are_400s(setup) -> None:  # type: ignore[no-untyped-d
 def test_request_turn_and_reply_pieces() -> None:
     body = {"model": "mol2", "messages": [
         {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}},
-                                                             {"id": "y", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                        {"id": "y", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "x", "content": "1"}, {"role": "tool", "tool_call_id": "y", "content": "2"}]}
     request = ChatRequest.parse(json.dumps(body).encode())
     assert [m[0] for m in request.turn] == ["tool", "tool"] and [m[0] for m in request.earlier] == ["user", "assistant"]
-    assert wire(request.earlier[1])["tool_calls"][1] == {"id": "y", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    assert wire(request.earlier[1])["tool_calls"][1] == {"id": "y", "type": "function",
+                                                         "function": {"name": "g", "arguments": "{}"}}
     body["messages"].append({"role": "user", "content": "and?"})
     assert [m[0] for m in ChatRequest.parse(json.dumps(body).encode()).turn] == ["tool", "tool", "user"]
     body["messages"] = body["messages"][:1]
@@ -205,22 +217,24 @@ def test_request_turn_and_reply_pieces() -> None:
     assert out == reply.content == "ok " and [c.name for _, c in reply.calls] == ["f"]
     (index, call_id, call), = reply.take()
     assert reply.take() == [] and index == 0
-    assert stream_deltas(index, call_id, call)[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}
+    assert stream_deltas(index, call_id, call)[1] == {"tool_calls": [{"index": 0,
+                                                                      "function": {"arguments": '{"a": 1}'}}]}
 
 
 def test_a_deepseek_v41_model_directory_gets_dsml_calls(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A model directory in DeepSeek-V4.1's format: the forcing grammar and the parser are DSML's, the call's result is
     rendered into the next user turn by the server's preprocess exactly as the whole conversation renders."""
-    from build_engines.data.chat_format import DEEPSEEK_V41
-    from build_engines.data.tool_parsers import DsmlSyntax
-    from tests.build_engines.data.test_chat_format import BOS, DS_SPECIALS, EOS, _model_dir
-    from tritonserver_backend.text_service import TextService
+    from ced.text.chat_format import DEEPSEEK_V41
+    from ced.text.tool_parsers import DsmlSyntax
+    from tests.ced.text.test_chat_format import BOS, DS_SPECIALS, EOS, _model_dir
+    from tritonserver_backend.core.text_service import TextService
 
     folder = tmp_path / "deepseek"
     _model_dir(folder, DS_SPECIALS, {"bos_token": BOS, "eos_token": EOS, "chat_format": DEEPSEEK_V41})
     fake = ScriptedEnsemble()
     service = ChatService(fake, ChatTokenizer.load(folder), PrefixCache(10**9, SessionCost(100, 10.0)))  # type: ignore[arg-type]
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=TestClient(create_app(service)), max_retries=0)
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                           http_client=TestClient(create_app(service)), max_retries=0)
     fake.reply = DsmlSyntax().render([ToolCall("get_weather", '{"city": "Paris"}')])
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     for stream in (False, True):
@@ -230,16 +244,20 @@ def test_a_deepseek_v41_model_directory_gets_dsml_calls(tmp_path) -> None:  # ty
         else:
             reply = client.chat.completions.create(**kw)
             content, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
-            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in reply.choices[0].message.tool_calls]
+            calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                     for c in reply.choices[0].message.tool_calls]
         assert not content and finish == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
             ("get_weather", {"city": "Paris"})]
         assert fake.turns[-1].grammar["grammar"] == DsmlSyntax().grammar([WEATHER])
     history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": calls[0]["id"], "type": "function", "function": {"name": "get_weather", "arguments": calls[0]["arguments"]}}]}]
+        {"id": calls[0]["id"], "type": "function",
+         "function": {"name": "get_weather", "arguments": calls[0]["arguments"]}}]}]
     results = [{"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny"}]
     chat_format = service.tokenizer.chat_format
-    ids, prefix, _ = TextService(folder).preprocess("", True, json.dumps(history), json.dumps([WEATHER]), json.dumps(results))
+    ids, prefix, _ = TextService(folder).preprocess("", True, json.dumps(history), json.dumps([WEATHER]),
+                                                    json.dumps(results))
     assert list(prefix) + list(ids) == chat_format.encode([*history, *results], tools=[WEATHER])
     assert chat_format.render([*history, *results], tools=[WEATHER]).endswith(
-        f"{DsmlSyntax().render([ToolCall('get_weather', calls[0]['arguments'])])}{EOS}<｜User｜><tool_result>sunny</tool_result>"
+        f"{DsmlSyntax().render([ToolCall('get_weather', calls[0]['arguments'])])}{EOS}<｜User｜><tool_result>sunny"
+        "</tool_result>"
         "<｜Assistant｜></think>")

@@ -12,7 +12,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+WEATHER = {"type": "function",
+           "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
     "type": "object", "properties": {
         "city": {"type": "string", "minLength": 1, "maxLength": 8},
         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
@@ -22,7 +23,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {
     "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
-MESSAGES = [{"role": "system", "content": "You can use tools."}, {"role": "user", "content": "What is the weather in Paris?"}]
+MESSAGES = [{"role": "system", "content": "You can use tools."},
+            {"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _streamed(client, **kw):  # type: ignore[no-untyped-def]
@@ -52,7 +54,8 @@ def _whole(client, **kw):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("choice", ["named", "required"])
 def test_forced_tool_call_validates_against_its_schema(client, stream: bool, choice: str) -> None:  # type: ignore[no-untyped-def]
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
-    kw = dict(model="mol2", messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice=tool_choice, max_tokens=400, temperature=0)
+    kw = dict(model="mol2", messages=MESSAGES, tools=[WEATHER, CLOCK], tool_choice=tool_choice, max_tokens=400,
+              temperature=0)
     content, calls, finish = (_streamed if stream else _whole)(client, **kw)
     assert finish == "tool_calls" and content == "" and len(calls) == 1, (content, calls, finish)
     call = calls[0]
@@ -75,8 +78,9 @@ def test_auto_with_the_defaults_noise_is_plain_content_and_results_continue_the_
     call = first.parse().choices[0].message.tool_calls[0]
     messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    second = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, tools=[WEATHER], max_tokens=8,
-                                                              temperature=0)
+    second = client.chat.completions.with_raw_response.create(model="mol2", messages=messages, tools=[WEATHER],
+                                                              max_tokens=8, temperature=0)
     assert second.headers["x-mol2-session-reused"] == "true", second.headers
     reply = second.parse()
-    assert reply.usage.prompt_tokens_details.cached_tokens > 0 and reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert reply.usage.prompt_tokens_details.cached_tokens > 0 and reply.choices[0].finish_reason in (
+        "stop", "length", "tool_calls")

@@ -96,19 +96,22 @@ def _swa_ref(case: dict[str, Any]) -> Any:
     return swa_replay_attention_reference(case["q"], case["tables"][0], case["idx"], case["sink"], case["scale"])
 
 
-def _common_attention_checks(case: dict[str, Any], run: Callable[..., Any], ref: Callable[..., Any], tol: float = TOL) -> dict[str, Any]:
+def _common_attention_checks(case: dict[str, Any], run: Callable[..., Any], ref: Callable[..., Any],
+                             tol: float = TOL) -> dict[str, Any]:
     """Matches the reference; all-masked queries are exact zeros; the sink changes exactly the heads it belongs to."""
     got, want = run(case), ref(case)
     err = _max_error(got, want)
     assert err < tol, f"max error {err:.3g} vs the reference"
     dead = (case["idx"] < 0).all(-1)  # (B, S) queries with no valid key
-    assert dead.any() and torch.equal(got[dead], torch.zeros_like(got[dead])), "an all-masked query must give exact zeros"
+    assert dead.any() and torch.equal(got[dead], torch.zeros_like(got[dead])), (
+        "an all-masked query must give exact zeros")
     sink2 = case["sink"].clone()
     sink2[1 % sink2.numel()] += 2.0
     moved = run({**case, "sink": sink2})
     live = ~dead
     head = 1 % sink2.numel()
-    assert (moved[live][:, head] - got[live][:, head]).abs().max() > 1e-4, "raising a head's sink must change its output"
+    assert (moved[live][:, head] - got[live][:, head]).abs().max() > 1e-4, (
+        "raising a head's sink must change its output")
     others = [h for h in range(sink2.numel()) if h != head]
     assert torch.equal(moved[:, :, others], got[:, :, others]), "a head's sink must not touch the other heads"
     err2 = _max_error(moved, ref({**case, "sink": sink2}))
@@ -154,7 +157,8 @@ def sparse_invariance(seed: int) -> dict[str, Any]:
     case = _attention_case(seed, B=3, S=4, H=4, D=16, tables=(10, 30), J=18)
     full = _sparse(case)
     for b in range(3):
-        alone = {**case, "q": case["q"][b:b + 1], "tables": [t[b:b + 1] for t in case["tables"]], "idx": case["idx"][b:b + 1]}
+        alone = {**case, "q": case["q"][b:b + 1], "tables": [t[b:b + 1] for t in case["tables"]],
+                 "idx": case["idx"][b:b + 1]}
         assert torch.equal(_sparse(alone), full[b:b + 1]), f"row {b} differs alone and in the batch"
     for s0, s1 in ((0, 1), (1, 3), (3, 4)):
         chunk = {**case, "q": case["q"][:, s0:s1], "idx": case["idx"][:, s0:s1]}
@@ -220,7 +224,8 @@ def _pointer_case(seed: int, B: int, w: int, heads: int, n: int, T: int) -> dict
 def _pointer(case: dict[str, Any], fused: bool) -> Any:
     from plugins.pointer_score.kernel import launch
 
-    args = [case[k] for k in ("x", "xn", "attn_query", "attn_bias", "point_query", "point_read", "point_bias", "option_mask")]
+    args = [case[k] for k in ("x", "xn", "attn_query", "attn_bias", "point_query", "point_read", "point_bias",
+                              "option_mask")]
     out = torch.full(case["option_mask"].shape, float("nan"))
     launch(*args, case["heads"], out, fused=fused)
     assert not out.isnan().any(), "the kernel left part of its output unwritten (or computed NaN)"
@@ -230,8 +235,8 @@ def _pointer(case: dict[str, Any], fused: bool) -> Any:
 def _pointer_checks(case: dict[str, Any]) -> dict[str, Any]:
     from plugins.pointer_score.reference import pointer_score_reference
 
-    want = pointer_score_reference(*[case[k] for k in ("x", "xn", "attn_query", "attn_bias", "point_query", "point_read",
-                                                       "point_bias", "option_mask")], case["heads"])
+    want = pointer_score_reference(*[case[k] for k in ("x", "xn", "attn_query", "attn_bias", "point_query",
+                                                       "point_read", "point_bias", "option_mask")], case["heads"])
     errors = {}
     for fused in (False, True):
         got = _pointer(case, fused)
@@ -313,7 +318,8 @@ def worker() -> None:
     import plugins.sparse_global_attention.kernel as sk
     import plugins.swa_replay_attention.kernel as wk
 
-    kernels = (sk.sparse_global_attention_kernel, wk.swa_replay_attention_kernel, pk.pointer_logits_kernel, pk.pointer_scores_kernel)
+    kernels = (sk.sparse_global_attention_kernel, wk.swa_replay_attention_kernel, pk.pointer_logits_kernel,
+               pk.pointer_scores_kernel)
     import triton
 
     hello = {"interpreted": all(isinstance(k, InterpretedFunction) for k in kernels), "triton": triton.__version__}
@@ -339,7 +345,8 @@ class Worker:
         self.cache = tempfile.TemporaryDirectory(prefix="triton-cache-")
         env["TRITON_CACHE_DIR"] = self.cache.name  # cold compiles, and nothing left in the user's ~/.triton
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.plugins.test_kernels", "--worker"], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.plugins.test_kernels", "--worker"], cwd=ROOT,
+                                     env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not line:
@@ -406,7 +413,8 @@ def test_aot_compiles_to_sm90_ptx(compiler: Worker, name: str, seed: int) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the torch.library ops run the reference on CPU")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device: the torch.library ops run the reference on CPU")
 def test_ops_on_cuda_run_the_kernels(seed: int) -> None:
     """torch.ops.mol2.* on CUDA tensors (op.py routes them to the Triton kernels) equal the references."""
     import triton  # noqa: F401 - installed by the dev extra; without it the CUDA ops would test the reference
@@ -421,12 +429,14 @@ def test_ops_on_cuda_run_the_kernels(seed: int) -> None:
 
     cuda = torch.device("cuda")
     case = _attention_case(seed, B=4, S=3, H=8, D=64, tables=(40, 300), J=96)
-    on = {k: ([t.to(cuda) for t in v] if k == "tables" else (v.to(cuda) if isinstance(v, torch.Tensor) else v)) for k, v in case.items()}
+    on = {k: ([t.to(cuda) for t in v] if k == "tables" else (v.to(cuda) if isinstance(v, torch.Tensor) else v))
+          for k, v in case.items()}
     got = sparse_global_attention(on["q"], *on["tables"], on["idx"], on["sink"], on["scale"])
     assert torch.equal(got, sparse_global_attention_triton(on["q"], *on["tables"], on["idx"], on["sink"], on["scale"]))
     assert _max_error(got.cpu(), _sparse_ref(case)) < TOL
     got = swa_replay_attention(on["q"], on["tables"][0], on["idx"].clamp(max=39), on["sink"], on["scale"])
-    assert torch.equal(got, swa_replay_attention_triton(on["q"], on["tables"][0], on["idx"].clamp(max=39), on["sink"], on["scale"]))
+    assert torch.equal(got, swa_replay_attention_triton(on["q"], on["tables"][0], on["idx"].clamp(max=39), on["sink"],
+                                                        on["scale"]))
     assert _max_error(got.cpu(), _swa_ref({**case, "idx": case["idx"].clamp(max=39)})) < TOL
     p = _pointer_case(seed, B=6, w=40, heads=4, n=7, T=4)
     names = ("x", "xn", "attn_query", "attn_bias", "point_query", "point_read", "point_bias", "option_mask")

@@ -17,14 +17,17 @@ from plugins.swa_replay_attention.reference import swa_replay_attention_referenc
 OPSET = 18
 
 
-def _run_single_node(op_type: str, inputs: dict[str, np.ndarray], attrs: dict[str, object], out_dims: int) -> np.ndarray:
+def _run_single_node(op_type: str, inputs: dict[str, np.ndarray], attrs: dict[str, object],
+                     out_dims: int) -> np.ndarray:
     """A model with one mol2 node and the local functions; onnx.checker, then onnxruntime on CPU."""
-    dtype = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64, np.dtype(np.bool_): TensorProto.BOOL}
+    dtype = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,
+             np.dtype(np.bool_): TensorProto.BOOL}
     graph_inputs = [helper.make_tensor_value_info(k, dtype[v.dtype], list(v.shape)) for k, v in inputs.items()]
     node = helper.make_node(op_type, list(inputs), ["out"], domain=DOMAIN, **attrs, **plugin_attributes())
     out = helper.make_tensor_value_info("out", TensorProto.FLOAT, [None] * out_dims)
     model = helper.make_model(helper.make_graph([node], "g", graph_inputs, [out]),
-                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(DOMAIN, OPSET_VERSION)],
+                              opset_imports=[helper.make_opsetid("", OPSET),
+                                             helper.make_opsetid(DOMAIN, OPSET_VERSION)],
                               functions=onnx_functions(OPSET))
     register_onnx_schemas()
     onnx.checker.check_model(model, full_check=True)
@@ -46,12 +49,14 @@ def test_sparse_global_attention_function_matches_reference(seed: int, window: i
     """`window` leading entries come from local_kv alone, the rest from either table (window 14: the whole list)."""
     g = torch.Generator().manual_seed(seed)
     B, S, H, D, Tl, Tg, J = 3, 5, 4, 16, 9, 37, 14
-    q, local_kv, global_kv = torch.randn(B, S, H, D, generator=g), torch.randn(B, Tl, D, generator=g), torch.randn(B, Tg, D, generator=g)
+    q, local_kv, global_kv = (torch.randn(B, S, H, D, generator=g), torch.randn(B, Tl, D, generator=g),
+                              torch.randn(B, Tg, D, generator=g))
     idx, sink = _index_lists(B, S, J, Tl + Tg, 0.3, g), torch.randn(H, generator=g)
     idx[..., :window] = torch.where(idx[..., :window] < 0, idx[..., :window], idx[..., :window] % Tl)  # the contract
     want = sparse_global_attention_reference(q, local_kv, global_kv, idx, sink, D ** -0.5, window)
     inputs = {"q": q, "local_kv": local_kv, "global_kv": global_kv, "idx": idx, "sink": sink}
-    got = _run_single_node("SparseGlobalAttention", {k: v.numpy() for k, v in inputs.items()}, {"scale": D ** -0.5, "window": window}, 4)
+    got = _run_single_node("SparseGlobalAttention", {k: v.numpy() for k, v in inputs.items()},
+                           {"scale": D ** -0.5, "window": window}, 4)
     assert np.abs(got - want.numpy()).max() < 1e-5
     assert np.all(got[0, 0] == 0), "a query with no valid key returns zeros"
     if window < J:
@@ -75,7 +80,8 @@ def test_swa_replay_attention_function_matches_reference(seed: int) -> None:
     q, kv, sink = torch.randn(B, S, H, D, generator=g), torch.randn(B, T, D, generator=g), torch.randn(H, generator=g)
     idx = _index_lists(B, S, W, T, 0.25, g)
     want = swa_replay_attention_reference(q, kv, idx, sink, D ** -0.5)
-    got = _run_single_node("SwaReplayAttention", {"q": q.numpy(), "kv": kv.numpy(), "idx": idx.numpy(), "sink": sink.numpy()}, {"scale": D ** -0.5}, 4)
+    got = _run_single_node("SwaReplayAttention", {"q": q.numpy(), "kv": kv.numpy(), "idx": idx.numpy(),
+                                                  "sink": sink.numpy()}, {"scale": D ** -0.5}, 4)
     assert np.abs(got - want.numpy()).max() < 1e-5 and np.all(got[0, 0] == 0)
 
 
@@ -86,7 +92,8 @@ def test_pointer_score_function_matches_reference(seed: int) -> None:
     x, xn = torch.randn(B, w, generator=g), torch.randn(B, w, generator=g)
     attn_query, attn_bias = torch.randn(w, HL, generator=g), torch.randn(HL, generator=g)
     attn_bias[:T // 2] = float("-inf")  # padding of the first option's tokens
-    point_query, point_read, point_bias = torch.randn(w, n, generator=g), torch.randn(HL, n, generator=g), torch.randn(n, generator=g)
+    point_query, point_read, point_bias = (torch.randn(w, n, generator=g), torch.randn(HL, n, generator=g),
+                                           torch.randn(n, generator=g))
     mask = torch.rand(B, n, generator=g) < 0.7
     mask[:, 0] = True
     args = (x, xn, attn_query, attn_bias, point_query, point_read, point_bias, mask)

@@ -15,7 +15,8 @@ import plugins
 from plugins.tensorrt_support import tensorrt_missing_reason
 
 EXPECTED = [f"{plugins.PLUGIN_NAMESPACE}::{op}" for op in plugins.OPS]
-ATTRIBUTES = {"SparseGlobalAttention": {"scale": float, "window": int}, "SwaReplayAttention": {"scale": float}, "PointerScore": {"heads": int}}
+ATTRIBUTES = {"SparseGlobalAttention": {"scale": float, "window": int}, "SwaReplayAttention": {"scale": float},
+              "PointerScore": {"heads": int}}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def test_register_all_registers_every_op(trt, registered) -> None:  # type: igno
     registry = trt.get_plugin_registry()
     for op in plugins.OPS:
         creator = registry.get_creator(op, plugins.PLUGIN_VERSION, plugins.PLUGIN_NAMESPACE)
-        assert creator is not None, f"no creator for {op} v{plugins.PLUGIN_VERSION} in namespace {plugins.PLUGIN_NAMESPACE}"
+        assert creator is not None, (
+            f"no creator for {op} v{plugins.PLUGIN_VERSION} in namespace {plugins.PLUGIN_NAMESPACE}")
 
 
 def test_plugin_fields_match_the_onnx_attributes(trt, registered) -> None:  # type: ignore[no-untyped-def]
@@ -70,12 +72,14 @@ def _network(trt):  # type: ignore[no-untyped-def]
 
 
 CASES = {  # op -> input (name, shape, TensorRT type name), attributes, output shape
-    "SparseGlobalAttention": ([("q", (2, 3, 8, 64), "FLOAT"), ("local_kv", (2, 40, 64), "FLOAT"), ("global_kv", (2, 300, 64), "FLOAT"),
-                               ("idx", (2, 3, 96), "INT64"), ("sink", (8,), "FLOAT")], {"scale": 0.125, "window": 0}, (2, 3, 8, 64)),
+    "SparseGlobalAttention": ([("q", (2, 3, 8, 64), "FLOAT"), ("local_kv", (2, 40, 64), "FLOAT"),
+                               ("global_kv", (2, 300, 64), "FLOAT"), ("idx", (2, 3, 96), "INT64"),
+                               ("sink", (8,), "FLOAT")], {"scale": 0.125, "window": 0}, (2, 3, 8, 64)),
     "SwaReplayAttention": ([("q", (2, 5, 8, 64), "FLOAT"), ("kv", (2, 133, 64), "FLOAT"), ("idx", (2, 5, 128), "INT64"),
                             ("sink", (8,), "FLOAT")], {"scale": 0.125}, (2, 5, 8, 64)),
     "PointerScore": ([("x", (3, 64), "FLOAT"), ("xn", (3, 64), "FLOAT"), ("attn_query", (64, 4 * 6 * 5), "FLOAT"),
-                      ("attn_bias", (4 * 6 * 5,), "FLOAT"), ("point_query", (64, 6), "FLOAT"), ("point_read", (4 * 6 * 5, 6), "FLOAT"),
+                      ("attn_bias", (4 * 6 * 5,), "FLOAT"), ("point_query", (64, 6), "FLOAT"),
+                      ("point_read", (4 * 6 * 5, 6), "FLOAT"),
                       ("point_bias", (6,), "FLOAT"), ("option_mask", (3, 6), "BOOL")], {"heads": 4}, (3, 6)),
 }
 

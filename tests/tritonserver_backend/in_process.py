@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import SamplingParams
-from tritonserver_backend.scheduler import TurnRequest
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.core.pipeline import InProcessPipeline
+from tritonserver_backend.core.scheduler import TurnStart
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 
 def onnx_pipeline(tmp_path_factory: Any, engine_dir: Any) -> InProcessPipeline:
@@ -19,10 +19,10 @@ def onnx_pipeline(tmp_path_factory: Any, engine_dir: Any) -> InProcessPipeline:
     return InProcessPipeline(EMBEDDED, root, backend="onnx", engine_dir=engine_dir)
 
 
-def routed_request(pipeline: InProcessPipeline, session: str, text: str, max_tokens: int) -> TurnRequest:
+def routed_request(pipeline: InProcessPipeline, session: str, text: str, max_tokens: int) -> TurnStart:
     """The turn's encoding (the session's next user turn) and the router's adapter, as the decoder receives them."""
     ids, prefix, start = pipeline.text.preprocess(text, True, None)
     encoded = pipeline.encoder.encode_turn(session, ids, prefix, start)
     h19, handover = encoded.h19, encoded.handover
     adapter = pipeline.router.route([h19], [None])[0]
-    return TurnRequest(session, handover, int(adapter), SamplingParams(max_tokens=max_tokens))
+    return TurnStart(session, handover, int(adapter), SamplingParams(max_tokens=max_tokens))

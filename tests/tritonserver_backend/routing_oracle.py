@@ -3,8 +3,8 @@
 Why not the in-process pipeline: `InProcessPipeline` routes with the same `RouterService` and `EncoderService` the
 served router and encoder run, so a bug in either (a wrong pooling, a stale option cache, the wrong positions of a
 later turn) is on both sides of the comparison and passes. Here nothing of `tritonserver_backend` is used: H19 comes
-from the reference network (`build_engines/model`'s encoder, the whole token sequence at once) on the chat
-template's ids, pooled over the user turn as the router model is trained (`build_engines.routing.pointer_head`); the
+from the reference network (`ced/model`'s encoder, the whole token sequence at once) on the chat
+template's ids, pooled over the user turn as the router model is trained (`ced.routing.pointer_head`); the
 shipped pointer head is loaded directly and reads the adapters' descriptions (from their adapter_config.json)
 through the token embedding. Both sides read the same checkpoint, head, descriptions and tokenizer.
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from build_engines.data.tokenizer import ChatTokenizer, Message
-from build_engines.formats.checkpoint import load_checkpoint
-from build_engines.model.network import EncoderEngine
-from build_engines.routing.pointer_head import load_router_head, option_text, pool_h19
+from ced.formats.checkpoint import load_checkpoint
+from ced.model.network import EncoderEngine
+from ced.routing.pointer_head import load_router_head, option_text, pool_h19
+from ced.text.tokenizer import ChatTokenizer, Message
 
 DESCRIPTION_KEY = "mol2_description"  # the adapter_config.json field the adapters' descriptions are stored in
 

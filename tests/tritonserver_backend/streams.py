@@ -7,14 +7,14 @@ import threading
 from pathlib import Path
 
 from tests.conftest import EMBEDDED
-from tritonserver_backend.client import GrpcChat, TurnRequest
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.sampling import SamplingParams
+from tritonserver_backend.clients.client import GrpcChat, TurnRequest
+from tritonserver_backend.core.pipeline import InProcessPipeline
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 
 def params_of(r: TurnRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=r.max_tokens or 64, temperature=r.temperature or 0.0, top_p=r.top_p or 1.0, seed=r.seed or 0,
-                          stop=tuple(r.stop or ()))
+    return SamplingParams(max_tokens=r.max_tokens or 64, temperature=r.temperature or 0.0, top_p=r.top_p or 1.0,
+                          seed=r.seed or 0, stop=tuple(r.stop or ()))
 
 
 def reference_reply(pipe: InProcessPipeline, r: TurnRequest):  # type: ignore[no-untyped-def]
@@ -22,7 +22,8 @@ def reference_reply(pipe: InProcessPipeline, r: TurnRequest):  # type: ignore[no
     return pipe.chat(r.session_id, r.text, r.adapter, r.new_session, r.history, params_of(r), r.end_session)
 
 
-def concurrent_token_ids(url: str, conversations: list[list[TurnRequest]], timeout: float = 600) -> tuple[list[list[list[int]]], list[str]]:
+def concurrent_token_ids(url: str, conversations: list[list[TurnRequest]],
+                         timeout: float = 600) -> tuple[list[list[list[int]]], list[str]]:
     """Each conversation on its own gRPC stream, all at once -> (token ids per conversation per turn, errors)."""
     results: dict[int, list[list[int]]] = {}
     errors: list[str] = []
@@ -52,7 +53,8 @@ def start_server(work: Path, engines: Path, **params: str):  # type: ignore[no-u
     from tritonserver_backend.launcher import TritonServer
     from tritonserver_backend.repository import build_repository
 
-    values = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "engine_dir": str(engines), "max_context": "4096", **params}
+    values = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "engine_dir": str(engines),
+              "max_context": "4096", **params}
     repo = build_repository(work / "repo", values)
     server = TritonServer(work_dir=work / "server")
     server.start(repo)

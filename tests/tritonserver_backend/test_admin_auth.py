@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import EMBEDDED
-from tritonserver_backend.admin_auth import (
+from tritonserver_backend.adapters.registry import Registry
+from tritonserver_backend.auth.admin_auth import (
     ADMIN_KEY_HEADER,
     AdminDenied,
     AdminKeyError,
@@ -33,7 +34,6 @@ from tritonserver_backend.admin_auth import (
     scrub,
 )
 from tritonserver_backend.errors import BadRequest
-from tritonserver_backend.registry import Registry
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
@@ -180,7 +180,8 @@ def test_scrub_hides_server_paths_but_keeps_the_request_path(tmp_path: Path) -> 
     out = scrub(message, "/etc", {root: "<registry>"})
     assert root not in out and "/opt/other" not in out and "<registry>/adapters/x" in out and "/etc/passwd" in out
     assert "/etc/passwd" not in scrub(message, "adapters/x", {root: "<registry>"})
-    assert scrub("shapes A (16, 64) / B (64, 16); see docs/admin.md and ../x", "p", {}) == "shapes A (16, 64) / B (64, 16); see docs/admin.md and ../x"
+    assert (scrub("shapes A (16, 64) / B (64, 16); see docs/admin.md and ../x", "p", {})
+            == "shapes A (16, 64) / B (64, 16); see docs/admin.md and ../x")
 
 
 def test_audit_log_appends_json_lines_owner_only(tmp_path: Path) -> None:
@@ -189,7 +190,8 @@ def test_audit_log_appends_json_lines_owner_only(tmp_path: Path) -> None:
     log.write({"action": "unload", "outcome": "denied", "adapter": "a\nb"})
     assert _mode(log.path) == 0o600
     lines = log.path.read_text().splitlines()
-    assert len(lines) == 2 and [r["action"] for r in log.records()] == ["load", "unload"] and log.records()[1]["adapter"] == "a\nb"
+    assert (len(lines) == 2 and [r["action"] for r in log.records()] == ["load", "unload"]
+            and log.records()[1]["adapter"] == "a\nb")
 
 
 def test_registry_put_bounds_the_count_under_its_lock(tmp_path: Path) -> None:
@@ -208,24 +210,27 @@ def test_launcher_forwards_mol2_headers(tmp_path: Path) -> None:
     from tritonserver_backend.launcher import TritonServer
     from tritonserver_backend.launcher.install import TritonInstall
 
-    server = TritonServer(TritonInstall(binary=tmp_path / "tritonserver", source="system", backend_dir=None), work_dir=tmp_path / "w")
+    server = TritonServer(TritonInstall(binary=tmp_path / "tritonserver", source="system", backend_dir=None),
+                          work_dir=tmp_path / "w")
     server.http_port, server.grpc_port, server.metrics_port = 1, 2, 3
     cmd = server.build_command(tmp_path, tmp_path / "b")
     assert "--grpc-header-forward-pattern=mol2-.*" in cmd and "--http-header-forward-pattern=mol2-.*" in cmd
     cmd = server.build_command(tmp_path, tmp_path / "b", ["--http-header-forward-pattern=mol2-.*|x-request-id"])
-    assert [a for a in cmd if a.startswith("--http-header-forward-pattern")] == ["--http-header-forward-pattern=mol2-.*|x-request-id"]
+    assert ([a for a in cmd if a.startswith("--http-header-forward-pattern")]
+            == ["--http-header-forward-pattern=mol2-.*|x-request-id"])
 
 
 # ---------------------------------------------------------------------------------------------- AdminService
 @pytest.fixture
 def service(tmp_path: Path):  # type: ignore[no-untyped-def]
-    from tritonserver_backend.admin_service import AdminPolicy, AdminService
-    from tritonserver_backend.registry_init import ensure_registry
+    from tritonserver_backend.adapters.admin_service import AdminPolicy, AdminService
+    from tritonserver_backend.adapters.registry_init import ensure_registry
 
     def make(**policy):  # type: ignore[no-untyped-def]
         registry = ensure_registry(tmp_path / "registry", EMBEDDED)
         logs: list[tuple[str, str]] = []
-        svc = AdminService(EMBEDDED, registry, AdminPolicy(**policy), log=lambda level, line: logs.append((level, line)))
+        svc = AdminService(EMBEDDED, registry, AdminPolicy(**policy),
+                           log=lambda level, line: logs.append((level, line)))
         svc.logs = logs  # type: ignore[attr-defined]
         return svc
 
@@ -248,19 +253,23 @@ def test_service_requires_the_key_for_load_and_unload_and_audits(service, tmp_pa
             svc.handle("load", "L0_chat", "adapters/L1_agent", "", parameters=params)
     assert _names(svc) == before
     assert json.loads(svc.handle("unload", "L0_chat", "", "", parameters=headers))["unloaded"] == "L0_chat"
-    assert json.loads(svc.handle("load", "L0_chat", "adapters/L0_chat", "", parameters={**headers, "mol2-client": "ops"}))["loaded"] == "L0_chat"
+    assert json.loads(svc.handle("load", "L0_chat", "adapters/L0_chat", "",
+                                 parameters={**headers, "mol2-client": "ops"}))["loaded"] == "L0_chat"
     records = AuditLog(root / "audit.log").records()
     assert [(r["action"], r["outcome"], r["auth"]) for r in records] == [
-        ("list", "ok", "open"), ("unload", "denied", "missing"), ("load", "denied", "missing"), ("unload", "denied", "wrong key"),
+        ("list", "ok", "open"), ("unload", "denied", "missing"), ("load", "denied", "missing"),
+        ("unload", "denied", "wrong key"),
         ("load", "denied", "wrong key"), ("list", "ok", "open"), ("unload", "ok", "key ok"), ("load", "ok", "key ok")]
     assert records[-1]["client"] == "ops"
-    assert not any(headers[ADMIN_KEY_HEADER] in line for _, line in svc.logs) and headers[ADMIN_KEY_HEADER] not in (root / "audit.log").read_text()
+    assert (not any(headers[ADMIN_KEY_HEADER] in line for _, line in svc.logs)
+            and headers[ADMIN_KEY_HEADER] not in (root / "audit.log").read_text())
     assert any(level == "warn" and '"outcome": "denied"' in line for level, line in svc.logs)
 
 
 def test_service_turned_off_serves_list_only(service) -> None:  # type: ignore[no-untyped-def]
     svc = service(enabled=False)
-    headers = admin_headers(svc.registry.root) if (svc.registry.root / "admin.key").exists() else {ADMIN_KEY_HEADER: "x" * 40}
+    headers = (admin_headers(svc.registry.root) if (svc.registry.root / "admin.key").exists()
+               else {ADMIN_KEY_HEADER: "x" * 40})
     assert len(_names(svc)) == 4
     for action in ("load", "unload"):
         with pytest.raises(AdminDenied, match="administration is turned off on this server"):
@@ -269,27 +278,30 @@ def test_service_turned_off_serves_list_only(service) -> None:  # type: ignore[n
 
 
 def test_service_bounds_refuse_before_anything_changes(service, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    from build_engines.lora.peft_io import ADAPTER_WEIGHTS
+    from ced.lora.peft_io import ADAPTER_WEIGHTS
 
     svc = service(max_adapters=4, max_rank=16, max_bytes=2_000_000)
     root = svc.registry.root
     headers = admin_headers(root)
     before = svc.registry.file.read_text()
     shutil.copytree(root / "adapters" / "L1_agent", root / "adapters" / "extra")
-    with pytest.raises(BadRequest, match=r"4 adapters are loaded and this server holds at most 4 \(adapter_admin parameter max_adapters\)"):
+    with pytest.raises(BadRequest, match=r"4 adapters are loaded and this server holds at most 4 \(adapter_admin "
+                                         r"parameter max_adapters\)"):
         svc.handle("load", "extra", "adapters/extra", "", parameters=headers)
     svc.handle("unload", "L3_design", "", "", parameters=headers)
     big = root / "adapters" / "big"
     shutil.copytree(root / "adapters" / "L1_agent", big)
     with open(big / ADAPTER_WEIGHTS, "r+b") as fh:
         fh.truncate(2_000_001)
-    with pytest.raises(BadRequest, match=r"is 2000001 bytes; this server accepts at most 2000000 bytes \(adapter_admin parameter max_adapter_bytes\)"):
+    with pytest.raises(BadRequest, match=r"is 2000001 bytes; this server accepts at most 2000000 bytes \(adapter_admin "
+                                         r"parameter max_adapter_bytes\)"):
         svc.handle("load", "big", "adapters/big", "", parameters=headers)
     wide = root / "adapters" / "wide"
     shutil.copytree(root / "adapters" / "L1_agent", wide)
     cfg = json.loads((wide / "adapter_config.json").read_text())
     (wide / "adapter_config.json").write_text(json.dumps({**cfg, "r": 32}))
-    with pytest.raises(BadRequest, match=r"rank 32 is above this server's maximum 16 \(adapter_admin parameter max_adapter_rank\)"):
+    with pytest.raises(BadRequest,
+                       match=r"rank 32 is above this server's maximum 16 \(adapter_admin parameter max_adapter_rank\)"):
         svc.handle("load", "wide", "adapters/wide", "", parameters=headers)
     # a broken weights file and a missing folder: the messages never name the server's folders
     broken = root / "adapters" / "broken"
@@ -299,7 +311,8 @@ def test_service_bounds_refuse_before_anything_changes(service, tmp_path: Path) 
         with pytest.raises(BadRequest) as info:
             svc.handle("load", "broken", path, "", parameters=headers)
         message = str(info.value)
-        assert str(tmp_path) not in message.replace(repr(path), "") and all(p == path or p.startswith(path + "/") for p in _absolute_paths(message)), message
+        assert (str(tmp_path) not in message.replace(repr(path), "")
+                and all(p == path or p.startswith(path + "/") for p in _absolute_paths(message))), message
     assert _names(svc) == ["L0_chat", "L1_agent", "L2_code"]
     svc.handle("load", "L3_design", "adapters/L3_design", "", parameters=headers)
     assert svc.registry.file.read_text() == before

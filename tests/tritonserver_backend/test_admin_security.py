@@ -16,8 +16,8 @@ import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken i
 
 from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
-from tritonserver_backend.admin_auth import ADMIN_KEY_HEADER, AuditLog, admin_headers
-from tritonserver_backend.client import GrpcChat, TurnRequest
+from tritonserver_backend.auth.admin_auth import ADMIN_KEY_HEADER, AuditLog, admin_headers
+from tritonserver_backend.clients.client import GrpcChat, TurnRequest
 
 pytestmark = pytest.mark.slow
 MAX_ADAPTERS, MAX_RANK, MAX_BYTES = 5, 16, 2_000_000  # the bundled four: rank 16, 1.8 MB weights each
@@ -76,7 +76,9 @@ def _call(server, transport: str = "http", headers: dict[str, str] | None = None
         inp.set_data_from_numpy(np.array([value.encode()], dtype=np.object_))
         tensors.append(inp)
     try:
-        result = client.infer("adapter_admin", tensors, headers=dict(headers) if headers else None, request_id=request_id)  # http adds to it
+        # http adds to it
+        result = client.infer("adapter_admin", tensors, headers=dict(headers) if headers else None,
+                              request_id=request_id)
         return json.loads(result.as_numpy("result")[0].decode()), None
     except client_lib.InferenceServerException as exc:
         return None, exc.message() or str(exc)
@@ -113,7 +115,8 @@ def test_list_is_open_and_the_key_file_is_owner_only(server) -> None:  # type: i
     assert names == ["L0_chat", "L1_agent", "L2_code", "L3_design"]
     key_file = Path(server.registry_root) / "admin.key"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key_file.read_text().strip()) >= 32
-    assert "--grpc-header-forward-pattern=mol2-.*" in server.command and "--http-header-forward-pattern=mol2-.*" in server.command
+    assert ("--grpc-header-forward-pattern=mol2-.*" in server.command
+            and "--http-header-forward-pattern=mol2-.*" in server.command)
 
 
 def test_load_and_unload_without_or_with_a_wrong_key_change_nothing(server) -> None:  # type: ignore[no-untyped-def]
@@ -149,7 +152,8 @@ def test_load_and_unload_without_or_with_a_wrong_key_change_nothing(server) -> N
 
 def test_paths_outside_the_roots_are_refused_without_server_paths(server) -> None:  # type: ignore[no-untyped-def]
     registry = Path(server.registry_root)
-    outside = _copy_adapter(server, "L1_agent", server.work / "outside" / "adapter")  # a valid adapter, outside the roots
+    # a valid adapter, outside the roots
+    outside = _copy_adapter(server, "L1_agent", server.work / "outside" / "adapter")
     (registry / "adapters" / "escape").symlink_to(outside)
     mixed = registry / "adapters" / "mixed"
     mixed.mkdir()
@@ -183,13 +187,14 @@ def _rank_adapter(directory: Path, rank: int) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from build_engines.lora import save_adapter
+    from ced.lora import save_adapter
 
     weights = load_file(str(EMBEDDED / "adapters" / "L1_agent" / "adapter_model.safetensors"))
     key_a = sorted(k for k in weights if k.endswith(".lora_A.weight"))[0]
     module = key_a.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
     in_f, out_f = weights[key_a].shape[1], weights[key_a.replace("lora_A", "lora_B")].shape[0]
-    save_adapter(directory, {module: (torch.zeros(rank, in_f), torch.zeros(out_f, rank))}, rank, 2.0 * rank, "mol2-small")
+    save_adapter(directory, {module: (torch.zeros(rank, in_f), torch.zeros(out_f, rank))}, rank, 2.0 * rank,
+                 "mol2-small")
 
 
 def test_oversize_over_rank_and_too_many_loads_are_refused(server) -> None:  # type: ignore[no-untyped-def]
@@ -200,20 +205,25 @@ def test_oversize_over_rank_and_too_many_loads_are_refused(server) -> None:  # t
     with open(big / "adapter_model.safetensors", "r+b") as fh:
         fh.truncate(MAX_BYTES + 1)
     result, error = _call(server, "http", headers, action="load", adapter="big", path="adapters/big")
-    assert error is not None and f"adapter_model.safetensors is {MAX_BYTES + 1} bytes; this server accepts at most {MAX_BYTES} bytes" in error, error
+    assert (error is not None
+            and f"adapter_model.safetensors is {MAX_BYTES + 1} bytes; this server accepts at most {MAX_BYTES} bytes"
+            in error), error
     _rank_adapter(registry / "adapters" / "wide", 2 * MAX_RANK)
     result, error = _call(server, "grpc", headers, action="load", adapter="wide", path="adapters/wide")
     assert error is not None and f"rank {2 * MAX_RANK} is above this server's maximum {MAX_RANK}" in error, error
     _rank_adapter(registry / "adapters" / "narrow", MAX_RANK // 2)  # the same kind of adapter within the bound loads
     assert (registry / "registry.json").read_text() == registry_before, "nothing was loaded"
-    result, error = _call(server, "http", headers, action="load", adapter="narrow", path="adapters/narrow", description="a narrow one")
+    result, error = _call(server, "http", headers, action="load", adapter="narrow", path="adapters/narrow",
+                          description="a narrow one")
     assert error is None and result["loaded"] == "narrow", error
     assert len(_listed(server)) == MAX_ADAPTERS
     _copy_adapter(server, "L2_code", registry / "adapters" / "one_more")
     result, error = _call(server, "http", headers, action="load", adapter="one_more", path="adapters/one_more")
-    assert error is not None and f"{MAX_ADAPTERS} adapters are loaded and this server holds at most {MAX_ADAPTERS}" in error, error
+    assert (error is not None
+            and f"{MAX_ADAPTERS} adapters are loaded and this server holds at most {MAX_ADAPTERS}" in error), error
     assert "one_more" not in [a["name"] for a in _listed(server)]
-    result, error = _call(server, "http", headers, action="load", adapter="narrow", path="adapters/narrow")  # an update does not count
+    # an update does not count
+    result, error = _call(server, "http", headers, action="load", adapter="narrow", path="adapters/narrow")
     assert error is None and result["loaded"] == "narrow", error
     result, error = _call(server, "http", headers, action="unload", adapter="narrow")
     assert error is None and (registry / "registry.json").read_text() == registry_before
@@ -230,9 +240,11 @@ def test_with_the_key_load_update_unload_work(server) -> None:  # type: ignore[n
     assert error is None and result["unloaded"] == "L3_design"
     reply = chat.turn(TurnRequest("keyed", "A CSS grid, please.", new_session=True, adapter="L3_design", max_tokens=3))
     assert reply.error is not None and "unknown adapter 'L3_design'" in reply.error
-    result, error = _call(server, "http", headers, action="load", adapter="L3_design", path=entry["path"], description=entry["description"])
+    result, error = _call(server, "http", headers, action="load", adapter="L3_design", path=entry["path"],
+                          description=entry["description"])
     assert error is None and result["hash"] == entry["hash"]
-    assert chat.turn(TurnRequest("keyed", "A CSS grid, please.", new_session=True, adapter="L3_design", max_tokens=3)).adapter == "L3_design"
+    assert chat.turn(TurnRequest("keyed", "A CSS grid, please.", new_session=True, adapter="L3_design",
+                                 max_tokens=3)).adapter == "L3_design"
     # update: new weights at the same path get a new version under the same hash
     upd = _copy_adapter(server, "L1_agent", registry / "adapters" / "upd")
     first, error = _call(server, "http", headers, action="load", adapter="upd", path="adapters/upd")
@@ -249,7 +261,8 @@ def test_with_the_key_load_update_unload_work(server) -> None:  # type: ignore[n
     # the curl form in docs/admin.md: KServe v2 JSON with the key in a header
     body = {"inputs": [{"name": "action", "datatype": "BYTES", "shape": [1], "data": ["unload"]},
                        {"name": "adapter", "datatype": "BYTES", "shape": [1], "data": ["ext"]}]}
-    request = urllib.request.Request(f"http://{server.http_url}/v2/models/adapter_admin/infer", data=json.dumps(body).encode(),
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/adapter_admin/infer",
+                                     data=json.dumps(body).encode(),
                                      headers={**headers, "Content-Type": "application/json"})
     answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
     assert json.loads(answer["outputs"][0]["data"][0])["unloaded"] == "ext"
@@ -260,14 +273,19 @@ def test_with_the_key_load_update_unload_work(server) -> None:  # type: ignore[n
 
 def test_every_action_is_audited_without_the_key(server) -> None:  # type: ignore[no-untyped-def]
     headers = _key(server)
-    _call(server, "http", {ADMIN_KEY_HEADER: WRONG, "mol2-client": "auditor"}, request_id="audit-1", action="unload", adapter="L0_chat")
-    _call(server, "http", {**headers, "mol2-client": "auditor"}, request_id="audit-2", action="load", adapter="x", path="/etc")
+    _call(server, "http", {ADMIN_KEY_HEADER: WRONG, "mol2-client": "auditor"}, request_id="audit-1", action="unload",
+          adapter="L0_chat")
+    _call(server, "http", {**headers, "mol2-client": "auditor"}, request_id="audit-2", action="load", adapter="x",
+          path="/etc")
     records = AuditLog(Path(server.registry_root) / "audit.log").records()
     by_id = {r["request_id"]: r for r in records if r["request_id"]}
-    assert by_id["audit-1"]["outcome"] == "denied" and by_id["audit-1"]["auth"] == "wrong key" and by_id["audit-1"]["client"] == "auditor"
-    assert by_id["audit-2"]["outcome"] == "refused" and by_id["audit-2"]["auth"] == "key ok" and "'/etc' is refused" in by_id["audit-2"]["message"]
+    assert (by_id["audit-1"]["outcome"] == "denied" and by_id["audit-1"]["auth"] == "wrong key"
+            and by_id["audit-1"]["client"] == "auditor")
+    assert (by_id["audit-2"]["outcome"] == "refused" and by_id["audit-2"]["auth"] == "key ok"
+            and "'/etc' is refused" in by_id["audit-2"]["message"])
     outcomes = {(r["action"], r["outcome"]) for r in records}
-    assert {("list", "ok"), ("load", "ok"), ("unload", "ok"), ("load", "denied"), ("unload", "denied"), ("load", "refused")} <= outcomes
+    assert {("list", "ok"), ("load", "ok"), ("unload", "ok"), ("load", "denied"), ("unload", "denied"),
+            ("load", "refused")} <= outcomes
     assert stat.S_IMODE((Path(server.registry_root) / "audit.log").stat().st_mode) == 0o600
     log = Path(server.log_file).read_text(errors="replace")
     assert "adapter_admin audit:" in log and "audit-1" in log
@@ -282,7 +300,8 @@ def test_administration_turned_off_serves_list_only(tmp_path_factory) -> None:  
     try:
         assert [a["name"] for a in _listed(srv)] == ["L0_chat", "L1_agent", "L2_code", "L3_design"]
         assert not (work / "registry" / "admin.key").exists(), "no key is made when administration is off"
-        for inputs in (dict(action="unload", adapter="L0_chat"), dict(action="load", adapter="L9", path="adapters/L0_chat")):
+        for inputs in (dict(action="unload", adapter="L0_chat"),
+                       dict(action="load", adapter="L9", path="adapters/L0_chat")):
             result, error = _call(srv, "http", {ADMIN_KEY_HEADER: WRONG}, **inputs)
             assert error is not None and "adapter administration is turned off on this server" in error, error
         assert len(_listed(srv)) == 4

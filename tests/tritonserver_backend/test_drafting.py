@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from build_engines.model.dspark_spec import DSparkSpec
+from ced.model.dspark_spec import DSparkSpec
 from tests.tiny import tiny_config
-from tritonserver_backend.decoder_service import DraftRing
-from tritonserver_backend.drafting import DSparkDrafter, NgramDrafter, make_drafter
+from tritonserver_backend.core.decoder_service import DraftRing
+from tritonserver_backend.core.drafting import DSparkDrafter, NgramDrafter, make_drafter
 from tritonserver_backend.repository import main as render
 
 

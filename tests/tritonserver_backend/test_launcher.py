@@ -268,7 +268,8 @@ def test_log_helpers_read_only_this_runs_part(tmp_path: Path) -> None:
     log.write_text("E1129 09:00:00.1 1 old.cc:1] an error of an earlier run\nold line\n")
     offset = log.stat().st_size
     with open(log, "a") as fh:
-        fh.write("I1129 info\n| broken | 1 | UNAVAILABLE: Internal: boom |\n" + "".join(f"line {i}\n" for i in range(50)))
+        fh.write("I1129 info\n| broken | 1 | UNAVAILABLE: Internal: boom |\n"
+                 + "".join(f"line {i}\n" for i in range(50)))
     assert error_lines(log, offset=offset) == ["| broken | 1 | UNAVAILABLE: Internal: boom |"]
     assert len(error_lines(log)) == 2
     assert tail(log, 3, offset) == "line 47\nline 48\nline 49\n"
@@ -732,7 +733,8 @@ def test_wait_ready_times_out_and_stops_the_server(tmp_path: Path) -> None:
         # a model whose initialize() sleeps keeps the server not-ready past the short timeout
         repo = tmp_path / "slow_repo"
         _write_model(repo, "sleepy", ADD_ONE_CONFIG.replace('"add_one"', '"sleepy"'),
-                     "import time\n\nclass TritonPythonModel:\n    def initialize(self, args):\n        time.sleep(60)\n"
+                     "import time\n\nclass TritonPythonModel:\n    def initialize(self, args):\n"
+                     "        time.sleep(60)\n"
                      "\n    def execute(self, requests):\n        return []\n")
         srv.start(repo, exit_timeout=1)
         # the stub is up (and sleeping in initialize) once it maps its shared memory

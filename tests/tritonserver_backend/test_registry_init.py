@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import EMBEDDED
-from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.adapters.registry_init import ensure_registry
 
 
 def _digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
 
 
 def _initialise(roots: list[str], start: mp.synchronize.Barrier, out: mp.Queue) -> None:  # type: ignore[name-defined]

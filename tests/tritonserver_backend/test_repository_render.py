@@ -60,8 +60,9 @@ def test_tensor_parallel_renders_torch_roles_and_refuses_contradictions(tmp_path
 
 
 @pytest.mark.slow
-def test_rendered_elsewhere_it_serves_and_a_broken_model_fails_the_launch_at_once(tmp_path: Path, default_engines) -> None:  # type: ignore[no-untyped-def]
-    from tritonserver_backend.client import GrpcChat, TurnRequest
+def test_rendered_elsewhere_it_serves_and_a_broken_model_fails_the_launch_at_once(  # type: ignore[no-untyped-def]
+        tmp_path: Path, default_engines) -> None:
+    from tritonserver_backend.clients.client import GrpcChat, TurnRequest
     from tritonserver_backend.launcher import TritonServer, TritonServerError
 
     out = tmp_path / "repo"

@@ -10,12 +10,12 @@ import jsonschema
 import pytest
 import torch
 
-from build_engines.data.tokenizer import ChatTokenizer
+from ced.text.tokenizer import ChatTokenizer
 from tests.conftest import EMBEDDED
 from tritonserver_backend.errors import BadRequest
-from tritonserver_backend.grammar import GrammarCache, allowed_tokens, canonical
-from tritonserver_backend.sampling import Sampler, SamplingParams, filter_probs
-from tritonserver_backend.sampling_params import parse_logit_bias
+from tritonserver_backend.sampling.grammar import GrammarCache, allowed_tokens, canonical
+from tritonserver_backend.sampling.params import parse_logit_bias
+from tritonserver_backend.sampling.sampler import Sampler, SamplingParams, filter_probs
 
 EOT = 6
 
@@ -41,7 +41,8 @@ def test_top_k_and_min_p_keep_only_their_tokens(seed: int) -> None:
 def test_nothing_set_leaves_the_seeded_draws_as_they_were(seed: int) -> None:
     """top_k 0 / -1 and min_p 0 are off: a seeded reply draws exactly what it drew before they existed."""
     logits = torch.randn(500)
-    for params in (SamplingParams(temperature=0.8, top_p=0.9, seed=seed), SamplingParams(temperature=0.8, top_p=0.9, seed=seed, top_k=-1)):
+    for params in (SamplingParams(temperature=0.8, top_p=0.9, seed=seed),
+                   SamplingParams(temperature=0.8, top_p=0.9, seed=seed, top_k=-1)):
         a, b = Sampler(SamplingParams(temperature=0.8, top_p=0.9, seed=seed)), Sampler(params)
         assert [a(logits) for _ in range(30)] == [b(logits) for _ in range(30)]
 
@@ -87,10 +88,11 @@ def test_logit_bias_json_and_vocabulary_checks() -> None:
 
 # ------------------------------------------------------------------------------------------------ grammars
 def test_specs_are_checked_and_canonical() -> None:
-    assert canonical('{"schema": {"b": 1, "a": 2}, "type": "json_schema"}') == canonical('{"type":"json_schema","schema":{"a":2,"b":1}}')
+    assert (canonical('{"schema": {"b": 1, "a": 2}, "type": "json_schema"}')
+            == canonical('{"type":"json_schema","schema":{"a":2,"b":1}}'))
     assert canonical("") == ""
-    for bad in ('{"type":"xml"}', '{"type":"regex"}', '{"type":"regex","pattern":""}', '{"type":"json_schema","schema":[]}',
-                '{"type":"json_object","schema":{}}', "[]", "not json"):
+    for bad in ('{"type":"xml"}', '{"type":"regex"}', '{"type":"regex","pattern":""}',
+                '{"type":"json_schema","schema":[]}', '{"type":"json_object","schema":{}}', "[]", "not json"):
         with pytest.raises(BadRequest):
             canonical(bad)
 
@@ -110,7 +112,8 @@ def test_the_cache_compiles_once_per_spec_and_forgets_the_oldest(tokenizer: Chat
     assert len(cache) == 2 and cache.compile(specs[0]) is not first and cache.misses == 4
 
 
-@pytest.mark.parametrize("spec", ['{"type":"regex","pattern":"([a-"}', '{"type":"json_schema","schema":{"type":"nonsense"}}',
+@pytest.mark.parametrize("spec", ['{"type":"regex","pattern":"([a-"}',
+                                  '{"type":"json_schema","schema":{"type":"nonsense"}}',
                                   '{"type":"ebnf","grammar":"root ::= undefined_rule"}'])
 def test_a_grammar_that_does_not_compile_is_a_bad_request(tokenizer: ChatTokenizer, spec: str) -> None:
     with pytest.raises(BadRequest, match="does not compile"):
@@ -124,7 +127,8 @@ def test_the_batched_mask_allows_what_each_grammar_allows(tokenizer: ChatTokeniz
     masks = allowed_tokens([json_object, choice], tokenizer.vocab_size)
     assert masks.shape == (2, tokenizer.vocab_size) and masks.dtype == torch.bool
     assert all(tokenizer.decode([t]).startswith("{") for t in torch.nonzero(masks[0]).reshape(-1).tolist())
-    assert {tokenizer.decode([t]) for t in torch.nonzero(masks[1]).reshape(-1).tolist()} <= {"y", "ye", "yes", "n", "no"}
+    assert ({tokenizer.decode([t]) for t in torch.nonzero(masks[1]).reshape(-1).tolist()}
+            <= {"y", "ye", "yes", "n", "no"})
     assert not masks[:, tokenizer.end_of_turn_id].any(), "end-of-turn only where the grammar is complete"
     for t in tokenizer.encode("yes"):
         assert choice.accept_token(t)
@@ -135,7 +139,8 @@ def test_the_batched_mask_allows_what_each_grammar_allows(tokenizer: ChatTokeniz
 def test_the_mask_makes_any_logits_follow_the_grammar(tokenizer: ChatTokenizer, seed: int) -> None:
     """Random logits (the worst model there is), sampled under a schema's mask token by token: valid JSON."""
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 50},
-                                               "tag": {"enum": ["x", "y"]}}, "required": ["n", "tag"], "additionalProperties": False}
+                                               "tag": {"enum": ["x", "y"]}}, "required": ["n", "tag"],
+              "additionalProperties": False}
     matcher = GrammarCache(tokenizer).matcher(canonical(json.dumps({"type": "json_schema", "schema": schema})))
     sampler, out = Sampler(SamplingParams(temperature=1.0, seed=seed), tokenizer.end_of_turn_id), []
     for _ in range(100):
@@ -157,7 +162,8 @@ SCHEMAS = {
     "enum": {"type": "object", "additionalProperties": False, "required": ["color", "ok"],
              "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}}},
     "array": {"type": "object", "additionalProperties": False, "required": ["items"],
-              "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 4}}},
+              "properties": {"items": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                                       "minItems": 1, "maxItems": 4}}},
 }
 
 
@@ -171,7 +177,8 @@ def pipeline(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
 def _chat(pipeline, text: str, adapter: str | None = None, **params):  # type: ignore[no-untyped-def]
     import uuid
 
-    return pipeline.chat(f"g-{uuid.uuid4().hex}", text, adapter=adapter, new_session=True, params=SamplingParams(**params))
+    return pipeline.chat(f"g-{uuid.uuid4().hex}", text, adapter=adapter, new_session=True,
+                         params=SamplingParams(**params))
 
 
 @pytest.mark.slow
@@ -186,15 +193,19 @@ def test_every_schema_gives_valid_json_under_every_adapter(pipeline, adapter) ->
 
 @pytest.mark.slow
 def test_json_object_regex_and_ebnf(pipeline) -> None:  # type: ignore[no-untyped-def]
-    """json_object bounds nothing, and the default greedily writes one endless string; sampled (or penalised) it closes."""
-    reply = _chat(pipeline, "JSON please", max_tokens=300, temperature=1.0, seed=1, grammar=canonical('{"type":"json_object"}'))
+    """json_object bounds nothing, and the default greedily writes one endless string; sampled (or penalised) it
+    closes."""
+    reply = _chat(pipeline, "JSON please", max_tokens=300, temperature=1.0, seed=1,
+                  grammar=canonical('{"type":"json_object"}'))
     assert reply.finish_reason == "end_of_turn" and isinstance(json.loads(reply.text), dict), reply.text
     reply = _chat(pipeline, "JSON please", "L3_design", max_tokens=300, presence_penalty=2.0, frequency_penalty=2.0,
                   grammar=canonical('{"type":"json_object"}'))
     assert reply.finish_reason == "end_of_turn" and isinstance(json.loads(reply.text), dict), reply.text
-    reply = _chat(pipeline, "A plate number", max_tokens=20, grammar=canonical('{"type":"regex","pattern":"[A-Z]{2}-[0-9]{3}"}'))
+    reply = _chat(pipeline, "A plate number", max_tokens=20,
+                  grammar=canonical('{"type":"regex","pattern":"[A-Z]{2}-[0-9]{3}"}'))
     assert reply.finish_reason == "end_of_turn" and len(reply.text) == 6 and reply.text[2] == "-", reply.text
-    reply = _chat(pipeline, "Yes or no?", "L2_code", max_tokens=20, grammar=canonical('{"type":"ebnf","grammar":"root ::= \\"yes\\" | \\"no\\""}'))
+    reply = _chat(pipeline, "Yes or no?", "L2_code", max_tokens=20,
+                  grammar=canonical('{"type":"ebnf","grammar":"root ::= \\"yes\\" | \\"no\\""}'))
     assert reply.text in ("yes", "no") and reply.finish_reason == "end_of_turn"
 
 
@@ -202,7 +213,8 @@ def test_json_object_regex_and_ebnf(pipeline) -> None:  # type: ignore[no-untype
 def test_sampling_options_on_the_model(pipeline, tokenizer) -> None:  # type: ignore[no-untyped-def]
     text = "How do I center a div?"
     greedy = _chat(pipeline, text, "L3_design", max_tokens=12)
-    assert _chat(pipeline, text, "L3_design", max_tokens=12, temperature=1.3, seed=5, top_k=1).token_ids == greedy.token_ids
+    assert _chat(pipeline, text, "L3_design", max_tokens=12, temperature=1.3, seed=5,
+                 top_k=1).token_ids == greedy.token_ids
     forced = tokenizer.encode("{")[0]
     biased = _chat(pipeline, text, "L3_design", max_tokens=5, logit_bias=((forced, 100.0),))
     assert biased.token_ids == [forced] * 5 and biased.finish_reason == "length"

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tests.tritonserver_backend.in_process import onnx_pipeline, routed_request
-from tritonserver_backend.decoder_service import Turn
-from tritonserver_backend.pipeline import DirectEncoderPort, InProcessPipeline
-from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
+from tritonserver_backend.core.decoder_service import Turn
+from tritonserver_backend.core.pipeline import DirectEncoderPort, InProcessPipeline
+from tritonserver_backend.core.scheduler import TurnScheduler, TurnStart
 
-PROMPTS = ["How do I center a div?", "grep -rn pattern .", "def area(r):", "Tell me a story.", "ls -la /tmp", "color: red;"]
+PROMPTS = ["How do I center a div?", "grep -rn pattern .", "def area(r):", "Tell me a story.", "ls -la /tmp",
+           "color: red;"]
 LENGTHS = [9, 4, 12, 7, 10, 5]  # max_tokens: turns end at different steps, so lanes empty and rows leave
 
 
@@ -19,11 +20,12 @@ def pipeline(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
     return onnx_pipeline(tmp_path_factory, default_engines)
 
 
-def _request(pipeline: InProcessPipeline, session: str, index: int) -> TurnRequest:
+def _request(pipeline: InProcessPipeline, session: str, index: int) -> TurnStart:
     return routed_request(pipeline, session, PROMPTS[index], LENGTHS[index])
 
 
-def _run_together(pipeline: InProcessPipeline, tag: str, lanes: int, max_active: int) -> tuple[dict[str, list[int]], list[int]]:
+def _run_together(pipeline: InProcessPipeline, tag: str, lanes: int,
+                  max_active: int) -> tuple[dict[str, list[int]], list[int]]:
     tokens: dict[str, list[int]] = {}
     failures: list[BaseException] = []
 
@@ -32,8 +34,8 @@ def _run_together(pipeline: InProcessPipeline, tag: str, lanes: int, max_active:
             tokens.setdefault(turn.session_id, []).append(token)
         return True
 
-    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit, lambda _, exc: failures.append(exc),
-                              max_active=max_active, lanes=lanes)
+    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit,
+                              lambda _, exc: failures.append(exc), max_active=max_active, lanes=lanes)
     lane_sizes = []
     for i in range(3):  # three turns now, three more join while the first ones decode
         scheduler.submit(_request(pipeline, f"{tag}-{i}", i))

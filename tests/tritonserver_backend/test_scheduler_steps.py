@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from tests.tritonserver_backend.in_process import onnx_pipeline, routed_request
-from tritonserver_backend.decoder_service import Turn
-from tritonserver_backend.encoder_service import Handover
-from tritonserver_backend.pipeline import DirectEncoderPort, InProcessPipeline
-from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
+from tritonserver_backend.core.decoder_service import Turn
+from tritonserver_backend.core.handover import Handover
+from tritonserver_backend.core.pipeline import DirectEncoderPort, InProcessPipeline
+from tritonserver_backend.core.scheduler import TurnScheduler, TurnStart
 
 PROMPTS = ["How do I center a div?", "grep -rn pattern .", "def area(r):"]
 
@@ -22,7 +22,7 @@ def pipeline(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
     return onnx_pipeline(tmp_path_factory, default_engines)
 
 
-def _request(pipeline: InProcessPipeline, session: str, text: str) -> TurnRequest:
+def _request(pipeline: InProcessPipeline, session: str, text: str) -> TurnStart:
     return routed_request(pipeline, session, text, max_tokens=8)
 
 
@@ -51,7 +51,8 @@ def test_tokens_stream_while_the_encoder_call_runs(pipeline) -> None:  # type: i
                 all_streamed.set()
         return True
 
-    scheduler = TurnScheduler(pipeline.decoder, WaitingPort(pipeline.encoder), emit, lambda _, exc: pytest.fail(repr(exc)))
+    scheduler = TurnScheduler(pipeline.decoder, WaitingPort(pipeline.encoder), emit,
+                              lambda _, exc: pytest.fail(repr(exc)))
     for i, prompt in enumerate(PROMPTS):
         scheduler.submit(_request(pipeline, f"joint-{i}", prompt))
     while not scheduler.idle:
@@ -107,7 +108,8 @@ def test_an_iteration_that_fails_answers_every_turn_and_loses_no_session(pipelin
         scheduler.iterate()
     assert scheduler.idle
     assert set(failures) == set(sessions)
-    assert all(isinstance(e, TurnFailed) and f"{where} broke" in str(e) and "resend" in str(e) for e in failures.values())
+    assert all(isinstance(e, TurnFailed) and f"{where} broke" in str(e) and "resend" in str(e)
+               for e in failures.values())
     monkeypatch.setattr(pipeline.decoder, "choose", real_choose)
 
     resent = {s: pipeline.answer(_request(pipeline, s, "And then?")).token_ids for s in sessions}

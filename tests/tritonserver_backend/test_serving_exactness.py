@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import EMBEDDED
 from tests.reference_oracle import ReferenceNetwork
 from tests.tritonserver_backend.streams import start_server
-from tritonserver_backend.client import GrpcChat, HttpChat, Reply, TurnRequest
+from tritonserver_backend.clients.client import GrpcChat, HttpChat, Reply, TurnRequest
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,8 @@ TOP = 8
 LOGPROB_TOLERANCE = 2e-3  # onnxruntime against eager PyTorch in fp32: measured differences stay near 1e-5
 # a first turn longer than the replay window: the later turns replay a window that has wrapped around
 LONG_CODE = ("import os\nimport sys\n\ndef walk(root):\n    for name in sorted(os.listdir(root)):\n"
-             "        path = os.path.join(root, name)\n        if os.path.isdir(path):\n            yield from walk(path)\n"
+             "        path = os.path.join(root, name)\n        if os.path.isdir(path):\n"
+             "            yield from walk(path)\n"
              "        else:\n            yield path, os.path.getsize(path)\n\nif __name__ == '__main__':\n"
              "    total = 0\n    for path, size in walk(sys.argv[1]):\n        print(f'{size:>10} {path}')\n"
              "        total += size\n    print('total', total)")
@@ -82,7 +83,7 @@ def assert_same(got: Reply, want: Reply, what: str) -> None:
 def history_of(first: Reply) -> str:
     """The first exchange as `history`; its text must tokenize back to the served ids, or the rebuilt session would
     not hold the identical history."""
-    from build_engines.data.tokenizer import ChatTokenizer
+    from ced.text.tokenizer import ChatTokenizer
 
     assert ChatTokenizer.load(EMBEDDED).encode(first.text) == first.token_ids, "the reply does not round-trip its text"
     return json.dumps([{"role": "user", "content": FIRST}, {"role": "assistant", "content": first.text}])
@@ -190,9 +191,11 @@ def test_concurrent_conversations_match_the_reference_network(server) -> None:  
             assert reply.error is None and reply.token_ids, (text, reply)
             want = oracle.turn(text, reply.adapter, reply.token_ids, reply.finish_reason)
             got = np.asarray(reply.logprobs, np.float32)
-            np.testing.assert_allclose(got, want.logprobs, atol=LOGPROB_TOLERANCE, rtol=0, err_msg=f"conversation {i}: {text!r}")
+            np.testing.assert_allclose(got, want.logprobs, atol=LOGPROB_TOLERANCE, rtol=0,
+                                       err_msg=f"conversation {i}: {text!r}")
             clear = want.margin > LOGPROB_TOLERANCE  # greedy: the served token is the network's most likely one
-            assert np.array_equal(np.asarray(reply.token_ids)[clear], want.argmax[clear]), (text, reply.token_ids, want.argmax)
+            assert np.array_equal(np.asarray(reply.token_ids)[clear], want.argmax[clear]), (
+                text, reply.token_ids, want.argmax)
             adapters.add(reply.adapter)
             longest = max(longest, oracle.position)
     assert longest > network.encoder.cfg.window_size, f"no conversation wrapped its replay window ({longest})"

@@ -13,11 +13,11 @@ import pytest
 from tests.conftest import EMBEDDED
 from tests.tritonserver_backend.streams import concurrent_token_ids, start_server
 from tests.tritonserver_backend.test_sampling_grammar import SCHEMAS
-from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest
-from tritonserver_backend.grammar import canonical
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import SamplingParams
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.clients.client import GrpcChat, HttpChat, TurnRequest
+from tritonserver_backend.core.pipeline import InProcessPipeline
+from tritonserver_backend.sampling.grammar import canonical
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 EOT = 6
@@ -40,10 +40,11 @@ def reference(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def
 
 
 def _params(r: TurnRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=r.max_tokens or 64, temperature=r.temperature or 0.0, seed=r.seed or 0, top_k=r.top_k or 0,
-                          min_p=r.min_p or 0.0, logit_bias=tuple(sorted((int(k), float(v)) for k, v in (r.logit_bias or {}).items())),
-                          stop_token_ids=tuple(r.stop_token_ids or ()), min_tokens=r.min_tokens or 0, ignore_eos=r.ignore_eos,
-                          grammar=canonical(json.dumps(r.grammar)) if r.grammar else "")
+    return SamplingParams(max_tokens=r.max_tokens or 64, temperature=r.temperature or 0.0, seed=r.seed or 0,
+                          top_k=r.top_k or 0, min_p=r.min_p or 0.0,
+                          logit_bias=tuple(sorted((int(k), float(v)) for k, v in (r.logit_bias or {}).items())),
+                          stop_token_ids=tuple(r.stop_token_ids or ()), min_tokens=r.min_tokens or 0,
+                          ignore_eos=r.ignore_eos, grammar=canonical(json.dumps(r.grammar)) if r.grammar else "")
 
 
 def _reference(pipe: InProcessPipeline, r: TurnRequest):  # type: ignore[no-untyped-def]
@@ -59,8 +60,8 @@ def test_schemas_give_valid_json_matching_the_reference(server, reference, trans
     chat = GrpcChat(server.grpc_url) if transport == "grpc" else HttpChat(server.http_url)
     try:
         for (name, schema), adapter in zip(SCHEMAS.items(), [None, "L2_code", "base"]):
-            request = TurnRequest(_sid(), "Who are you? Answer in JSON.", new_session=True, adapter=adapter, max_tokens=200,
-                                  stream=stream, grammar={"type": "json_schema", "schema": schema})
+            request = TurnRequest(_sid(), "Who are you? Answer in JSON.", new_session=True, adapter=adapter,
+                                  max_tokens=200, stream=stream, grammar={"type": "json_schema", "schema": schema})
             reply = chat.turn(request)
             assert reply.error is None, reply.error
             assert reply.finish_reason == "end_of_turn", (name, reply.text)
@@ -74,7 +75,8 @@ def test_schemas_give_valid_json_matching_the_reference(server, reference, trans
 
 def test_grammar_rows_batch_with_plain_rows_and_keep_their_solo_replies(server, reference) -> None:  # type: ignore[no-untyped-def]
     grammars = [{"type": "json_schema", "schema": s} for s in SCHEMAS.values()] + [
-        {"type": "regex", "pattern": "[a-z]{4}-[0-9]{2}"}, {"type": "ebnf", "grammar": 'root ::= "yes" | "no"'}, None, None]
+        {"type": "regex", "pattern": "[a-z]{4}-[0-9]{2}"},
+        {"type": "ebnf", "grammar": 'root ::= "yes" | "no"'}, None, None]
     requests = [TurnRequest(_sid(), f"Question {i}: what now?", new_session=True, max_tokens=60, grammar=g,
                             temperature=0.8 if i % 2 else None, seed=i) for i, g in enumerate(grammars)]
     got, errors = concurrent_token_ids(server.grpc_url, [[r] for r in requests])
@@ -89,9 +91,11 @@ def test_sampling_inputs_over_the_tensor_api(server, reference) -> None:  # type
     try:
         text = "How do I center a div?"
         greedy = chat.turn(TurnRequest(_sid(), text, new_session=True, adapter="L3_design", max_tokens=10))
-        top1 = http.turn(TurnRequest(_sid(), text, new_session=True, adapter="L3_design", max_tokens=10, temperature=1.2, seed=9, top_k=1))
+        top1 = http.turn(TurnRequest(_sid(), text, new_session=True, adapter="L3_design", max_tokens=10,
+                                     temperature=1.2, seed=9, top_k=1))
         assert top1.token_ids == greedy.token_ids
-        sampled = TurnRequest(_sid(), text, new_session=True, max_tokens=10, temperature=1.0, seed=4, top_k=20, min_p=0.05)
+        sampled = TurnRequest(_sid(), text, new_session=True, max_tokens=10, temperature=1.0, seed=4, top_k=20,
+                              min_p=0.05)
         assert chat.turn(sampled).token_ids == _reference(reference, sampled).token_ids
         brace = reference.text.tokenizer.encode("{")[0]
         forced = http.turn(TurnRequest(_sid(), text, new_session=True, max_tokens=4, logit_bias={str(brace): 100}))

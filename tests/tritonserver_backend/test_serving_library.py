@@ -12,13 +12,13 @@ import torch
 from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 from tritonserver_backend import contract as c
-from tritonserver_backend import counters as k
+from tritonserver_backend.adapters.registry import Registry
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.core.session_store import SessionStore
 from tritonserver_backend.errors import BadRequest, UnknownAdapter, UnknownSession
-from tritonserver_backend.handover_codec import rows_from_arrays, to_arrays
-from tritonserver_backend.registry import Registry
 from tritonserver_backend.repository import render
-from tritonserver_backend.sampling import Sampler, SamplingParams
-from tritonserver_backend.session_store import SessionStore
+from tritonserver_backend.sampling.sampler import Sampler, SamplingParams
+from tritonserver_backend.triton.handover_codec import rows_from_arrays, to_arrays
 
 
 def test_session_store_evicts_least_recently_used_over_budget() -> None:
@@ -48,7 +48,8 @@ def test_sampling_is_greedy_at_zero_temperature_and_seeded_otherwise() -> None:
 
 @pytest.mark.parametrize(
     "kwargs, message",
-    [(dict(max_tokens=-1), "max_tokens must lie in"), (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"), (dict(stop=("",)), "stop strings")],
+    [(dict(max_tokens=-1), "max_tokens must lie in"), (dict(temperature=-1.0), "temperature"),
+     (dict(top_p=0.0), "top_p"), (dict(stop=("",)), "stop strings")],
 )
 def test_bad_sampling_parameters(kwargs: dict, message: str) -> None:
     with pytest.raises(BadRequest, match=message):
@@ -72,9 +73,9 @@ def test_registry_round_trip_and_errors(tmp_path: Path) -> None:
 
 
 def test_handover_codec_round_trip_and_malformed_tensors(net) -> None:  # type: ignore[no-untyped-def]
-    from build_engines.export.encoder_step import EncoderStep
-    from build_engines.export.layout import StepLayout
-    from build_engines.export.parity import encoder_case, torch_runner
+    from ced.steps.encoder_step import EncoderStep
+    from ced.steps.layout import StepLayout
+    from ced.steps.parity import encoder_case, torch_runner
 
     layout = StepLayout(net.cfg)
     enc, _ = net.split()
@@ -113,7 +114,8 @@ def test_serving_doc_carries_the_current_contract() -> None:
 def test_committed_configs_match_the_contract() -> None:
     root = PROJECT_ROOT / "model_repository"
     for path, text in render(root).items():
-        assert path.read_text() == text, f"{path} is stale: run python -m tritonserver_backend.repository --out model_repository --force"
+        assert path.read_text() == text, (
+            f"{path} is stale: run python -m tritonserver_backend.repository --out model_repository --force")
         assert (path.parent / "1").is_dir()
     for model in c.MODELS:
         assert (root / model.name / "1" / "model.py").exists()
@@ -122,8 +124,8 @@ def test_committed_configs_match_the_contract() -> None:
 # ------------------------------------------------------------------------------------- on the embedded default
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from tritonserver_backend.pipeline import InProcessPipeline
-    from tritonserver_backend.registry_init import ensure_registry
+    from tritonserver_backend.adapters.registry_init import ensure_registry
+    from tritonserver_backend.core.pipeline import InProcessPipeline
 
     root = tmp_path_factory.mktemp("registry")
     ensure_registry(root, EMBEDDED)
@@ -145,12 +147,12 @@ def test_router_explicit_adapter_wins_in_a_mixed_batch(pipeline) -> None:  # typ
 
 def test_the_router_follows_changes_made_through_a_registry_it_shares(pipeline) -> None:  # type: ignore[no-untyped-def]
     """A Registry object shared by the router and a writer (the admin service in one process, as
-    scripts/zero_shot_adapter.py runs them): a change the shared object has already re-read must still reach the
+    benchmarks/zero_shot_adapter.py runs them): a change the shared object has already re-read must still reach the
     router's option cache (it used to keep routing over the old adapter set: unloaded adapters, no new ones)."""
-    from tritonserver_backend.router_service import RouterService
+    from tritonserver_backend.core.router_service import RouterService
 
     registry = pipeline.registry
-    router = RouterService(EMBEDDED, registry, engine=pipeline.engine)  # as scripts/zero_shot_adapter.py builds it
+    router = RouterService(EMBEDDED, registry, engine=pipeline.engine)  # as benchmarks/zero_shot_adapter.py builds it
     entries = registry.entries()
     keep = entries[0]
     rows = [np.random.default_rng(i).standard_normal(router.embed.shape[1]).astype(np.float32) for i in range(32)]
@@ -178,7 +180,8 @@ def test_pipeline_errors_lose_nothing(pipeline) -> None:  # type: ignore[no-unty
         pipeline.chat("keep", "word " * 9000)
     assert (pipeline.encoder.sessions.get("keep").position, pipeline.decoder.sessions.get("keep").position) == before
     assert first.finish_reason in ("length", "end_of_turn", "stop")
-    written, read, applied = (pipeline.counters.get(name) - n for name, n in zip((k.WRITTEN, k.READ, k.APPLIED), counts))
+    written, read, applied = (pipeline.counters.get(name) - n
+                              for name, n in zip((k.WRITTEN, k.READ, k.APPLIED), counts))
     assert written == read == applied == 1, "only the successful turn reached the router and the decoder"
 
 
@@ -209,9 +212,9 @@ def test_history_rebuilds_a_lost_session(pipeline) -> None:  # type: ignore[no-u
 
 def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # type: ignore[no-untyped-def]
     """An adapter unloaded between the router's decision and the decoder: clear error, nothing lost."""
+    from tritonserver_backend.adapters.registry_init import description_of
+    from tritonserver_backend.core.scheduler import TurnStart
     from tritonserver_backend.errors import TurnRejected
-    from tritonserver_backend.registry_init import description_of
-    from tritonserver_backend.scheduler import TurnRequest
 
     params = SamplingParams(max_tokens=3)
     pipeline.chat("race", "Hello there.", new_session=True, params=params)
@@ -224,8 +227,9 @@ def test_a_turn_rejected_by_the_decoder_is_rolled_back(pipeline) -> None:  # typ
     pipeline.registry.remove("L3_design")
     try:
         with pytest.raises(TurnRejected, match=f"adapter hash {decided} is not loaded"):
-            pipeline.answer(TurnRequest("race", handover, decided, params))  # the scheduler rolls the encoder back
-        assert (pipeline.encoder.sessions.get("race").position, pipeline.decoder.sessions.get("race").position) == before
+            pipeline.answer(TurnStart("race", handover, decided, params))  # the scheduler rolls the encoder back
+        assert (pipeline.encoder.sessions.get("race").position,
+                pipeline.decoder.sessions.get("race").position) == before
         assert pipeline.chat("race", "Style this button.", params=params).token_ids, "the session goes on"
     finally:
         pipeline.registry.put("L3_design", entry.path, entry.description)
@@ -250,5 +254,6 @@ def test_session_state_does_not_grow_with_the_adapters_it_visits(pipeline) -> No
         return dec.position, shapes, enc.nbytes() + dec.nbytes()
 
     visits, stays = state("visits"), state("stays")
-    assert visits[0] == stays[0], f"the twins must hold the same positions (replies ended early: {visits[0]} vs {stays[0]})"
+    assert visits[0] == stays[0], (
+        f"the twins must hold the same positions (replies ended early: {visits[0]} vs {stays[0]})")
     assert visits == stays

@@ -16,10 +16,10 @@ import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken i
 from tests.conftest import EMBEDDED
 from tests.tritonserver_backend.streams import start_server
 from tests.waiting import wait_until
-from tritonserver_backend.client import GrpcChat, SessionTokens, TurnRequest, cancel_turn
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import SamplingParams
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.clients.client import GrpcChat, SessionTokens, TurnRequest, cancel_turn
+from tritonserver_backend.core.pipeline import InProcessPipeline
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 LONG = 1500  # tokens: a turn that runs for seconds
@@ -80,15 +80,18 @@ def test_beyond_the_bounds_a_turn_gets_server_busy_at_once(small_server) -> None
     assert reply.error is not None and "server busy" in reply.error and "retry" in reply.error, reply
     assert waited < 0.1, f"the busy error took {waited * 1000:.0f} ms"
     # each turn started its session: its token came first, before any token (a queued turn's too), so its owner cancels
-    wait_until(lambda: all(chats[i].tokens.get(f"busy{i}") for i in range(3)), 60, "every session's token at its client")
-    outcomes = [cancel_turn(small_server.http_url, f"busy{i}", chats[i].tokens.get(f"busy{i}"))["outcome"] for i in range(3)]
+    wait_until(lambda: all(chats[i].tokens.get(f"busy{i}") for i in range(3)), 60,
+               "every session's token at its client")
+    outcomes = [cancel_turn(small_server.http_url, f"busy{i}", chats[i].tokens.get(f"busy{i}"))["outcome"]
+                for i in range(3)]
     for t in threads:
         t.join(timeout=120)
     for outcome, reply in zip(outcomes, replies):
         if outcome.startswith("cancelled before it started"):  # a queued turn: a clear error, nothing was kept
             assert reply.error is not None and "cancelled before it started" in reply.error
         else:  # an active turn: ends as "cancelled" with its partial reply
-            assert "partial reply stays" in outcome and reply.error is None and reply.finish_reason == "cancelled", (outcome, reply)
+            assert "partial reply stays" in outcome and reply.error is None and reply.finish_reason == "cancelled", (
+                outcome, reply)
     after = extra.turn(TurnRequest("busy-extra", "Hello again?", new_session=True, max_tokens=4), timeout=60)
     assert after.error is None and after.token_ids, "once rows are free, turns are served again"
     for chat in chats + [extra]:
@@ -110,8 +113,10 @@ def test_a_cancelled_turn_frees_its_row_and_keeps_its_partial_reply(small_server
     assert time.perf_counter() - started < 5.0
     # the session goes on, with the partial reply in its history: the same next reply as a session whose first turn
     # stopped after exactly those tokens
-    nxt = chat.turn(TurnRequest("cut0", "And then what happened?", max_tokens=8, session_token=chats[0].tokens.get("cut0")))
-    reference.chat("ref-cut", "Tell me a very long story about ships.", new_session=True, params=SamplingParams(max_tokens=len(cut.token_ids)))
+    nxt = chat.turn(TurnRequest("cut0", "And then what happened?", max_tokens=8,
+                                session_token=chats[0].tokens.get("cut0")))
+    reference.chat("ref-cut", "Tell me a very long story about ships.", new_session=True,
+                   params=SamplingParams(max_tokens=len(cut.token_ids)))
     want = reference.chat("ref-cut", "And then what happened?", params=SamplingParams(max_tokens=8))
     assert nxt.error is None and nxt.token_ids == want.token_ids
     assert cancel_turn(small_server.http_url, "cut0", chats[0].tokens.get("cut0"))["outcome"] == "no turn in flight"
@@ -121,8 +126,8 @@ def test_a_cancelled_turn_frees_its_row_and_keeps_its_partial_reply(small_server
         c.close()
 
 
-CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)", "Make the header sticky with a shadow.",
-                "git log --oneline shows nothing, why?"]
+CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)",
+                "Make the header sticky with a shadow.", "git log --oneline shows nothing, why?"]
 
 
 def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]

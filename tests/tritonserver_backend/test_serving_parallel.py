@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from scripts.run_main import CONVERSATION
 from tests.tritonserver_backend.streams import reference_reply, start_server
 from tests.tritonserver_backend.test_serving_exactness import FIRST, SECOND, SOURCES, TARGET, assert_same, probe
-from tritonserver_backend.client import GrpcChat, TurnRequest
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.clients.client import GrpcChat, TurnRequest
+from tritonserver_backend.clients.scripted import CONVERSATION
+from tritonserver_backend.core.pipeline import InProcessPipeline
 
 pytestmark = pytest.mark.slow
 
@@ -144,7 +144,8 @@ def test_source_independence_holds_bit_for_bit_on_the_ranks(server) -> None:  # 
         turns = {}
         for source in SOURCES:
             sid = f"parallel-source-{source}"
-            first = chat.turn(TurnRequest(sid, FIRST, new_session=True, adapter=source, max_tokens=0, forced_ids=FORCED))
+            first = chat.turn(TurnRequest(sid, FIRST, new_session=True, adapter=source, max_tokens=0,
+                                          forced_ids=FORCED))
             assert first.error is None and first.token_ids == FORCED and first.adapter == source, first
             turns[source] = chat.turn(probe(SECOND, sid, TARGET))
     finally:
@@ -161,10 +162,12 @@ def test_a_killed_rank_is_a_clear_error_and_the_group_restarts(server, single_ra
     assert len(victims) == 1
     os.kill(victims[0], signal.SIGKILL)
     started = time.monotonic()
-    failed = _conversation(server.grpc_url, [TurnRequest("parallel-killed", TURNS[0].text, new_session=True, max_tokens=TOKENS)])[0]
+    failed = _conversation(server.grpc_url,
+                           [TurnRequest("parallel-killed", TURNS[0].text, new_session=True, max_tokens=TOKENS)])[0]
     assert time.monotonic() - started < 60, "a lost rank must not hang the turn"
     assert failed.error and "rank 1 of 2" in failed.error and "SIGKILL" in failed.error, failed.error
-    again = _conversation(server.grpc_url, [TurnRequest("parallel-again", TURNS[0].text, new_session=True, max_tokens=TOKENS)])[0]
+    again = _conversation(server.grpc_url,
+                          [TurnRequest("parallel-again", TURNS[0].text, new_session=True, max_tokens=TOKENS)])[0]
     assert again.error is None and again.token_ids == single_rank_turns[0].token_ids
     restarted = rank_workers(server.pid, "decoder")
     assert len(restarted) == 1 and restarted != victims

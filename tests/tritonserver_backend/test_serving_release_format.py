@@ -15,14 +15,15 @@ from types import SimpleNamespace
 import pytest
 
 from build_engines.build.cli import main as build
-from build_engines.formats.checkpoint import CheckpointFiles, role_tensor_names, write_synthetic_release
 from build_engines.formats.release_writer import TOKENIZER_FILES, write_random_adapters
-from build_engines.model.engram import compressed_token_map_from_file
-from tests.build_engines.model.test_engram import engram_config
+from ced.formats.checkpoint import CheckpointFiles, role_tensor_names, write_synthetic_release
+from ced.model.engram import compressed_token_map_from_file
+from tests.ced.model.test_engram import engram_config
 from tests.conftest import EMBEDDED
 
 pytestmark = pytest.mark.slow
-SEED = 7  # fixed: the build's parity check runs on this checkpoint (the fake-quant graphs are checked bit-level elsewhere)
+# fixed: the build's parity check runs on this checkpoint (the fake-quant graphs are checked bit-level elsewhere)
+SEED = 7
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,8 @@ def served(tmp_path_factory):  # type: ignore[no-untyped-def]
     for name in TOKENIZER_FILES:
         shutil.copy2(EMBEDDED / name, model / name)
     token_map = compressed_token_map_from_file(model / "tokenizer.json")
-    cfg = engram_config(vocab_size=len(token_map), runtime_fake_quant=True, engram_compressed_vocab_size=int(token_map.max()) + 1)
+    cfg = engram_config(vocab_size=len(token_map), runtime_fake_quant=True,
+                        engram_compressed_vocab_size=int(token_map.max()) + 1)
     write_synthetic_release(cfg, model, seed=SEED, shards=3, extras=False)
     write_random_adapters(model, seed=SEED)
     engines = root / "engines"
@@ -61,7 +63,8 @@ def test_the_checkpoint_is_stored_as_released(served) -> None:  # type: ignore[n
     assert files.tensors["layers.5.ffn.experts.0.w1.weight"].dtype == "I8"
 
 
-CONVERSATION = [("Hi! How was your day?", None), ("ls -la shows nothing", None), ("Make the header sticky.", "L3_design")]
+CONVERSATION = [("Hi! How was your day?", None), ("ls -la shows nothing", None),
+                ("Make the header sticky.", "L3_design")]
 
 
 def test_a_conversation_is_served_as_the_in_process_pipeline_serves_it(served, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -69,10 +72,10 @@ def test_a_conversation_is_served_as_the_in_process_pipeline_serves_it(served, t
     in-process pipeline on the same engines: the same tokens everywhere, so the served encoder model (its Engram rows
     gathered per prefill chunk and per decode step, its n-gram history kept across turns) computes what the library
     computes, and two sessions never share state."""
-    from tritonserver_backend.client import GrpcChat, TurnRequest
-    from tritonserver_backend.pipeline import InProcessPipeline
-    from tritonserver_backend.registry_init import ensure_registry
-    from tritonserver_backend.sampling import SamplingParams
+    from tritonserver_backend.adapters.registry_init import ensure_registry
+    from tritonserver_backend.clients.client import GrpcChat, TurnRequest
+    from tritonserver_backend.core.pipeline import InProcessPipeline
+    from tritonserver_backend.sampling.sampler import SamplingParams
 
     chat = GrpcChat(served.server.grpc_url)
     try:
@@ -113,8 +116,11 @@ def test_the_engines_keep_the_weights_as_stored(served) -> None:  # type: ignore
         model = onnx.load(str(served.engines / graph["file"]), load_external_data=False)
         large = {onnx.TensorProto.DataType.Name(t.data_type) for t in model.graph.initializer if len(t.external_data)}
         assert large <= {"UINT8", "BFLOAT16", "FLOAT", "INT64", "BOOL"}, large  # int64: index tables of the graph
-        fp32_bytes = sum(int(next(e.value for e in t.external_data if e.key == "length")) for t in model.graph.initializer
+        fp32_bytes = sum(int(next(e.value for e in t.external_data if e.key == "length"))
+                         for t in model.graph.initializer
                          if len(t.external_data) and t.data_type == onnx.TensorProto.FLOAT)
         files = CheckpointFiles(served.model)
-        stored_f32 = sum(files.tensors[n].nbytes for n in role_tensor_names(served.cfg, role) if files.tensors[n].dtype == "F32")
-        assert fp32_bytes <= stored_f32 + 64 * 1024  # the f32 the release stores (mHC, sinks, gate biases) + lookup tables
+        stored_f32 = sum(files.tensors[n].nbytes for n in role_tensor_names(served.cfg, role)
+                         if files.tensors[n].dtype == "F32")
+        # the f32 the release stores (mHC, sinks, gate biases) + lookup tables
+        assert fp32_bytes <= stored_f32 + 64 * 1024

@@ -21,8 +21,8 @@ import tritonclient.http as httpclient
 
 from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply, start_server
 from tritonserver_backend import contract as c
-from tritonserver_backend.client import GrpcChat, HttpChat, SessionTokens, TurnRequest, cancel_turn
-from tritonserver_backend.session_auth import REFUSAL
+from tritonserver_backend.auth.session_auth import REFUSAL
+from tritonserver_backend.clients.client import GrpcChat, HttpChat, SessionTokens, TurnRequest, cancel_turn
 
 pytestmark = pytest.mark.slow
 TOKENS = 6
@@ -97,7 +97,8 @@ def test_a_stranger_is_refused_everything_and_the_owner_continues_undisturbed(se
     mine = owner.turn(TurnRequest(sid, "What was my PIN?", **second))
     theirs = control.turn(TurnRequest(cid, "What was my PIN?", **second))
     assert mine.error is None and mine.session_token == "", "a continuing turn issues nothing"
-    assert (mine.token_ids, mine.logprobs, mine.top_logprobs) == (theirs.token_ids, theirs.logprobs, theirs.top_logprobs), \
+    assert ((mine.token_ids, mine.logprobs, mine.top_logprobs)
+            == (theirs.token_ids, theirs.logprobs, theirs.top_logprobs)), \
         "the owner's reply is the undisturbed one, bit for bit"
     assert cancel_turn(server.http_url, sid, owner.tokens.get(sid))["outcome"] == "no turn in flight"
 
@@ -155,8 +156,8 @@ def test_direct_calls_to_the_internal_models_cannot_touch_a_session(server) -> N
     empty = np.zeros(0, np.int64)
 
     def encoder(**extra: tuple[np.ndarray, str]) -> httpclient.InferResult:
-        tensors = {c.SESSION_ID.name: _text("bob-direct"), c.TOKEN_IDS.name: (empty, "INT64"), c.PREFIX_IDS.name: (empty, "INT64"),
-                   c.START.name: (np.array([False]), "BOOL"), **extra}
+        tensors = {c.SESSION_ID.name: _text("bob-direct"), c.TOKEN_IDS.name: (empty, "INT64"),
+                   c.PREFIX_IDS.name: (empty, "INT64"), c.START.name: (np.array([False]), "BOOL"), **extra}
         inputs = []
         for name, (array, dtype) in tensors.items():
             inp = httpclient.InferInput(name, list(array.shape), dtype)
@@ -173,16 +174,19 @@ def test_direct_calls_to_the_internal_models_cannot_touch_a_session(server) -> N
                   {c.STEP_DRAFT.name: (np.array([True]), "BOOL")}):
         with pytest.raises(Exception, match="sent by the decoder only"):
             encoder(**extra)
-    _, error = _stream(server.grpc_url, "decoder", {c.SESSION_ID.name: _text("bob-direct"), c.CONTROL.name: _text("cancel")})
+    _, error = _stream(server.grpc_url, "decoder",
+                       {c.SESSION_ID.name: _text("bob-direct"), c.CONTROL.name: _text("cancel")})
     assert error is not None and "sent by session_control only" in error
 
     # the stranger's own session, encoded by calling the encoder directly: a genuine hand-over and grant
     ids = np.array([7, 8, 9, 10], np.int64)
     mine = http.infer("encoder", [_input(c.SESSION_ID.name, _text("mallory")), _input(c.TOKEN_IDS.name, (ids, "INT64")),
-                                  _input(c.PREFIX_IDS.name, (np.array([1], np.int64), "INT64")), _input(c.START.name, (np.array([True]), "BOOL"))])
+                                  _input(c.PREFIX_IDS.name, (np.array([1], np.int64), "INT64")),
+                                  _input(c.START.name, (np.array([True]), "BOOL"))])
     handover = {spec.name: (mine.as_numpy(spec.name), spec.dtype) for spec in c.HANDOVER}
     grant = _text(mine.as_numpy(c.GRANT.name).reshape(-1)[0].decode())
-    turn = {**handover, c.ADAPTER_HASH.name: (np.array([0], np.int32), "INT32"), c.MAX_TOKENS.name: (np.array([2], np.int32), "INT32"), c.GRANT.name: grant}
+    turn = {**handover, c.ADAPTER_HASH.name: (np.array([0], np.int32), "INT32"),
+            c.MAX_TOKENS.name: (np.array([2], np.int32), "INT32"), c.GRANT.name: grant}
     _, error = _stream(server.grpc_url, "decoder", {c.SESSION_ID.name: _text("bob-direct"), **turn})
     assert error is not None and REFUSAL.format(session_id="bob-direct") in error, "a grant opens its own session only"
     responses, error = _stream(server.grpc_url, "decoder", {c.SESSION_ID.name: _text("mallory"), **turn})
@@ -206,15 +210,17 @@ def _input(name: str, value: tuple[np.ndarray, str]) -> httpclient.InferInput:
 
 def test_thirty_two_sessions_carrying_their_tokens_get_their_solo_replies(server, tmp_path, default_engines) -> None:  # type: ignore[no-untyped-def]
     from tests.conftest import EMBEDDED
-    from tritonserver_backend.pipeline import InProcessPipeline
-    from tritonserver_backend.registry_init import ensure_registry
+    from tritonserver_backend.adapters.registry_init import ensure_registry
+    from tritonserver_backend.core.pipeline import InProcessPipeline
 
     ensure_registry(tmp_path / "registry", EMBEDDED)
-    reference = InProcessPipeline(EMBEDDED, tmp_path / "registry", max_context=4096, backend="onnx", engine_dir=default_engines)
+    reference = InProcessPipeline(EMBEDDED, tmp_path / "registry", max_context=4096, backend="onnx",
+                                  engine_dir=default_engines)
     adapters = ["L0_chat", "L1_agent", "L2_code", "L3_design", None, "base", None, "L2_code"] * 4
-    conversations = [[TurnRequest(f"load{i}", f"Request {i}: {'sort a list' if i % 2 else 'center a div'}", new_session=True, adapter=a,
-                                  max_tokens=3 + i % 4),
-                      TurnRequest(f"load{i}", "And then?", adapter=None if i % 3 else a, max_tokens=4)] for i, a in enumerate(adapters)]
+    conversations = [[TurnRequest(f"load{i}", f"Request {i}: {'sort a list' if i % 2 else 'center a div'}",
+                                  new_session=True, adapter=a, max_tokens=3 + i % 4),
+                      TurnRequest(f"load{i}", "And then?", adapter=None if i % 3 else a, max_tokens=4)]
+                     for i, a in enumerate(adapters)]
     solo = [[reference_reply(reference, r).token_ids for r in turns] for turns in conversations]
     results, errors = concurrent_token_ids(server.grpc_url, conversations)
     assert not errors, errors[:3]

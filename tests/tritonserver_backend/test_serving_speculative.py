@@ -17,7 +17,7 @@ import pytest
 
 from tests.tritonserver_backend.in_process import onnx_pipeline
 from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply, start_server
-from tritonserver_backend.client import TurnRequest
+from tritonserver_backend.clients.client import TurnRequest
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +56,11 @@ def counter(server, name: str) -> dict[str, float]:  # type: ignore[no-untyped-d
 
 def test_greedy_speculative_serving_equals_plain_decoding(server, tmp_path_factory, default_engines) -> None:  # type: ignore[no-untyped-def]
     pipeline = onnx_pipeline(tmp_path_factory, default_engines)
-    conversations = [[TurnRequest(f"spec-{c}", text, new_session=t == 0, adapter=adapter, max_tokens=n, speculative=(c, t) != OPTED_OUT)
+    conversations = [[TurnRequest(f"spec-{c}", text, new_session=t == 0, adapter=adapter, max_tokens=n,
+                                  speculative=(c, t) != OPTED_OUT)
                       for t, (text, adapter, n) in enumerate(turns)] for c, turns in enumerate(CONVERSATIONS)]
-    want = [[reference_reply(pipeline, r).token_ids for r in turns] for turns in conversations]  # plain: no drafter in process
+    # plain: no drafter in process
+    want = [[reference_reply(pipeline, r).token_ids for r in turns] for turns in conversations]
     got, errors = concurrent_token_ids(server.grpc_url, conversations)
     assert not errors
     assert got == want

@@ -11,19 +11,20 @@ import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken i
 
 from tests.conftest import EMBEDDED
 from tests.tritonserver_backend.streams import reference_reply, start_server
-from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.clients.client import GrpcChat, HttpChat, TurnRequest
+from tritonserver_backend.core.pipeline import InProcessPipeline
 
 pytestmark = pytest.mark.slow
 INTERVAL = 3
-PROMPTS = ["How do I center a div?", "grep -rn pattern . | head", "def area(r):", "Tell me about your weekend.", "ls -la /tmp"]
+PROMPTS = ["How do I center a div?", "grep -rn pattern . | head", "def area(r):", "Tell me about your weekend.",
+           "ls -la /tmp"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    srv = start_server(tmp_path_factory.mktemp("interval"), default_engines, max_context="2048", stream_interval=str(INTERVAL),
-                       decode_lanes="2")
+    srv = start_server(tmp_path_factory.mktemp("interval"), default_engines, max_context="2048",
+                       stream_interval=str(INTERVAL), decode_lanes="2")
     yield srv
     srv.stop()
 
@@ -38,7 +39,8 @@ def reference(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def
 def test_grouped_responses_carry_exactly_the_solo_reply_on_concurrent_streams(server, reference) -> None:  # type: ignore[no-untyped-def]
     import threading
 
-    requests = [TurnRequest(f"grouped-{i}", PROMPTS[i], new_session=True, max_tokens=7 + 3 * i) for i in range(len(PROMPTS))]
+    requests = [TurnRequest(f"grouped-{i}", PROMPTS[i], new_session=True, max_tokens=7 + 3 * i)
+                for i in range(len(PROMPTS))]
     replies: dict[int, object] = {}
     responses: dict[int, list[str]] = {}
 

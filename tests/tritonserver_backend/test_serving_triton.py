@@ -19,9 +19,9 @@ from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 from tests.tritonserver_backend.routing_oracle import Choice, RoutingOracle
 from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
-from tritonserver_backend.client import GrpcChat, HttpChat, TurnRequest, cancel_turn, raw_stream_error
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.clients.client import GrpcChat, HttpChat, TurnRequest, cancel_turn, raw_stream_error
+from tritonserver_backend.core.pipeline import InProcessPipeline
 
 ROOT = PROJECT_ROOT
 pytestmark = pytest.mark.slow
@@ -113,7 +113,7 @@ def test_async_client_conversations_match_the_reference(server, reference) -> No
     an unknown adapter answered as an error on the same stream, which then carries the next turn."""
     import asyncio
 
-    from tritonserver_backend.client import AsyncGrpcChat
+    from tritonserver_backend.clients.client import AsyncGrpcChat
 
     async def conversation(i: int) -> None:
         chat = AsyncGrpcChat(server.grpc_url)
@@ -123,7 +123,8 @@ def test_async_client_conversations_match_the_reference(server, reference) -> No
                 pieces: list[str] = []
                 got = await chat.turn(req, on_piece=pieces.append)
                 want = _reference(reference, req)
-                assert got.error is None and got.token_ids == want.token_ids and "".join(pieces) == "".join(want.pieces), (got, want)
+                assert (got.error is None and got.token_ids == want.token_ids
+                        and "".join(pieces) == "".join(want.pieces)), (got, want)
             bad = await chat.turn(TurnRequest(f"aio-{i}", "x", adapter="L9_nope", max_tokens=3))
             assert bad.error is not None and "unknown adapter" in bad.error
             after = TurnRequest(f"aio-{i}", "And then?", max_tokens=TOKENS)
@@ -205,7 +206,8 @@ def test_an_adapter_loaded_through_admin_is_routed_by_its_description_alone(serv
     Unloaded again at the end."""
     name = ZERO_SHOT_ADAPTER
     listed = json.loads(_admin(server, action="list"))
-    weights = next(a for a in listed["adapters"] if a["name"] == "L0_chat")["path"]  # routing reads only the description
+    # routing reads only the description
+    weights = next(a for a in listed["adapters"] if a["name"] == "L0_chat")["path"]
     root = Path(server.registry_root)
     shutil.copytree(root / weights, root / "adapters" / name)
     _admin(server, action="load", adapter=name, path=f"adapters/{name}", description=ZERO_SHOT_DESCRIPTION)
@@ -260,7 +262,9 @@ def test_bad_requests_get_clear_errors_and_leave_other_sessions_intact(server, r
         reply = chat.turn(req)
         assert reply.error is not None and message in reply.error, (req, reply)
     # a malformed tensor: max_tokens sent as FP32 (the ensemble is decoupled, so this goes over the gRPC stream)
-    error = raw_stream_error(server.grpc_url, [("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"), ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")])
+    error = raw_stream_error(server.grpc_url, [("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"),
+                                               ("text", np.array([b"x"], dtype=np.object_), "BYTES"),
+                                               ("max_tokens", np.array([3.0], dtype=np.float32), "FP32")])
     assert error is not None and "max_tokens" in error and ("FP32" in error or "INT32" in error), error
     _missing_inputs_are_answered(server)
     after = TurnRequest("intact", "And now?", max_tokens=TOKENS)
@@ -274,8 +278,9 @@ def test_stubs_that_need_no_torch_do_not_load_it(server, backend) -> None:  # ty
     light = {"preprocess", "session_control"} | ({"encoder"} if backend == "onnx" else set())
     chat = GrpcChat(server.grpc_url)  # first every path of these stubs: history, explicit adapter, sampling, a cancel
     history = json.dumps([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}])
-    reply = chat.turn(TurnRequest("light", "Next?", history=history, adapter="L2_code", max_tokens=3, temperature=0.7, top_p=0.9,
-                                  seed=3, stop=["zz"], frequency_penalty=0.5, presence_penalty=0.1, repetition_penalty=1.2))
+    reply = chat.turn(TurnRequest("light", "Next?", history=history, adapter="L2_code", max_tokens=3, temperature=0.7,
+                                  top_p=0.9, seed=3, stop=["zz"], frequency_penalty=0.5, presence_penalty=0.1,
+                                  repetition_penalty=1.2))
     assert reply.error is None, reply.error
     assert chat.turn(TurnRequest("light", "x", adapter="L9_nope", max_tokens=3)).error is not None
     chat.close()
@@ -292,13 +297,15 @@ def test_stubs_that_need_no_torch_do_not_load_it(server, backend) -> None:  # ty
 def _missing_inputs_are_answered(server) -> None:  # type: ignore[no-untyped-def]
     """Without session_id or text but with another input, Triton 2.51's own count check passes and, before preprocess
     checked them, the client got no answer at all (gRPC: nothing; /generate: "expected exactly 1 response")."""
-    text, sid = ("text", np.array([b"x"], dtype=np.object_), "BYTES"), ("session_id", np.array([b"intact"], dtype=np.object_), "BYTES")
+    text, sid = (("text", np.array([b"x"], dtype=np.object_), "BYTES"),
+                 ("session_id", np.array([b"intact"], dtype=np.object_), "BYTES"))
     for tensors, missing in [([text, ("max_tokens", np.array([3], np.int32), "INT32")], "session_id"),
                              ([sid, ("stream", np.array([True]), "BOOL")], "text")]:
         error = raw_stream_error(server.grpc_url, tensors, timeout=30)
         assert error is not None and f"missing required input '{missing}'" in error, error
     for endpoint in ("generate", "generate_stream"):
-        request = urllib.request.Request(f"http://{server.http_url}/v2/models/mol2/{endpoint}", json.dumps({"text": "x", "stream": False}).encode())
+        request = urllib.request.Request(f"http://{server.http_url}/v2/models/mol2/{endpoint}",
+                                         json.dumps({"text": "x", "stream": False}).encode())
         with pytest.raises(urllib.error.HTTPError) as answer:
             urllib.request.urlopen(request, timeout=30)
         body = answer.value.read().decode()
@@ -310,9 +317,11 @@ def test_sixteen_concurrent_sessions_match_their_solo_runs(server, reference) ->
     """16 streams, two turns each, mixed adapters and routed turns, all at once: batched decode steps mix their rows,
     and every session still gets exactly the tokens it gets alone."""
     adapters = ["L0_chat", "L1_agent", "L2_code", "L3_design", "base", None, "L2_code", None] * 2
-    texts = [f"Question number {i}: {'what should I do next?' if i % 2 else 'how do I sort a list in Python?'}" for i in range(16)]
+    texts = [f"Question number {i}: {'what should I do next?' if i % 2 else 'how do I sort a list in Python?'}"
+             for i in range(16)]
     requests = [[TurnRequest(f"par{i}", texts[i], new_session=True, adapter=a, max_tokens=TOKENS + i % 5),
-                 TurnRequest(f"par{i}", "And after that?", adapter=None if i % 3 else a, max_tokens=TOKENS)] for i, a in enumerate(adapters)]
+                 TurnRequest(f"par{i}", "And after that?", adapter=None if i % 3 else a, max_tokens=TOKENS)]
+                for i, a in enumerate(adapters)]
     solo = [[_reference(reference, r).token_ids for r in turns] for turns in requests]
     before = _metric_totals(server)
     results, errors = concurrent_token_ids(server.grpc_url, requests)
@@ -337,7 +346,7 @@ def _admin(server, **inputs) -> str:  # type: ignore[no-untyped-def]
     """adapter_admin over HTTP with the server's admin key in the `mol2-admin-key` header (docs/admin.md)."""
     import tritonclient.http as httpclient
 
-    from tritonserver_backend.admin_auth import admin_headers
+    from tritonserver_backend.auth.admin_auth import admin_headers
 
     headers = admin_headers(server.registry_root)
     client = httpclient.InferenceServerClient(server.http_url)
@@ -354,7 +363,8 @@ def _admin(server, **inputs) -> str:  # type: ignore[no-untyped-def]
 
 def test_unloading_mid_conversation_gives_a_clear_error_then_reload_works(server, reference) -> None:  # type: ignore[no-untyped-def]
     chat = GrpcChat(server.grpc_url)
-    assert chat.turn(TurnRequest("unload", "Write a CSS grid.", new_session=True, adapter="L3_design", max_tokens=3)).error is None
+    assert chat.turn(TurnRequest("unload", "Write a CSS grid.", new_session=True, adapter="L3_design",
+                                 max_tokens=3)).error is None
     listed = json.loads(_admin(server, action="list"))
     entry = next(a for a in listed["adapters"] if a["name"] == "L3_design")
     json.loads(_admin(server, action="unload", adapter="L3_design"))
@@ -362,7 +372,8 @@ def test_unloading_mid_conversation_gives_a_clear_error_then_reload_works(server
     assert reply.error is not None and "unknown adapter 'L3_design'" in reply.error
     routed = chat.turn(TurnRequest("unload", "Now a flexbox.", max_tokens=3))
     assert routed.error is None and routed.adapter != "L3_design", "the router no longer offers it"
-    loaded = json.loads(_admin(server, action="load", adapter="L3_design", path=entry["path"], description=entry["description"]))
+    loaded = json.loads(_admin(server, action="load", adapter="L3_design", path=entry["path"],
+                               description=entry["description"]))
     assert loaded["hash"] == entry["hash"]
     assert chat.turn(TurnRequest("unload", "Back again.", adapter="L3_design", max_tokens=3)).adapter == "L3_design"
     # an adapter that touches the encoder side is refused at load, naming its modules
@@ -376,22 +387,25 @@ def test_unloading_mid_conversation_gives_a_clear_error_then_reload_works(server
 def _write_leaky_adapter(directory: Path) -> None:
     import torch
 
-    from build_engines.lora import save_adapter
+    from ced.lora import save_adapter
 
     cfg = json.loads((EMBEDDED / "config.json").read_text())
     dim, E = cfg["dim"], cfg["n_encoder_layers"]
-    save_adapter(directory, {f"layers.{E}.attn.wq_a": (torch.zeros(4, dim), torch.zeros(cfg["q_lora_rank"], 4))}, 4, 8.0, "mol2-small")
+    save_adapter(directory, {f"layers.{E}.attn.wq_a": (torch.zeros(4, dim), torch.zeros(cfg["q_lora_rank"], 4))}, 4,
+                 8.0, "mol2-small")
 
 
 def test_metrics_count_every_decision_written_read_and_applied(server) -> None:  # type: ignore[no-untyped-def]
     before = _metric_totals(server)
     chat = GrpcChat(server.grpc_url)
     for i, adapter in enumerate([None, "L2_code", None]):
-        assert chat.turn(TurnRequest("metrics", f"turn {i}", new_session=i == 0, adapter=adapter, max_tokens=2)).error is None
+        assert chat.turn(TurnRequest("metrics", f"turn {i}", new_session=i == 0, adapter=adapter,
+                                     max_tokens=2)).error is None
     chat.close()
     after = _metric_totals(server)
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
-    assert delta["mol2_routing_decisions_written"] == delta["mol2_routing_decisions_read"] == delta["mol2_routing_decisions_applied"] == 3
+    assert (delta["mol2_routing_decisions_written"] == delta["mol2_routing_decisions_read"]
+            == delta["mol2_routing_decisions_applied"] == 3)
     assert delta["mol2_explicit_overrides"] == 1 and delta["mol2_replays"] == 3 and delta["mol2_replay_tokens"] > 0
     # over the whole run so far every decision that reached the decoder was applied
     assert after["mol2_routing_decisions_read"] == after["mol2_routing_decisions_applied"]
@@ -416,7 +430,8 @@ def test_many_concurrent_short_turns_keep_the_server_alive(server) -> None:  # t
         try:
             for r in range(3):
                 for t in range(2):
-                    req = TurnRequest(f"burst{i}-{r}", f"turn {t} from client {i}", new_session=t == 0, max_tokens=4, end_session=t == 1)
+                    req = TurnRequest(f"burst{i}-{r}", f"turn {t} from client {i}", new_session=t == 0, max_tokens=4,
+                                      end_session=t == 1)
                     reply = chat.turn(req, timeout=300)
                     if reply.error or len(reply.token_ids) == 0:
                         errors.append(reply.error or f"{req.session_id}: empty reply")

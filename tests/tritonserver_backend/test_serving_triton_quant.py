@@ -1,13 +1,15 @@
-"""The quantized engines (ModelOpt fp8, and fp8 with fp8 KV state) served by a real tritonserver: a routed multi-turn conversation over
-gRPC streaming gives, token for token, what the in-process pipeline gives on the same engine directory.
+"""The quantized engines (ModelOpt fp8, and fp8 with fp8 KV state) served by a real tritonserver: a routed multi-turn
+conversation over gRPC streaming gives, token for token, what the in-process pipeline gives on the same engine
+directory.
 
 Why a separate module: the fixtures of `test_serving_triton.py` serve the fp32 engines (onnx and torch backends);
 here one server per quantization mode is started on `engine_dir` = the quantized directory, and only the
 conversation and the batched-sessions check run on it (the transport and error paths do not depend on the engine).
 The fp8-KV server runs with speculative decoding (the DSpark drafter, which quantized builds copy unquantized, drafting
 from the quantized decoder's `draft_main` rows): its replies must still be the in-process plain pipeline's, token
-for token, and its metrics must show drafts verified. The int8 build is checked in process (`tests/build_engines/quantize/`) but not served: it loads and runs through
-the same onnxruntime path as fp8 (standard Q/DQ), and a third server costs CI about 25 s.
+for token, and its metrics must show drafts verified. The int8 build is checked in process
+(`tests/build_engines/quantize/`) but not served: it loads and runs through the same onnxruntime path as fp8 (standard
+Q/DQ), and a third server costs CI about 25 s.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import tritonclient.grpc  # noqa: F401 - GrpcChat's transport (the serve extra):
 
 from tests.conftest import DEFAULT_ENGINES, EMBEDDED
 from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
-from tritonserver_backend.client import GrpcChat, TurnRequest
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.clients.client import GrpcChat, TurnRequest
+from tritonserver_backend.core.pipeline import InProcessPipeline
 
 pytestmark = pytest.mark.slow
 TOKENS = 8
@@ -44,7 +46,8 @@ def quantized_dir(request, default_engines):  # type: ignore[no-untyped-def]
     from build_engines.build.cli import main as build
 
     out = DEFAULT_ENGINES.parent / f"mol2-small-{request.param}"
-    code = build(["--model", str(EMBEDDED), "--out", str(out), *BUILDS[request.param], "--reuse-fp32", str(default_engines)])
+    code = build(["--model", str(EMBEDDED), "--out", str(out), *BUILDS[request.param], "--reuse-fp32",
+                  str(default_engines)])
     assert code == 0, f"python -m build_engines build {BUILDS[request.param]} exited {code}"
     return request.param.split("-")[0], out
 
@@ -95,7 +98,8 @@ def test_the_server_serves_the_quantized_directory(server, quantized_dir) -> Non
         for model in ("encoder", "decoder", "router"):
             assert client.is_model_ready(model), model
             params = client.get_model_config(model)["parameters"]
-            assert params["engine_dir"]["string_value"] == str(engine_dir) and params["engine_backend"]["string_value"] == "onnx"
+            assert (params["engine_dir"]["string_value"] == str(engine_dir)
+                    and params["engine_backend"]["string_value"] == "onnx")
     finally:
         client.close()
     import json

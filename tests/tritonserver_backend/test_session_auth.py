@@ -12,10 +12,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import EMBEDDED
-from tritonserver_backend import counters as k
-from tritonserver_backend.errors import UnknownSession
-from tritonserver_backend.sampling import SamplingParams
-from tritonserver_backend.session_auth import (
+from tritonserver_backend.auth.session_auth import (
     REFUSAL,
     GrantLedger,
     InternalKey,
@@ -25,6 +22,9 @@ from tritonserver_backend.session_auth import (
     parse_switch,
     token_digest,
 )
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.errors import UnknownSession
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -51,8 +51,8 @@ def test_a_live_session_opens_with_its_own_token_only_and_every_refusal_reads_th
     tokens.issue("bob-1")
     tokens.check("alice-1", alice)
     messages = []
-    for session, token in [("alice-1", None), ("alice-1", ""), ("alice-1", alice[:-1]), ("alice-1", tokens.issue("bob-2")),
-                           ("nobody", None), ("nobody", alice)]:
+    for session, token in [("alice-1", None), ("alice-1", ""), ("alice-1", alice[:-1]),
+                           ("alice-1", tokens.issue("bob-2")), ("nobody", None), ("nobody", alice)]:
         with pytest.raises(SessionRefused) as refused:
             tokens.check(session, token)
         messages.append(str(refused.value).replace(repr(session), "ID"))
@@ -89,7 +89,8 @@ def test_grants_bind_session_position_and_freshness_and_are_taken_once_in_order(
     other = InternalKey("x" * 40)
     first = key.grant("alice-1", 0)
     assert key.verify(first, "alice-1", 0) > 0
-    for grant, session, position in [(first, "bob-1", 0), (first, "alice-1", 1), (other.grant("alice-1", 0), "alice-1", 0),
+    for grant, session, position in [(first, "bob-1", 0), (first, "alice-1", 1),
+                                     (other.grant("alice-1", 0), "alice-1", 0),
                                      ("", "alice-1", 0), ("123:abc", "alice-1", 0), ("garbage", "alice-1", 0)]:
         with pytest.raises(SessionRefused):
             key.verify(grant, session, position)
@@ -109,8 +110,8 @@ def test_grants_bind_session_position_and_freshness_and_are_taken_once_in_order(
 # ------------------------------------------------------------------------------------- the encoder service
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from tritonserver_backend.pipeline import InProcessPipeline
-    from tritonserver_backend.registry_init import ensure_registry
+    from tritonserver_backend.adapters.registry_init import ensure_registry
+    from tritonserver_backend.core.pipeline import InProcessPipeline
 
     root = tmp_path_factory.mktemp("registry")
     ensure_registry(root, EMBEDDED)
@@ -174,7 +175,7 @@ def test_a_rolled_back_restart_keeps_the_session_s_token(pipeline) -> None:  # t
 
 
 def test_session_auth_off_lets_any_caller_continue(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tritonserver_backend.encoder_service import EncoderService
+    from tritonserver_backend.core.encoder_service import EncoderService
     from tritonserver_backend.engines import open_engine
 
     service = EncoderService(open_engine("torch", EMBEDDED), session_auth=False)

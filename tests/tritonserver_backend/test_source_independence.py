@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from tests.tritonserver_backend.in_process import onnx_pipeline
-from tritonserver_backend import counters as k
-from tritonserver_backend.decoder_service import TokenLogprobs
-from tritonserver_backend.pipeline import DirectEncoderPort, InProcessPipeline, TurnResult
-from tritonserver_backend.sampling import SamplingParams
-from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.core.decoder_service import TokenLogprobs
+from tritonserver_backend.core.pipeline import DirectEncoderPort, InProcessPipeline, TurnResult
+from tritonserver_backend.core.scheduler import TurnScheduler, TurnStart
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,8 @@ def test_the_turn_after_any_source_adapter_equals_a_rebuilt_session(pipeline) ->
 def test_source_independence_holds_with_other_sessions_batched_beside_it(pipeline) -> None:  # type: ignore[no-untyped-def]
     """The probed turns start together with other sessions' turns (their replays share one call, their decode steps
     share batches); each probed turn still equals its rebuilt session's solo run bit for bit."""
-    firsts = {s: pipeline.chat(f"batched-{s}", FIRST, adapter=s, new_session=True, params=FIRST_PARAMS) for s in SOURCES}
+    firsts = {s: pipeline.chat(f"batched-{s}", FIRST, adapter=s, new_session=True, params=FIRST_PARAMS)
+              for s in SOURCES}
     solo = {s: pipeline.chat(f"solo-rebuilt-{s}", SECOND, adapter=TARGET, new_session=True,
                              history=history_of(pipeline, firsts[s]), params=PROBED) for s in SOURCES}
     requests = [_request(pipeline, f"batched-{s}", SECOND, TARGET, False, None, PROBED) for s in SOURCES]
@@ -87,17 +88,17 @@ def test_source_independence_holds_with_other_sessions_batched_beside_it(pipelin
 
 
 def _request(pipeline: InProcessPipeline, sid: str, text: str, adapter: str | None, new: bool, history: str | None,
-             params: SamplingParams) -> TurnRequest:
+             params: SamplingParams) -> TurnStart:
     """A turn encoded and routed the way the ensemble does before the decoder sees it."""
     ids, prefix, start = pipeline.text.preprocess(text, new, history)
     encoded = pipeline.encoder.encode_turn(sid, ids, prefix, start)
     h19, handover = encoded.h19, encoded.handover
     routed = pipeline.router.route([h19], [adapter])[0]
     assert not isinstance(routed, Exception), routed
-    return TurnRequest(sid, handover, int(routed), params)
+    return TurnStart(sid, handover, int(routed), params)
 
 
-def _run_together(pipeline: InProcessPipeline, requests: list[TurnRequest]) -> tuple[dict, list[int]]:
+def _run_together(pipeline: InProcessPipeline, requests: list[TurnStart]) -> tuple[dict, list[int]]:
     """Every request submitted at once to one scheduler -> ({session: (tokens, logprobs)}, mean rows per decode step,
     read from the decoder's batching counters)."""
     tokens: dict[str, list[int]] = {r.session_id: [] for r in requests}
@@ -110,8 +111,8 @@ def _run_together(pipeline: InProcessPipeline, requests: list[TurnRequest]) -> t
         logprobs[turn.session_id] = list(turn.logprobs)
         return True
 
-    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit, lambda _, exc: failures.append(exc),
-                              max_active=16)
+    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit,
+                              lambda _, exc: failures.append(exc), max_active=16)
     before = [pipeline.counters.get(name, k.DECODE) for name in (k.DECODER_STEPS, k.DECODER_ROWS)]
     try:
         for r in requests:
@@ -121,5 +122,6 @@ def _run_together(pipeline: InProcessPipeline, requests: list[TurnRequest]) -> t
     finally:
         scheduler.close()
     assert not failures, failures
-    steps, rows = (pipeline.counters.get(name, k.DECODE) - b for name, b in zip((k.DECODER_STEPS, k.DECODER_ROWS), before))
+    steps, rows = (pipeline.counters.get(name, k.DECODE) - b
+                   for name, b in zip((k.DECODER_STEPS, k.DECODER_ROWS), before))
     return {sid: (tokens[sid], logprobs.get(sid, [])) for sid in tokens}, rows / max(steps, 1)

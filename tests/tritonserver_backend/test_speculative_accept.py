@@ -1,4 +1,4 @@
-"""Accepting a verified speculative block (tritonserver_backend/speculative.py).
+"""Accepting a verified speculative block (tritonserver_backend/sampling/speculative.py).
 
 What must hold: under greedy decoding the emitted tokens are exactly the tokens the turn's own sampler chooses one
 position at a time (penalties that read the reply so far included), wherever the drafts go wrong; under sampling,
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonserver_backend.sampling import Sampler, SamplingParams
-from tritonserver_backend.speculative import accept_block
+from tritonserver_backend.sampling.sampler import Sampler, SamplingParams
+from tritonserver_backend.sampling.speculative import accept_block
 
 
 def _plain(sampler: Sampler, logits: torch.Tensor, generated: list[int]) -> list[int]:
@@ -82,7 +82,8 @@ def test_sampling_emits_the_targets_distribution_whatever_the_drafts(drafter: st
 def test_sampled_blocks_of_a_one_hot_drafter_are_the_plain_draws() -> None:
     """At temperature > 0 a drafter of single tokens (DSpark drafts greedily, prompt lookup copies) is checked against
     the turn's own draws: a seeded sampler emits, through a block, exactly the tokens it emits one step at a time."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]])
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6],
+                           [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]])
     params = dict(temperature=0.9, top_k=5, repetition_penalty=1.2)
     lengths = set()
     for seed in range(200):

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from tests.tritonserver_backend.in_process import onnx_pipeline
-from tritonserver_backend import counters as k
-from tritonserver_backend.drafting import DSparkDrafter, NgramDrafter
-from tritonserver_backend.pipeline import DirectEncoderPort, InProcessPipeline
-from tritonserver_backend.sampling import SamplingParams
-from tritonserver_backend.scheduler import TurnRequest, TurnScheduler
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.core.drafting import DSparkDrafter, NgramDrafter
+from tritonserver_backend.core.pipeline import DirectEncoderPort, InProcessPipeline
+from tritonserver_backend.core.scheduler import TurnScheduler, TurnStart
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +49,8 @@ class WrongDrafter:
         self.vocab = vocab
 
     def propose(self, turns, counts) -> list[list[int]]:  # type: ignore[no-untyped-def]
-        return [[(t.generated[-1] + 1 + i) % self.vocab for i in range(min(c, self.block))] for t, c in zip(turns, counts)]
+        return [[(t.generated[-1] + 1 + i) % self.vocab for i in range(min(c, self.block))]
+                for t, c in zip(turns, counts)]
 
 
 class RingRecorder:
@@ -94,7 +95,8 @@ def assert_same_state(pipeline: InProcessPipeline, got: str, want: str) -> None:
             others = other.values() if isinstance(other, dict) else other if isinstance(other, list) else [other]
             for x, y in zip(arrays, others):
                 if isinstance(x, np.ndarray):
-                    assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), f"{type(a).__name__}.{name}"
+                    assert x.dtype == y.dtype and np.array_equal(x.view(np.uint8), y.view(np.uint8)), (
+                        f"{type(a).__name__}.{name}")
                 else:
                     assert x == y, f"{type(a).__name__}.{name}"
 
@@ -111,7 +113,8 @@ def test_greedy_speculative_replies_and_state_equal_plain_decoding(pipeline, dra
         pipeline.drafter = None
     assert speculative == plain
     assert_same_state(pipeline, f"spec-{drafter}", f"plain-{drafter}")
-    blocks, drafted, accepted = (pipeline.counters.get(c) - before[c] for c in (k.SPECULATIVE_BLOCKS, k.DRAFTED, k.DRAFTS_ACCEPTED))
+    blocks, drafted, accepted = (pipeline.counters.get(c) - before[c]
+                                 for c in (k.SPECULATIVE_BLOCKS, k.DRAFTED, k.DRAFTS_ACCEPTED))
     assert blocks > 0 and drafted >= blocks
     if drafter == "wrong":
         assert accepted == 0
@@ -173,14 +176,14 @@ def test_batched_turns_with_mixed_adapters_and_opt_outs_equal_their_plain_replie
             got[turn.session_id].append(token)
         return True
 
-    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit, lambda _, exc: failures.append(exc),
-                              drafter=NgramDrafter(block=4))
+    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit,
+                              lambda _, exc: failures.append(exc), drafter=NgramDrafter(block=4))
     for i, (p, a) in enumerate(zip(prompts, adapters)):
         ids, prefix, start = pipeline.text.render(p, True, None)
         encoded = pipeline.encoder.encode_turn(f"batch-{i}", ids, prefix, start)
         params = SamplingParams(max_tokens=24, speculative=i != 2)
         pipeline.registry.refresh()
-        scheduler.submit(TurnRequest(f"batch-{i}", encoded.handover, pipeline.registry.by_name(a).hash, params))
+        scheduler.submit(TurnStart(f"batch-{i}", encoded.handover, pipeline.registry.by_name(a).hash, params))
     while not scheduler.idle:
         scheduler.iterate()
     scheduler.close()
@@ -220,7 +223,8 @@ def test_sampled_turns_with_drafting_are_the_plain_draws(pipeline, drafter: str)
         runs = [pipeline.chat(f"sampled-{drafter}-{i}", CONVERSATION[0][0], new_session=True, params=sampled).token_ids
                 for i in range(2)]
         opted_out = pipeline.chat(f"sampled-{drafter}-out", CONVERSATION[0][0], new_session=True,
-                                  params=SamplingParams(max_tokens=24, temperature=0.8, seed=11, speculative=False)).token_ids
+                                  params=SamplingParams(max_tokens=24, temperature=0.8, seed=11,
+                                                        speculative=False)).token_ids
     finally:
         pipeline.drafter = None
     assert runs[0] == runs[1] == plain and len(plain) > 0

@@ -1,7 +1,7 @@
 """The engine interface the services call, and its three implementations.
 
 `open_engine(backend, model_dir, engine_dir)` returns a `StepEngine` whose `encoder`, `decoder` and `pointer` run one
-batched step on named numpy arrays (the contract in `build_engines.export.layout`):
+batched step on named numpy arrays (the contract in `ced.steps.layout`):
 
 - `torch`: the step modules run by PyTorch (the reference; rows are run one at a time, because PyTorch's CPU matrix
   products round differently with the number of rows and a batch must not change any row's result);
@@ -9,6 +9,7 @@ batched step on named numpy arrays (the contract in `build_engines.export.layout
 - `trt`: TensorRT plans (guarded import; needs TensorRT and an NVIDIA GPU).
 """
 
-from .interface import BACKENDS, EngineUnavailable, StepEngine, open_engine
+from tritonserver_backend.engines.interface import BACKENDS, EngineUnavailable, StepEngine
+from tritonserver_backend.engines.select import open_engine
 
 __all__ = ["BACKENDS", "EngineUnavailable", "StepEngine", "open_engine"]

@@ -1,4 +1,4 @@
-"""`StepEngine`: what every engine implementation offers, and the selector."""
+"""`StepEngine`: what every engine implementation offers (the selector is `select.open_engine`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from build_engines.export.layout import StepLayout
-from build_engines.formats.config_file import load_config
+from ced.formats.config_file import load_config
+from ced.steps.layout import StepLayout
 
 if TYPE_CHECKING:
-    from build_engines.export.engram_feed import EngramFeed
+    from ced.steps.engram_feed import EngramFeed
 
 BACKENDS = ("torch", "onnx", "trt")
 Arrays = dict[str, np.ndarray]
@@ -40,7 +40,7 @@ class StepEngine(ABC):
         that only a process that encodes pays for it (`EncoderService` asks at start-up); None without Engram."""
         if self._engram is None and self.layout.engram_layers:
             # imported here: the feed hashes and dequantizes with torch, which an Engram-free onnx/trt stub never loads
-            from build_engines.export.engram_feed import EngramFeed
+            from ced.steps.engram_feed import EngramFeed
 
             self._engram = EngramFeed.open(self.model_dir, self.layout)
         return self._engram
@@ -67,52 +67,17 @@ class StepEngine(ABC):
         raise EngineUnavailable(f"the {self.backend} engines of {self.model_dir} hold no DSpark drafter")
 
     def set_lora_bank(self, bank: Arrays) -> None:
-        """The stacked adapter bank (`build_engines.lora.stacked`); called when the adapter set changes."""
+        """The stacked adapter bank (`ced.steps.lora_stacked`); called when the adapter set changes."""
         self.lora_bank = bank
 
     def describe(self) -> str:
         return self.backend
 
 
-def open_engine(backend: str, model_dir: str | Path, engine_dir: str | Path | None = None, tensor_parallel_size: int = 1,
-                expert_parallel: bool = False, threads: int = 1) -> StepEngine:
-    """The engine of `backend` for the checkpoint in `model_dir` (`engine_dir` holds the onnx graphs or trt plans).
-    `tensor_parallel_size` > 1 runs the encoder and the decoder each on that many ranks (`expert_parallel`: routed
-    experts placed whole), on the torch engine (docs/parallel.md says why)."""
-    if tensor_parallel_size < 1:
-        raise EngineUnavailable(f"tensor_parallel_size must be at least 1, got {tensor_parallel_size}")
-    if tensor_parallel_size > 1 or expert_parallel:
-        if backend != "torch":
-            raise EngineUnavailable(f"tensor_parallel_size {tensor_parallel_size} runs on the torch engine, not {backend!r}: "
-                                    "onnxruntime has no collective op (docs/parallel.md); use engine_backend torch")
-        if tensor_parallel_size == 1:
-            raise EngineUnavailable("expert parallelism places experts over the tensor-parallel ranks: it needs "
-                                    "tensor_parallel_size of at least 2")
-        from .parallel_engine import ParallelTorchEngine
-
-        return ParallelTorchEngine(Path(model_dir), tensor_parallel_size, expert_parallel, threads,
-                                   Path(engine_dir) if engine_dir is not None else None)
-    if backend == "torch":
-        from .torch_engine import TorchEngine
-
-        return TorchEngine(Path(model_dir))
-    if backend not in BACKENDS:
-        raise EngineUnavailable(f"unknown engine backend {backend!r}; choose one of {list(BACKENDS)}")
-    if engine_dir is None:
-        raise EngineUnavailable(f"the {backend} engine needs an engine directory (build one with `python -m build_engines build`)")
-    if backend == "onnx":
-        from .onnx_engine import OnnxEngine
-
-        return OnnxEngine(Path(model_dir), Path(engine_dir))
-    from .trt_engine import TrtEngine
-
-    return TrtEngine(Path(model_dir), Path(engine_dir))
-
-
 def check_engine_dir(engine_dir: Path, model_dir: Path, fmt: str) -> dict:
     """The manifest of a current engine directory, or EngineUnavailable naming the build command."""
-    from build_engines.build.manifest import BuildSettings, read_manifest, stale_reason
-    from build_engines.export.opset import OPSET
+    from ced.engine_dir.manifest import BuildSettings, read_manifest, stale_reason
+    from ced.steps.opset import OPSET
 
     manifest = read_manifest(engine_dir)
     settings = (manifest or {}).get("settings", {})
@@ -122,6 +87,7 @@ def check_engine_dir(engine_dir: Path, model_dir: Path, fmt: str) -> dict:
         command = f"python -m build_engines build --model {model_dir} --out {engine_dir} --format {fmt}"
         command += f" --quant {quant}" if quant != "none" else ""
         command += f" --kv-quant {kv_quant}" if kv_quant != "none" else ""
-        raise EngineUnavailable(f"the {fmt} engines in {engine_dir} cannot be used ({reason}); build them with `{command}`")
+        raise EngineUnavailable(f"the {fmt} engines in {engine_dir} cannot be used ({reason}); build them with "
+                                f"`{command}`")
     assert manifest is not None
     return manifest

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from build_engines.quantize.kv_cache import as_fp8, fp8_inputs, kv_layout
-
-from .interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
+from ced.steps.kv_state import as_fp8, fp8_inputs, kv_layout
+from tritonserver_backend.engines.interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
 
 
 def session_options(threads: int, config: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
@@ -81,7 +80,8 @@ class OnnxEngine(StepEngine):
         if name not in self.sessions:
             path = self.engine_dir / self.manifest["graphs"][name]["file"]
             config = self.manifest.get("quant", {}).get("session_config")
-            session = self._ort.InferenceSession(str(path), session_options(self.threads, config), providers=self.providers)
+            session = self._ort.InferenceSession(str(path), session_options(self.threads, config),
+                                                 providers=self.providers)
             self.sessions[name] = session
             self.inputs[name] = [i.name for i in session.get_inputs()]
             self.outputs[name] = [o.name for o in session.get_outputs()]
@@ -118,7 +118,8 @@ class OnnxEngine(StepEngine):
         self._binding = session.io_binding()
         for name in self.inputs["decoder"]:
             if name in bank:
-                self._binding.bind_ortvalue_input(name, self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(bank[name])))
+                self._binding.bind_ortvalue_input(
+                    name, self._ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(bank[name])))
         self._bank_names = set(bank)
 
     def decoder(self, feed: Arrays) -> Arrays:

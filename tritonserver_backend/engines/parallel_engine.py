@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from build_engines.parallel.layout import ParallelLayout, ParallelLayoutError
-
-from .interface import Arrays, EngineUnavailable, StepEngine
-from .rank_group import RankGroup
+from ced.parallel.layout import ParallelLayout, ParallelLayoutError
+from tritonserver_backend.engines.interface import Arrays, EngineUnavailable, StepEngine
+from tritonserver_backend.engines.rank_group import RankGroup
 
 
 class ParallelTorchEngine(StepEngine):
@@ -46,7 +45,7 @@ class ParallelTorchEngine(StepEngine):
 
     def pointer(self, feed: Arrays) -> Arrays:
         if self._pointer is None:
-            from .torch_engine import TorchEngine
+            from tritonserver_backend.engines.torch_engine import TorchEngine
 
             self._pointer = TorchEngine(self.model_dir)
         return self._pointer.pointer(feed)
@@ -68,13 +67,15 @@ def rank_build_in(engine_dir: Path | None, model_dir: Path, world: int, expert_p
         return None
     import json
 
-    from build_engines.build.rank_build import KIND, stale_reason
+    from ced.engine_dir.rank_manifest import KIND, stale_reason
 
     if json.loads((Path(engine_dir) / "manifest.json").read_text()).get("kind") != KIND:
         return None  # single-rank engines (the default's ONNX graphs): not for the ranks
     reason = stale_reason(Path(engine_dir), model_dir, world, expert_parallel)
     if reason is not None:
-        command = (f"python -m build_engines build --model {model_dir} --out {engine_dir} --tensor-parallel-size {world}"
+        command = (f"python -m build_engines build --model {model_dir} --out {engine_dir} --tensor-parallel-size "
+                   f"{world}"
                    + (" --enable-expert-parallel" if expert_parallel else ""))
-        raise EngineUnavailable(f"the rank-local weights in {engine_dir} cannot be used ({reason}); build them with `{command}`")
+        raise EngineUnavailable(f"the rank-local weights in {engine_dir} cannot be used ({reason}); build them with "
+                                f"`{command}`")
     return Path(engine_dir)

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ServingError
-from .interface import Arrays, EngineUnavailable
+from tritonserver_backend.engines.interface import Arrays, EngineUnavailable
+from tritonserver_backend.errors import ServingError
 
 LOG = logging.getLogger(__name__)
 
@@ -95,14 +95,14 @@ class RankGroup:
 
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
-        from build_engines.parallel.comm import Comm, barrier, open_group
-        from build_engines.parallel.launch import free_port
-
-        from .shard_steps import ShardSteps
+        from ced.parallel.comm import Comm, barrier, open_group
+        from ced.parallel.launch import free_port
+        from tritonserver_backend.engines.shard_steps import ShardSteps
 
         port = free_port()
         log_dir = Path(tempfile.mkdtemp(prefix=f"mol2-{self.role}-ranks-"))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        env = {**os.environ,
+               "PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                "OMP_NUM_THREADS": str(self.threads)}
         python = worker_python()
         self.procs, self.logs = [], []
@@ -121,7 +121,8 @@ class RankGroup:
         LOG.info("%s: started tensor-parallel ranks 1..%d (pids %s, logs in %s)", self.role, self.world - 1,
                  self.worker_pids(), log_dir)
         failure: list[BaseException] = []
-        made: dict[str, Any] = {}  # filled by the joiner, taken only once it succeeded (an abandoned one changes nothing)
+        # filled by the joiner, taken only once it succeeded (an abandoned one changes nothing)
+        made: dict[str, Any] = {}
 
         def join_and_load() -> None:
             try:
@@ -180,7 +181,7 @@ class RankGroup:
             return self._call("step", feed)
 
     def _call(self, op: str, payload: Any) -> Any:
-        from build_engines.parallel.comm import broadcast_object
+        from ced.parallel.comm import broadcast_object
 
         dead = self._dead()
         if dead is not None:
@@ -205,7 +206,8 @@ class RankGroup:
             code = p.poll()
             if code is not None:
                 tail = self._log_tail(rank)
-                return f"rank {rank} of {self.world} {_describe_exit(code)}" + (f"; its last output: {tail}" if tail else "")
+                return (f"rank {rank} of {self.world} {_describe_exit(code)}"
+                        + (f"; its last output: {tail}" if tail else ""))
         return None
 
     def _dead_soon(self, within_s: float = 5.0) -> str | None:

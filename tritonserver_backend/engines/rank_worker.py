@@ -44,9 +44,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from build_engines.parallel.comm import Comm, barrier, broadcast_object, open_group
-
-    from .shard_steps import ShardSteps
+    from ced.parallel.comm import Comm, barrier, broadcast_object, open_group
+    from tritonserver_backend.engines.shard_steps import ShardSteps
 
     torch.set_num_threads(args.threads)
     group = open_group(args.port, args.rank, args.world, args.timeout_s)

@@ -1,7 +1,7 @@
 """What one rank of a tensor-parallel encoder or decoder runs: the step module on its shard of the role.
 
 Every rank of a group builds one of these and runs the same calls in the same order (the leader broadcasts them, see
-`rank_group.py`); the step modules' collectives (`build_engines.parallel.comm`) meet inside each call. Rows run one at
+`rank_group.py`); the step modules' collectives (`ced.parallel.comm`) meet inside each call. Rows run one at
 a time as in the single-process torch engine (`torch_engine.run_encoder_rows` / `run_decoder_rows`), so every rank
 issues the same sequence of collectives whatever the batch.
 
@@ -16,18 +16,17 @@ from pathlib import Path
 
 import torch
 
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import torch_runner
-from build_engines.formats.config_file import load_config
-from build_engines.parallel.comm import Comm
-from build_engines.parallel.layout import ParallelLayout
-from build_engines.parallel.lora_shards import LoraShards
-from build_engines.parallel.network import load_parallel_component
-
-from .interface import Arrays
-from .torch_engine import run_decoder_rows, run_encoder_rows
+from ced.formats.config_file import load_config
+from ced.parallel.comm import Comm
+from ced.parallel.layout import ParallelLayout
+from ced.parallel.network import load_parallel_component
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.layout import StepLayout
+from ced.steps.lora_shards import LoraShards
+from ced.steps.parity import torch_runner
+from tritonserver_backend.engines.interface import Arrays
+from tritonserver_backend.engines.torch_engine import run_decoder_rows, run_encoder_rows
 
 ROLES = ("encoder", "decoder")
 
@@ -35,7 +34,8 @@ ROLES = ("encoder", "decoder")
 class ShardSteps:
     """The `role` step of rank `comm.rank` of `comm.world`, holding only that rank's slices of the role's weights."""
 
-    def __init__(self, model_dir: Path, role: str, comm: Comm, expert_parallel: bool, rank_files: Path | None = None) -> None:
+    def __init__(self, model_dir: Path, role: str, comm: Comm, expert_parallel: bool,
+                 rank_files: Path | None = None) -> None:
         """`rank_files`: a rank-local build to read the rank's weights from (else its slices of the checkpoint)."""
         if role not in ROLES:
             raise ValueError(f"role {role!r} must be one of {ROLES}")

@@ -8,21 +8,22 @@ from typing import Callable
 import numpy as np
 import torch
 
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.draft_step import DraftMain, DraftStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.lora_grid import lora_grid, row_slots
-from build_engines.export.parity import torch_runner
-from build_engines.export.pointer_step import PointerStep
-from build_engines.formats.checkpoint import load_checkpoint
-from build_engines.model.drafter_files import drafter_spec, load_drafter
-from build_engines.model.dspark import DSpark
-from build_engines.model.network import DecoderEngine, EncoderEngine
-from build_engines.routing.pointer_head import load_router_head
+from ced.formats.checkpoint import load_checkpoint
+from ced.formats.drafter_files import drafter_spec, load_drafter
+from ced.model.dspark import DSpark
+from ced.model.network import DecoderEngine, EncoderEngine
+from ced.routing.pointer_head import load_router_head
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.draft_step import DraftMain, DraftStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.lora_grid import lora_grid, row_slots
+from ced.steps.parity import torch_runner
+from ced.steps.pointer_step import PointerStep
+from tritonserver_backend.engines.interface import Arrays, StepEngine
 
-from .interface import Arrays, StepEngine
-
-PER_ROW = {"encoder": ("tokens", "start", "rings"), "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k", "verify")}
+PER_ROW = {"encoder": ("tokens", "start", "rings"),
+           "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k",
+                       "verify")}
 
 
 class TorchEngine(StepEngine):
@@ -39,7 +40,8 @@ class TorchEngine(StepEngine):
             layout = self.layout
             if graph == "pointer":
                 head, _ = load_router_head(self.model_dir, self.cfg.dim)
-                self._runners[graph] = torch_runner(PointerStep(head).eval(), layout.pointer_inputs(self.cfg.dim, head.cfg.width),
+                self._runners[graph] = torch_runner(PointerStep(head).eval(),
+                                                    layout.pointer_inputs(self.cfg.dim, head.cfg.width),
                                                     layout.pointer_outputs())
             else:
                 net = load_checkpoint(self.model_dir)
@@ -97,6 +99,7 @@ def _by_row(run, feed: Arrays, batch_inputs: set[str], row_inputs: Callable[[int
     rows = next(feed[k] for k in batch_inputs if k in feed).shape[0]
     if rows == 1:
         return run(feed)
-    parts = [run({**{k: (v[b:b + 1] if k in batch_inputs else v) for k, v in feed.items()}, **(row_inputs(b) if row_inputs else {})})
+    parts = [run({**{k: (v[b:b + 1] if k in batch_inputs else v) for k, v in feed.items()},
+                  **(row_inputs(b) if row_inputs else {})})
              for b in range(rows)]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from build_engines.build.trt_build import SPEC_BLOCK
-from build_engines.quantize.kv_cache import kv_layout
+from ced.steps.kv_state import kv_layout
+from ced.steps.layout import SPEC_BLOCK
 from plugins.tensorrt_support import TensorRTUnavailable, require_tensorrt_plugin
+from tritonserver_backend.engines.interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
 
-from .interface import Arrays, EngineUnavailable, StepEngine, check_engine_dir
-
-PROFILES = {"encoder": {"prefill": None, "decode": 1}, "decoder": {"replay": None, "decode": 1}, "pointer": {"route": None},
-            "drafter": {"draft": None}}
+PROFILES = {"encoder": {"prefill": None, "decode": 1}, "decoder": {"replay": None, "decode": 1},
+            "pointer": {"route": None}, "drafter": {"draft": None}}
 DECODE_STEPS = {"encoder": 2, "decoder": SPEC_BLOCK}  # the longest step each graph's decode profile takes (trt_build)
 
 
@@ -48,7 +47,8 @@ class TrtEngine(StepEngine):
         for name, graph in self.manifest["graphs"].items():
             engine = runtime.deserialize_cuda_engine((engine_dir / graph["file"]).read_bytes())
             if engine is None:
-                raise EngineUnavailable(f"TensorRT could not deserialize {graph['file']} (built for another GPU or TensorRT version?)")
+                raise EngineUnavailable(f"TensorRT could not deserialize {graph['file']} (built for another GPU or "
+                                        "TensorRT version?)")
             self.engines[name] = engine
             self.contexts[name] = engine.create_execution_context()
         self.stream = torch.cuda.Stream()

@@ -36,13 +36,19 @@ Modules, one job each:
 
 from __future__ import annotations
 
-from .env import check_numpy, server_env
-from .errors import TritonNotFoundError, TritonServerError
-from .install import TritonInstall, find_tritonserver, prepare_backend_dir
-from .logs import error_lines, tail
-from .net import HOST, free_port, http_ready
-from .process import group_members, is_tritonserver, mapped_shm_regions, pid_alive, stop_pid
-from .server import TritonServer
+from tritonserver_backend.launcher.env import check_numpy, server_env
+from tritonserver_backend.launcher.errors import TritonNotFoundError, TritonServerError
+from tritonserver_backend.launcher.install import TritonInstall, find_tritonserver, prepare_backend_dir
+from tritonserver_backend.launcher.logs import error_lines, tail
+from tritonserver_backend.launcher.net import HOST, free_port, http_ready
+from tritonserver_backend.launcher.process import (
+    group_members,
+    is_tritonserver,
+    mapped_shm_regions,
+    pid_alive,
+    stop_pid,
+)
+from tritonserver_backend.launcher.server import TritonServer
 
 __all__ = [
     "HOST",

@@ -15,8 +15,8 @@ import sysconfig
 from pathlib import Path
 from typing import Mapping
 
-from .errors import TritonServerError
-from .install import TritonInstall
+from tritonserver_backend.launcher.errors import TritonServerError
+from tritonserver_backend.launcher.install import TritonInstall
 
 
 def _python_libdir() -> Path | None:

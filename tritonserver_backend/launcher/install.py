@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .errors import TritonNotFoundError
+from tritonserver_backend.launcher.errors import TritonNotFoundError
 
 SYSTEM_PREFIX = Path("/opt/tritonserver")
 STUB_NAME = "triton_python_backend_stub"

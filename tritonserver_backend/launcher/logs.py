@@ -10,7 +10,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
-from .process import SHM_REGION_NAME
+from tritonserver_backend.launcher.process import SHM_REGION_NAME
 
 LOG_TAIL_LINES = 40
 

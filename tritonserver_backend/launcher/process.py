@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .install import STUB_NAME
+from tritonserver_backend.launcher.install import STUB_NAME
 
 SHM_DIR = Path("/dev/shm")
 SHM_REGION_NAME = "triton_python_backend_shm_region"

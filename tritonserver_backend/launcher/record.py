@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .logs import logged_shm_regions
-from .process import (
+from tritonserver_backend.launcher.logs import logged_shm_regions
+from tritonserver_backend.launcher.process import (
     boot_id,
     group_members,
     group_shm_regions,

@@ -15,13 +15,20 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .env import check_numpy, server_env
-from .errors import TritonServerError
-from .install import TritonInstall, find_tritonserver, prepare_backend_dir
-from .logs import LOG_TAIL_LINES, aborted_on_lock, error_lines, model_failures, tail
-from .net import HOST, free_port, http_ready
-from .process import pid_alive, stop_pid
-from .record import Cleanup, ServerRecord, clean_up_after, read_record, remove_record, write_record
+from tritonserver_backend.launcher.env import check_numpy, server_env
+from tritonserver_backend.launcher.errors import TritonServerError
+from tritonserver_backend.launcher.install import TritonInstall, find_tritonserver, prepare_backend_dir
+from tritonserver_backend.launcher.logs import LOG_TAIL_LINES, aborted_on_lock, error_lines, model_failures, tail
+from tritonserver_backend.launcher.net import HOST, free_port, http_ready
+from tritonserver_backend.launcher.process import pid_alive, stop_pid
+from tritonserver_backend.launcher.record import (
+    Cleanup,
+    ServerRecord,
+    clean_up_after,
+    read_record,
+    remove_record,
+    write_record,
+)
 
 # mol2-* request headers (the adapter_admin key, docs/admin.md) reach the models as request parameters
 _HEADER_FORWARD_FLAGS = ("--grpc-header-forward-pattern", "--http-header-forward-pattern")
@@ -152,8 +159,9 @@ class TritonServer:
         10 s before SIGKILL. ``extra_args`` are appended verbatim (e.g. ``--log-verbose=1``)."""
         if self.process is not None and self.process.poll() is None:
             raise TritonServerError(f"this TritonServer already runs PID {self.pid}")
-        self._start_args = dict(model_repository=model_repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                                log_file=log_file, extra_args=extra_args, model_control_mode=model_control_mode, load_models=load_models,
+        self._start_args = dict(model_repository=model_repository, http_port=http_port, grpc_port=grpc_port,
+                                metrics_port=metrics_port, log_file=log_file, extra_args=extra_args,
+                                model_control_mode=model_control_mode, load_models=load_models,
                                 pid_file=pid_file, numpy_check=numpy_check, exit_timeout=exit_timeout)
         repo = Path(model_repository)
         if not repo.is_dir():
@@ -263,8 +271,8 @@ class TritonServer:
             code = self.process.poll()
             if code is not None and self.lock_abort_restarts == 0 and aborted_on_lock(self.log_file, self._log_offset):
                 # the Python backend's intermittent abort while models load (logs.aborted_on_lock): once more
-                log.warning("tritonserver (PID %s) aborted while loading models (boost::interprocess::lock_exception, an "
-                            "intermittent Python-backend race); starting it once more", self.pid)
+                log.warning("tritonserver (PID %s) aborted while loading models (boost::interprocess::lock_exception, "
+                            "an intermittent Python-backend race); starting it once more", self.pid)
                 self.lock_abort_restarts += 1
                 self.stop()  # its stubs and shared-memory regions go first
                 self.start(**self._start_args)  # type: ignore[arg-type]

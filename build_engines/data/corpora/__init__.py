@@ -5,8 +5,15 @@ because those are the only sources this project can reach; see `text_sources.py`
 `python -m build_engines.data.corpora prepare --help` for the command. Consumers use the reader API below.
 """
 
-from .errors import CorporaError, DataNotPrepared
-from .reader import group_of, iter_documents, iter_records, load_labelled, load_manifest, sources
+from build_engines.data.corpora.errors import CorporaError, DataNotPrepared
+from build_engines.data.corpora.reader import (
+           group_of,
+           iter_documents,
+           iter_records,
+           load_labelled,
+           load_manifest,
+           sources,
+)
 
 __all__ = ["CorporaError", "DataNotPrepared", "group_of", "iter_documents", "iter_records", "load_labelled",
            "load_manifest", "sources"]

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import CorporaError
-from .labelled import LABELLED
-from .prepare import DEFAULT_SEED, prepare
-from .text_sources import SOURCES
+from build_engines.data.corpora.errors import CorporaError
+from build_engines.data.corpora.labelled import LABELLED
+from build_engines.data.corpora.prepare import DEFAULT_SEED, prepare
+from build_engines.data.corpora.text_sources import SOURCES
 
 
 def _names(value: str) -> list[str]:

@@ -15,7 +15,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import ExtractError
+from build_engines.data.corpora.errors import ExtractError
 
 Match = Callable[[str], bool]
 

@@ -19,8 +19,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from .errors import DownloadError
-from .pins import Pin
+from build_engines.data.corpora.errors import DownloadError
+from build_engines.data.corpora.pins import Pin
 
 Log = Callable[[str], None]
 COMMAND_TIMEOUT_S = 900

@@ -21,10 +21,10 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .archives import decode_text
-from .clean import normalize_text
-from .errors import ExtractError
-from .text_sources import ExtractContext
+from build_engines.data.corpora.archives import decode_text
+from build_engines.data.corpora.clean import normalize_text
+from build_engines.data.corpora.errors import ExtractError
+from build_engines.data.corpora.text_sources import ExtractContext
 
 Row = tuple[str, str]  # (text, label)
 

@@ -17,15 +17,15 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from .clean import content_chars, normalize_text, split_long
-from .download import fetch
-from .errors import CorporaError, ExtractError
-from .labelled import LABELLED, LabelledSet, deduplicate, text_key
-from .output import write_json, write_jsonl
-from .pins import PINS
-from .reader import FORMAT_VERSION, MANIFEST, group_of
-from .split import SPLITS, select_within_budget, split_groups, stratified_split
-from .text_sources import KINDS, SOURCES, CorpusSource, ExtractContext
+from build_engines.data.corpora.clean import content_chars, normalize_text, split_long
+from build_engines.data.corpora.download import fetch
+from build_engines.data.corpora.errors import CorporaError, ExtractError
+from build_engines.data.corpora.labelled import LABELLED, LabelledSet, deduplicate, text_key
+from build_engines.data.corpora.output import write_json, write_jsonl
+from build_engines.data.corpora.pins import PINS
+from build_engines.data.corpora.reader import FORMAT_VERSION, MANIFEST, group_of
+from build_engines.data.corpora.split import SPLITS, select_within_budget, split_groups, stratified_split
+from build_engines.data.corpora.text_sources import KINDS, SOURCES, CorpusSource, ExtractContext
 
 Log = Callable[[str], None]
 T = TypeVar("T")

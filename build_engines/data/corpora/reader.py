@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import DataNotPrepared
-from .split import SPLITS
-from .text_sources import KINDS
+from build_engines.data.corpora.errors import DataNotPrepared
+from build_engines.data.corpora.split import SPLITS
+from build_engines.data.corpora.text_sources import KINDS
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -56,7 +56,8 @@ def _prepared_entry(data_dir: Path, manifest: dict, section: str, name: str, wha
     """The manifest entry of one prepared source or labelled set; an unknown name gets an error listing what is."""
     if name not in manifest[section]:
         prepared = ", ".join(sorted(manifest[section])) or "none"
-        raise DataNotPrepared(f"{what} {name!r} is not prepared in {data_dir} (prepared: {prepared}): {_prepare_hint(data_dir)}")
+        raise DataNotPrepared(f"{what} {name!r} is not prepared in {data_dir} (prepared: {prepared}): "
+                              f"{_prepare_hint(data_dir)}")
     return manifest[section][name]
 
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import groff
-from .archives import decode_text, read_members
-from .clean import drop_paragraphs, strip_gutenberg
-from .errors import ExtractError
-from .rdata_reader import RObject, named_list, read_lazyload_db, read_rda
+from build_engines.data.corpora import groff
+from build_engines.data.corpora.archives import decode_text, read_members
+from build_engines.data.corpora.clean import drop_paragraphs, strip_gutenberg
+from build_engines.data.corpora.errors import ExtractError
+from build_engines.data.corpora.rdata_reader import RObject, named_list, read_lazyload_db, read_rda
 
 Kind = Literal["base", "chat", "agent", "code", "design"]
 KINDS: tuple[Kind, ...] = ("base", "chat", "agent", "code", "design")

@@ -6,10 +6,10 @@ parameter), paths stay inside the allowed roots, loads stay within the bounds, a
 
 import triton_python_backend_utils as pb_utils  # noqa: F401
 
-from tritonserver_backend import admin_auth as auth
 from tritonserver_backend import contract as c
-from tritonserver_backend import triton_glue as glue
-from tritonserver_backend.admin_service import AdminPolicy, AdminService
+from tritonserver_backend.adapters.admin_service import AdminPolicy, AdminService
+from tritonserver_backend.auth import admin_auth as auth
+from tritonserver_backend.triton import glue
 
 
 class TritonPythonModel:
@@ -22,8 +22,11 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                result = self.service.handle(glue.read(request, c.ACTION), glue.read(request, c.ADAPTER, ""), glue.read(request, c.ADAPTER_PATH, ""), glue.read(request, c.DESCRIPTION, ""),
-                                             parameters=auth.request_parameters(request), request_id=auth.request_id(request))
+                result = self.service.handle(glue.read(request, c.ACTION), glue.read(request, c.ADAPTER, ""),
+                                             glue.read(request, c.ADAPTER_PATH, ""),
+                                             glue.read(request, c.DESCRIPTION, ""),
+                                             parameters=auth.request_parameters(request),
+                                             request_id=auth.request_id(request))
                 responses.append(glue.response({c.RESULT: result}))
             except Exception as exc:  # noqa: BLE001
                 responses.append(glue.error_response(exc))

@@ -3,19 +3,19 @@
 import triton_python_backend_utils as pb_utils  # noqa: F401
 
 from tritonserver_backend import contract as c
-from tritonserver_backend import counters as k
-from tritonserver_backend import triton_glue as glue
-from tritonserver_backend.counters import Counters
-from tritonserver_backend.encoder_service import EncoderService
-from tritonserver_backend.errors import BadRequest
-from tritonserver_backend.handover_codec import to_arrays
-from tritonserver_backend.session_auth import (
+from tritonserver_backend.auth.session_auth import (
     InternalKey,
     first_position,
     grant_subject,
     internal_key_path,
     parse_switch,
 )
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.core.counters import Counters
+from tritonserver_backend.core.encoder_service import EncoderService
+from tritonserver_backend.errors import BadRequest
+from tritonserver_backend.triton import glue
+from tritonserver_backend.triton.handover_codec import to_arrays
 
 
 class TritonPythonModel:
@@ -28,9 +28,11 @@ class TritonPythonModel:
         glue.export_counters(counters, [k.TOKEN_REFUSALS], label="path", known=k.TOKEN_PATHS)
         session_auth = parse_switch(params.get("session_auth", "true"))
         glue.announce_session_auth("encoder", session_auth)
-        self.key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]), params.get("internal_key_file") or None))
-        self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]), int(params["max_context"]),
-                                      int(params["prefill_chunk"]), max_turns, counters, session_auth)
+        self.key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]),
+                                                           params.get("internal_key_file") or None))
+        self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]),
+                                      int(params["max_context"]), int(params["prefill_chunk"]), max_turns, counters,
+                                      session_auth)
         self.gauges = glue.SessionGauges("encoder", self.service.sessions)
 
     def execute(self, requests):
@@ -48,8 +50,8 @@ class TritonPythonModel:
         internal = glue.read(request, c.ROLLBACK, False) or glue.read(request, c.DROP_SESSION, False) or any(
             glue.read(request, spec, None) is not None for spec in (c.STEP_SESSION_IDS, c.STEP_KEEP, c.STEP_DRAFT))
         if internal and not self.key.matches(glue.read(request, c.INTERNAL_KEY, None)):
-            raise BadRequest(f"{c.ROLLBACK.name}, {c.DROP_SESSION.name}, {c.STEP_SESSION_IDS.name}, {c.STEP_KEEP.name} and "
-                             f"{c.STEP_DRAFT.name} are sent by the decoder only")
+            raise BadRequest(f"{c.ROLLBACK.name}, {c.DROP_SESSION.name}, {c.STEP_SESSION_IDS.name}, {c.STEP_KEEP.name} "
+                             f"and {c.STEP_DRAFT.name} are sent by the decoder only")
         if glue.read(request, c.CHECK_TOKEN, False):  # session_control's cancel: the token first
             self.service.check_token(session, glue.read(request, c.SESSION_TOKEN, None), k.PATH_CANCEL)
             return {}
@@ -61,12 +63,16 @@ class TritonPythonModel:
             return {}
         step_sessions = glue.read(request, c.STEP_SESSION_IDS, None)
         if step_sessions is not None:  # the decoder's batched step: every active session's next tokens
-            rows = self.service.encode_step(step_sessions, glue.read(request, c.STEP_TOKEN_IDS), bool(glue.read(request, c.TURN_DONE, False)),
-                                            glue.read(request, c.STEP_KEEP, None), bool(glue.read(request, c.STEP_DRAFT, False)))
-            return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows)), c.ISSUED_TOKEN: "", c.GRANT: ""}
+            rows = self.service.encode_step(step_sessions, glue.read(request, c.STEP_TOKEN_IDS),
+                                            bool(glue.read(request, c.TURN_DONE, False)),
+                                            glue.read(request, c.STEP_KEEP, None),
+                                            bool(glue.read(request, c.STEP_DRAFT, False)))
+            return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows)), c.ISSUED_TOKEN: "",
+                    c.GRANT: ""}
         fork = glue.read(request, c.FORK_FROM, None)
-        turn = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS), bool(glue.read(request, c.START)),
-                                        glue.read(request, c.SESSION_TOKEN, None), fork, glue.read(request, c.FORK_TOKEN, None))
+        turn = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS),
+                                        bool(glue.read(request, c.START)), glue.read(request, c.SESSION_TOKEN, None),
+                                        fork, glue.read(request, c.FORK_TOKEN, None))
         grant = self.key.grant(grant_subject(session, fork), first_position(turn.handover["positions"]))
         return {c.H19: turn.h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([turn.handover])),
                 c.ISSUED_TOKEN: turn.issued_token, c.GRANT: grant}

@@ -4,11 +4,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils  # noqa: F401
 
 from tritonserver_backend import contract as c
-from tritonserver_backend import counters as k
-from tritonserver_backend import triton_glue as glue
-from tritonserver_backend.counters import Counters
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.core.counters import Counters
+from tritonserver_backend.core.router_service import UNLOADED, RouterService
 from tritonserver_backend.errors import BadRequest, UnknownAdapter
-from tritonserver_backend.router_service import UNLOADED, RouterService
+from tritonserver_backend.triton import glue
 
 
 class TritonPythonModel:
@@ -27,8 +27,8 @@ class TritonPythonModel:
                 if len(explicit) != h19.shape[0]:
                     raise BadRequest(f"adapter has {len(explicit)} rows but H19 has {h19.shape[0]}")
                 results = self.service.route(list(h19.astype(np.float32)), [e or None for e in explicit])
-                # an explicit adapter unloaded since preprocess checked it: the decoder rejects the turn (and the encoder
-                # rolls it back) instead of the ensemble failing after the turn was encoded
+                # an explicit adapter unloaded since preprocess checked it: the decoder rejects the turn (and the
+                # encoder rolls it back) instead of the ensemble failing after the turn was encoded
                 results = [UNLOADED if isinstance(r, UnknownAdapter) else r for r in results]
                 failed = next((r for r in results if isinstance(r, Exception)), None)
                 if failed is not None:

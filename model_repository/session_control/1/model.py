@@ -8,14 +8,15 @@ forwards the request to the decoder (BLS, with the server's internal key) and an
 import triton_python_backend_utils as pb_utils  # noqa: F401
 
 from tritonserver_backend import contract as c
-from tritonserver_backend import triton_glue as glue
-from tritonserver_backend.session_auth import InternalKey, internal_key_path
+from tritonserver_backend.auth.session_auth import InternalKey, internal_key_path
+from tritonserver_backend.triton import glue
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = glue.parameters(args)
-        self.key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]), params.get("internal_key_file") or None))
+        self.key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]),
+                                                           params.get("internal_key_file") or None))
 
     def execute(self, requests):
         responses = []

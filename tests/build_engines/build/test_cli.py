@@ -7,15 +7,16 @@ import sys
 
 import pytest
 
-from build_engines.build.manifest import BuildSettings, read_manifest, stale_reason
-from build_engines.export.opset import OPSET
+from ced.engine_dir.manifest import BuildSettings, read_manifest, stale_reason
+from ced.steps.opset import OPSET
 from plugins.tensorrt_support import tensorrt_missing_reason
 from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 
 
 def _build(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "build_engines", "build", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "build_engines", "build", *args], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.skipif(tensorrt_missing_reason() is None, reason="TensorRT is installed here: the trt build runs instead")
@@ -48,7 +49,8 @@ def test_an_up_to_date_directory_is_reused_and_a_modified_one_is_stale(default_e
     manifest = read_manifest(default_engines)
     assert manifest is not None and manifest["settings"] == BuildSettings("onnx", "none", OPSET).as_dict()
     # the embedded default ships a DSpark drafter: its graph is built, its files key the engines too
-    assert set(manifest["graphs"]) == {"encoder", "decoder", "pointer", "drafter"} and manifest["source"]["files"]["model.safetensors"]
+    assert (set(manifest["graphs"]) == {"encoder", "decoder", "pointer", "drafter"}
+            and manifest["source"]["files"]["model.safetensors"])
     assert manifest["source"]["files"]["drafter/model.safetensors"] and manifest["drafter"]["dspark_block_size"] == 5
     copy = tmp_path / "copy"
     copy.mkdir()

@@ -186,7 +186,8 @@ def test_book_documents_drop_transcriber_notes_only() -> None:
     text = ("*** START OF THIS PROJECT GUTENBERG EBOOK X ***\r\nTitle\r\n\r\nThis etext was done by volunteers.\r\n\r\n"
             "He made a pretext, in this context.\r\n\r\nCHAPTER I\r\n\r\nText.")
     docs = list(book_documents("book", text))
-    assert docs == [("book/ch000", "\nTitle\n\nHe made a pretext, in this context.\n"), ("book/ch001", "CHAPTER I\n\nText.")]
+    assert docs == [("book/ch000", "\nTitle\n\nHe made a pretext, in this context.\n"),
+                    ("book/ch001", "CHAPTER I\n\nText.")]
 
 
 def test_labelled_parsers_and_dedup() -> None:
@@ -493,7 +494,8 @@ def test_reader_api(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("call", "error", "match"), [
-    (lambda d: reader.load_manifest(d / "nowhere"), DataNotPrepared, "run `python -m build_engines.data.corpora prepare"),
+    (lambda d: reader.load_manifest(d / "nowhere"), DataNotPrepared,
+     "run `python -m build_engines.data.corpora prepare"),
     (lambda d: list(reader.iter_documents(d, "missing", "train")), DataNotPrepared, "'missing' is not prepared"),
     (lambda d: reader.load_labelled(d, "missing"), DataNotPrepared, "prepared: set"),
     (lambda d: list(reader.iter_documents(d, "tiny", "dev")), ValueError, "split must be one of"),

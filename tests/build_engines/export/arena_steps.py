@@ -7,11 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import torch_runner
-from build_engines.export.rows import (
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.layout import StepLayout
+from ced.steps.lora_stacked import stack_adapters
+from ced.steps.parity import torch_runner
+from ced.steps.rows import (
     HANDOVER_FIELDS,
     HANDOVER_KEYS,
     DecoderRow,
@@ -22,13 +23,13 @@ from build_engines.export.rows import (
     decoder_inputs,
     encoder_inputs,
 )
-from build_engines.lora.stacked import stack_adapters
 
 Universe = dict[int, tuple[EncoderRow, DecoderRow]]
 
 
 def step_runners(net: Any) -> tuple[StepLayout, Runner, Runner, dict[str, np.ndarray]]:
-    """The network's layout, its encoder and decoder step modules as graph-like runners, and a base-only adapter bank."""
+    """The network's layout, its encoder and decoder step modules as graph-like runners, and a base-only adapter
+    bank."""
     enc, dec = net.split()
     layout = StepLayout(net.cfg)
     encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
@@ -44,7 +45,8 @@ def same(a: dict[str, np.ndarray], b: dict[str, np.ndarray], what: str) -> None:
 
 
 def step_both(layout: StepLayout, encoder: Runner, decoder: Runner, bank: dict[str, np.ndarray], plain: Universe,
-              stacked: Universe, active: list[int], tokens: np.ndarray, enc_arena: Any, dec_arena: Any, what: str) -> None:
+              stacked: Universe, active: list[int], tokens: np.ndarray, enc_arena: Any, dec_arena: Any,
+              what: str) -> None:
     """One encoder + decoder step of the `active` sessions in both universes (the plain feeds are what runs)."""
     e_plain = encoder_inputs(layout, [plain[s][0] for s in active], tokens)
     e_stacked = encoder_inputs(layout, [stacked[s][0] for s in active], tokens, enc_arena)

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from build_engines.build.onnx_build import GRAPH_FILES, build_onnx, ort_runner
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.engram_feed import EngramFeed
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import torch_runner
-from build_engines.formats.checkpoint import save_checkpoint
-from tests.build_engines.model.test_engram import engram_network
+from ced.formats.checkpoint import save_checkpoint
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.engram_feed import EngramFeed
+from ced.steps.layout import StepLayout
+from ced.steps.parity import torch_runner
+from tests.ced.model.test_engram import engram_network
 from tests.tiny import tiny_network
 
 

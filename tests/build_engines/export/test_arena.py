@@ -7,14 +7,14 @@ import copy
 
 import numpy as np
 
-from build_engines.export.arena import StepArena
-from build_engines.export.rows import (
+from ced.steps.arena import StepArena
+from ced.steps.rows import (
     DecoderRow,
     EncoderRow,
     absorb_decoder,
     decoder_inputs,
-    prefill_and_replay,
 )
+from ced.steps.step_loop import prefill_and_replay
 from tests.build_engines.export.arena_steps import step_both, step_runners
 
 
@@ -28,7 +28,8 @@ def test_arena_feeds_equal_fresh_stacking_through_joins_leaves_growth_and_rollba
     enc_arena, dec_arena = StepArena(), StepArena()
 
     def start(sid: int, length: int) -> None:
-        erow, drow = prefill_and_replay(layout, encoder, decoder, bank, rng.integers(0, cfg.vocab_size, length), chunk=64)
+        erow, drow = prefill_and_replay(layout, encoder, decoder, bank, rng.integers(0, cfg.vocab_size, length),
+                                        chunk=64)
         plain[sid] = (erow, drow)
         arena_rows[sid] = copy.deepcopy((erow, drow))
 
@@ -50,7 +51,8 @@ def test_arena_feeds_equal_fresh_stacking_through_joins_leaves_growth_and_rollba
                 feed = {**decoder_inputs(layout, [drow], None, [0]), **bank}
                 absorb_decoder([drow], decoder(feed), feed, True, [0])
         tokens = rng.integers(0, cfg.vocab_size, (len(active), 1))
-        step_both(layout, encoder, decoder, bank, plain, arena_rows, active, tokens, enc_arena, dec_arena, f"step {step}")
+        step_both(layout, encoder, decoder, bank, plain, arena_rows, active, tokens, enc_arena, dec_arena,
+                  f"step {step}")
         steps += 1
     for s in plain:  # the rows' own state (what sessions store) is the same in both universes, departed rows included
         (pe, pd), (ae, ad) = plain[s], arena_rows[s]
@@ -58,7 +60,9 @@ def test_arena_feeds_equal_fresh_stacking_through_joins_leaves_growth_and_rollba
         assert np.array_equal(pe.rings, ae.rings) and np.array_equal(pd.rings, ad.rings)
         for src in layout.sources:
             used = pe.used(layout, src)
-            assert np.array_equal(pe.kv[src][:used], ae.kv[src][:used]) and np.array_equal(pe.index_k[src][:used], ae.index_k[src][:used])
+            assert (np.array_equal(pe.kv[src][:used], ae.kv[src][:used])
+                    and np.array_equal(pe.index_k[src][:used], ae.index_k[src][:used]))
         assert np.array_equal(pd.kv[:pd.position], ad.kv[:ad.position])
-    # the point of the arena: most steps reuse the batch arrays (rebuilds on joins, departures, growth, rollback, replay)
+    # the point of the arena: most steps reuse the batch arrays
+    # (rebuilds on joins, departures, growth, rollback, replay)
     assert enc_arena.rebuilds < steps // 3 and dec_arena.rebuilds < steps // 3, (enc_arena.rebuilds, dec_arena.rebuilds)

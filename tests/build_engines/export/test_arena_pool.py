@@ -7,14 +7,14 @@ import copy
 
 import numpy as np
 
-from build_engines.export.arena_pool import ArenaPool
-from build_engines.export.layout import StepLayout
-from build_engines.export.rows import (
+from ced.steps.arena_pool import ArenaPool
+from ced.steps.layout import StepLayout
+from ced.steps.rows import (
     DecoderRow,
     EncoderRow,
     encoder_inputs,
-    prefill_and_replay,
 )
+from ced.steps.step_loop import prefill_and_replay
 from tests.build_engines.export.arena_steps import step_both, step_runners
 
 
@@ -25,7 +25,8 @@ def test_alternating_lanes_feed_what_fresh_stacking_feeds_and_keep_their_arrays(
     plain: dict[int, tuple[EncoderRow, DecoderRow]] = {}
     pooled: dict[int, tuple[EncoderRow, DecoderRow]] = {}
     for sid, length in enumerate((7, 33, 64, 90)):
-        erow, drow = prefill_and_replay(layout, encoder, decoder, bank, rng.integers(0, cfg.vocab_size, length), chunk=length)
+        erow, drow = prefill_and_replay(layout, encoder, decoder, bank, rng.integers(0, cfg.vocab_size, length),
+                                        chunk=length)
         plain[sid], pooled[sid] = (erow, drow), copy.deepcopy((erow, drow))
     enc_pool, dec_pool = ArenaPool(2), ArenaPool(2)
     lanes = [[0, 1], [2, 3]]

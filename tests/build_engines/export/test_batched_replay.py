@@ -13,7 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from build_engines.export.rows import (
+from ced.lora import AdapterBank
+from ced.model.network import CEDNetwork
+from ced.steps.lora_stacked import stack_adapters
+from ced.steps.rows import (
     HANDOVER_KEYS,
     DecoderRow,
     EncoderRow,
@@ -23,9 +26,6 @@ from build_engines.export.rows import (
     encoder_inputs,
     replay_length,
 )
-from build_engines.lora import AdapterBank
-from build_engines.lora.stacked import stack_adapters
-from build_engines.model.network import CEDNetwork
 from tests.conftest import EMBEDDED
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,8 @@ def test_batched_replays_of_mixed_lengths_equal_their_solo_replays_bit_for_bit(e
         # the last position's logits are what the turn samples from; every real position's are compared too
         np.testing.assert_array_equal(batched["logits"][b], solo["logits"][0], err_msg=f"row {b}: next-token logits")
         assert batched["ring_rows"].shape[2] == length and solo["ring_rows"].shape[2] == n
-        np.testing.assert_array_equal(batched["ring_rows"][b][:, -n:], solo["ring_rows"][0], err_msg=f"row {b}: ring rows")
+        np.testing.assert_array_equal(batched["ring_rows"][b][:, -n:], solo["ring_rows"][0],
+                                      err_msg=f"row {b}: ring rows")
         np.testing.assert_array_equal(batch[b].rings, alone.rings, err_msg=f"row {b}: the rings the replay leaves")
         assert batch[b].ring_start == alone.ring_start == session.position - n
     assert len({batched["logits"][b].tobytes() for b in range(len(ROWS))}) == len(ROWS), "the rows really differ"
@@ -99,7 +100,8 @@ def test_a_replay_row_does_not_depend_on_the_other_rows_of_its_call(engine) -> N
     neighbour leaks in through the padding, the grid or the stacked stores."""
     rng = np.random.default_rng(1)
     row = _session(engine, 14, rng)
-    neighbours = [[(_session(engine, n, rng), s) for n, s in group] for group in ([(128, 2), (40, 2)], [(9, 1), (300, 3), (40, 2)])]
+    neighbours = [[(_session(engine, n, rng), s) for n, s in group]
+                  for group in ([(128, 2), (40, 2)], [(9, 1), (300, 3), (40, 2)])]
     results = []
     for group in neighbours:
         rows = [row.clone(), *(r.clone() for r, _ in group)]

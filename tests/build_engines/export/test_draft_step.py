@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.draft_step import DraftMain, DraftStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import decoder_case, sample_sequence, torch_runner
-from build_engines.model.dspark import DSpark, DSparkSpec
-from build_engines.model.network import DecoderEngine, EncoderEngine, init_weights
+from ced.model.dspark import DSpark, DSparkSpec
+from ced.model.network import DecoderEngine, EncoderEngine, init_weights
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.draft_step import DraftMain, DraftStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.layout import StepLayout
+from ced.steps.parity import decoder_case, sample_sequence, torch_runner
 from tests.tiny import tiny_config, tiny_network
 
 
@@ -65,8 +65,8 @@ def test_the_decoder_step_returns_the_drafters_main_rows_of_the_target_layers(ti
     cfg, net, drafter = tiny
     layout = StepLayout(cfg, drafter.spec)
     state = net.state_dict()
-    encoder = torch_runner(EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval(), layout.encoder_inputs(),
-                           layout.encoder_outputs())
+    encoder = torch_runner(EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval(),
+                           layout.encoder_inputs(), layout.encoder_outputs())
     decoder = DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval(), DraftMain(drafter)).eval()
     length = 20
     feed = decoder_case(layout, encoder, length, seed=3, slots=[0])

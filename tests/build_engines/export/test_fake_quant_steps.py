@@ -29,12 +29,18 @@ import numpy as np
 import pytest
 import torch
 
-from build_engines.export import graph_ops
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import HANDOVER, torch_runner
-from build_engines.export.rows import (
+from ced.conversation import Conversation
+from ced.lora import AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter
+from ced.model import quant_formats
+from ced.model.config import CEDConfig
+from ced.model.network import CEDNetwork, DecoderEngine, EncoderEngine
+from ced.steps import graph_ops
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.layout import StepLayout
+from ced.steps.lora_stacked import stack_adapters
+from ced.steps.parity import HANDOVER, torch_runner
+from ced.steps.rows import (
     DecoderRow,
     EncoderRow,
     absorb_decoder,
@@ -42,12 +48,6 @@ from build_engines.export.rows import (
     decoder_inputs,
     encoder_inputs,
 )
-from build_engines.formats import quant_formats
-from build_engines.lora import AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter
-from build_engines.lora.stacked import stack_adapters
-from build_engines.model.config import CEDConfig
-from build_engines.model.conversation import Conversation
-from build_engines.model.network import CEDNetwork, DecoderEngine, EncoderEngine
 from tests.tiny import tiny_config, tiny_network
 
 FORMATS = {"fp8_qdq": 32, "fp4_qdq_ue8m0": 32, "fp4_qdq_e4m3": 16}  # name -> the block the release uses
@@ -62,7 +62,8 @@ def _assert_bits_equal(got: torch.Tensor | np.ndarray, want: torch.Tensor, what:
     g, w = _bits(got), _bits(want)
     bad = np.nonzero(g != w)
     assert g.shape == w.shape and not bad[0].size, (
-        f"{what}: {bad[0].size} values differ, e.g. got {g[bad][:4].view(np.float32)} want {w[bad][:4].view(np.float32)}")
+        f"{what}: {bad[0].size} values differ, e.g. got {g[bad][:4].view(np.float32)} want "
+        f"{w[bad][:4].view(np.float32)}")
 
 
 # ----------------------------------------------------------------------------------------------- 1. the QDQ ops
@@ -73,14 +74,16 @@ def _e4m3_grid() -> torch.Tensor:
     values = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mids = (values[1:] + values[:-1]) / 2
     points = torch.cat((values, mids))
-    return torch.cat((points, torch.nextafter(points, torch.tensor(0.0)), torch.nextafter(points, torch.tensor(1000.0))))
+    return torch.cat((points, torch.nextafter(points, torch.tensor(0.0)),
+                      torch.nextafter(points, torch.tensor(1000.0))))
 
 
 def _e2m1_grid() -> torch.Tensor:
     values = quant_formats.E2M1_VALUES[:8]
     mids = (values[1:] + values[:-1]) / 2
     points = torch.cat((values, mids, torch.tensor([6.5, 7.0, 100.0])))
-    return torch.cat((points, torch.nextafter(points, torch.tensor(0.0)), torch.nextafter(points, torch.tensor(1000.0))))
+    return torch.cat((points, torch.nextafter(points, torch.tensor(0.0)),
+                      torch.nextafter(points, torch.tensor(1000.0))))
 
 
 def hard_blocks(block: int, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -134,7 +137,8 @@ def test_grid_rounding_equals_the_cast_and_the_e2m1_codes(seed: int) -> None:
     w = torch.cat((w, -w))
     codes = torch.bucketize(w.abs(), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]))  # ties round down here...
     tie_up = (codes % 2 == 1) & (w.abs() == torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, math.inf])[codes])
-    want = quant_formats.E2M1_VALUES[(codes + tie_up.long()) | (torch.signbit(w).long() << 3)]  # ...then to the even code
+    # ...then to the even code
+    want = quant_formats.E2M1_VALUES[(codes + tie_up.long()) | (torch.signbit(w).long() << 3)]
     _assert_bits_equal(graph_ops.round_e2m1(w), want, "round_e2m1")
 
 
@@ -147,9 +151,9 @@ def test_graph_qdq_exports_to_opset_18_and_runs_in_onnxruntime_bit_for_bit(tmp_p
     import onnx
 
     from build_engines.build.onnx_build import ort_runner
-    from build_engines.export.layout import GraphTensor
     from build_engines.export.onnx_export import export_module
-    from build_engines.export.opset import OPSET
+    from ced.steps.layout import GraphTensor
+    from ced.steps.opset import OPSET
 
     ins = [GraphTensor(n, "float32", ("R", "S", b)) for n, b in (("x8", 32), ("x4", 32), ("x16", 16))]
     outs = [GraphTensor(n, "float32", ("R", "S", b)) for n, b in (("y8", 32), ("y4", 32), ("y16", 16))]
@@ -169,7 +173,7 @@ def test_graph_qdq_exports_to_opset_18_and_runs_in_onnxruntime_bit_for_bit(tmp_p
         _assert_bits_equal(got[t_out.name], want, f"onnxruntime {name}")
 
 
-# ----------------------------------------------------------------------------------------------- 2. the steps vs the reference
+# ---------------------------------------------------------------------------------------- 2. the steps vs the reference
 
 
 def _row_keys(blocks: torch.Tensor) -> list[bytes]:
@@ -188,10 +192,10 @@ class FollowReferenceRounding:
     ratio-2 compressor's entry for an unpaired last token, which the next step recomputes with its partner), and
     anything else the steps quantize differently, or fail to quantize, moves the logits far beyond the bound."""
 
-    REFERENCE = {"build_engines.model.primitives": ["fp8_qdq"],
-                 "build_engines.model.attention": ["fp8_qdq", "fp4_qdq_ue8m0", "fp4_qdq_e4m3"]}
-    STEPS = {"build_engines.export.common": ["fp8_qdq", "fp4_qdq_ue8m0", "fp4_qdq_e4m3"],
-             "build_engines.export.graph_ops": ["fp8_qdq"]}
+    REFERENCE = {"ced.model.primitives": ["fp8_qdq"],
+                 "ced.model.attention": ["fp8_qdq", "fp4_qdq_ue8m0", "fp4_qdq_e4m3"]}
+    STEPS = {"ced.steps.common": ["fp8_qdq", "fp4_qdq_ue8m0", "fp4_qdq_e4m3"],
+             "ced.steps.graph_ops": ["fp8_qdq"]}
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, tol: float = 1e-4, reference: bool = True) -> None:
         """Patches the steps' QDQ and, with `reference`, the reference network's (which then records its blocks;
@@ -313,16 +317,19 @@ TURNS = [(37, 1), (50, 2)]
 
 
 @torch.no_grad()
-def test_steps_follow_the_reference_with_the_fake_quant(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, seed: int) -> None:
+def test_steps_follow_the_reference_with_the_fake_quant(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                        seed: int) -> None:
     """test_steps' scenario with the runtime fake-quant on: the same bound (1e-4 on the logits), the same greedy tokens,
     the steps' QDQ outputs bit for bit the reference's (apart from rounding flips, taken from the reference)."""
     sync = FollowReferenceRounding(monkeypatch)
     net = tiny_network(tiny_config(**SMALL))
     diffs, other_tokens, odd_ends = _conversation_vs_steps(net, tmp_path, TURNS, decode=3)
     print(f"fake-quant steps vs reference: max abs logit difference {max(diffs):.2e}; blocks {dict(sync.blocks)}; "
-          f"{len(sync.flips)} rounding flips followed {sync.flips[:6]}; blocks without a reference {dict(sync.unmatched)}")
+          f"{len(sync.flips)} rounding flips followed {sync.flips[:6]}; blocks without a reference "
+          f"{dict(sync.unmatched)}")
     for name, block in FORMATS.items():
-        assert sync.blocks[f"reference {name}/{block}"] and sync.blocks[f"steps {name}/{block}"], f"{name} is used on both sides"
+        assert sync.blocks[f"reference {name}/{block}"] and sync.blocks[f"steps {name}/{block}"], (
+            f"{name} is used on both sides")
     assert len(sync.flips) <= 20, "rounding flips are rare; many mean the inputs of the QDQ differ systematically"
     cfg = net.cfg
     unpaired = odd_ends * sum(1 for s in cfg.kv_source_layers if cfg.compress_ratios[s] == 2)
@@ -337,7 +344,8 @@ def test_steps_follow_the_reference_with_the_fake_quant(monkeypatch: pytest.Monk
     plain = CEDNetwork(net.cfg.replace(runtime_fake_quant=False)).eval()
     plain.load_state_dict(net.state_dict())
     tokens = torch.randint(0, net.cfg.vocab_size, (1, 87))
-    assert float((net(tokens).logits - plain(tokens).logits).abs().max()) > 1e-2, "the fake-quant does change the logits"
+    assert float((net(tokens).logits - plain(tokens).logits).abs().max()) > 1e-2, (
+        "the fake-quant does change the logits")
 
 
 # ----------------------------------------------------------------------------------------------- 3. the exported graphs
@@ -386,16 +394,16 @@ def _tapped(cfg: CEDConfig, state: dict[str, torch.Tensor], name: str) -> tuple[
     """The tapped encoder or decoder step of the network with `state`, with its graph inputs and outputs."""
     layout = StepLayout(cfg)
     if name == "encoder":
-        return TappedStep(EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval())).eval(), layout.encoder_inputs(), \
-            layout.encoder_outputs()
+        return TappedStep(EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval())).eval(), \
+            layout.encoder_inputs(), layout.encoder_outputs()
     return TappedStep(DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval())).eval(), layout.decoder_inputs(), \
         layout.decoder_outputs()
 
 
 def _export_tapped(cfg: dict, state_path: Path, name: str, n_taps: int, path: Path) -> None:  # type: ignore[type-arg]
     """Export one tapped step with onnx_export (also in a spawned worker, which rebuilds it from the saved state)."""
-    from build_engines.export.layout import GraphTensor
     from build_engines.export.onnx_export import export_module, export_sizes
+    from ced.steps.layout import GraphTensor
 
     config = CEDConfig.from_dict(cfg)
     tapped, ins, outs = _tapped(config, torch.load(state_path), name)
@@ -405,16 +413,18 @@ def _export_tapped(cfg: dict, state_path: Path, name: str, n_taps: int, path: Pa
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_exported_fake_quant_steps_match_their_modules(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, seed: int) -> None:
+def test_exported_fake_quant_steps_match_their_modules(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       seed: int) -> None:
     """Encoder and decoder graphs of a 4-layer fake-quant network (SWA layer, ratio-2 source, layer E, a re-index
     layer) exported by onnx_export, run in onnxruntime CPU on build_onnx's parity cases (a second prefill chunk;
     two sessions replayed under two adapters), against their modules: within PARITY_BOUND, the same selections, and
     every QDQ the graph makes equal to quant_formats on the graph's own input, bit for bit. Where an fp32 difference
     between onnxruntime and torch lands a value on the other side of a rounding boundary, the module follows the
     graph's decision (`FollowReferenceRounding`); the graph and the module make exactly the same QDQ calls. The
-    encoder exports in a spawned worker while the decoder exports here, as build_onnx does (two cores, half the time)."""
+    encoder exports in a spawned worker while the decoder exports here, as build_onnx does (two cores, half the
+    time)."""
     from build_engines.build.onnx_build import PARITY_BOUND, ort_runner, random_bank
-    from build_engines.export.parity import decoder_case, encoder_case, max_difference
+    from ced.steps.parity import decoder_case, encoder_case, max_difference
 
     net = tiny_network(tiny_config(**FOUR_LAYERS))
     cfg, state = net.cfg, net.state_dict()
@@ -444,6 +454,7 @@ def test_exported_fake_quant_steps_match_their_modules(monkeypatch: pytest.Monke
         diff = max_difference(want, {t.name: got[t.name] for t in outs})
         print(f"{name} onnx vs torch: worst {max(diff.values()):.2e} over {len(tapped.taps)} QDQ calls, "
               f"{len(sync.flips)} rounding flips followed {sync.flips[:4]}")
-        assert 2 * len(tapped.taps) == n_taps[name] and not sync.unmatched, "the graph and the module make the same QDQ calls"
+        assert 2 * len(tapped.taps) == n_taps[name] and not sync.unmatched, (
+            "the graph and the module make the same QDQ calls")
         assert all(v == 0.0 for k, v in diff.items() if want[k].dtype.kind in "iub"), "the same selections"
         assert max(diff.values()) < PARITY_BOUND, diff

@@ -10,8 +10,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from build_engines.export.graph_ops import plus_eps, rms_norm
-from build_engines.export.opset import OPSET
+from ced.steps.graph_ops import plus_eps, rms_norm
+from ced.steps.opset import OPSET
 
 
 class _Norms(torch.nn.Module):

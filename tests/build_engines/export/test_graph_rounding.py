@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from build_engines.build.onnx_build import ort_runner
-from build_engines.export import graph_ops
 from build_engines.export.graph_rounding import (
     TAP_SUFFIX,
     FollowGraphRounding,
@@ -24,8 +23,9 @@ from build_engines.export.graph_rounding import (
     rounding_outputs,
     write_tapped_graph,
 )
-from build_engines.export.layout import GraphTensor
 from build_engines.export.onnx_export import export_module
+from ced.steps import graph_ops
+from ced.steps.layout import GraphTensor
 
 # e4m3 in [1, 2) has step 1/8: 1.0625 is the tie between 1.0 and 1.125 (ties to even: 1.0), 1.03 is not a tie
 TIE, OFF_TIE = 1.0625, 1.03
@@ -101,9 +101,11 @@ def test_a_real_export_pairs_every_rounding(tmp_path: Path) -> None:
     module = TwoProjections().eval()
     path = tmp_path / "two.onnx"
     export_module(module, [GraphTensor("x", "float32", ("n", 64))], [GraphTensor("h", "float32", ("n", 64)),
-                                                                      GraphTensor("g", "float32", ("n", 32))], {"n": 5}, path)
+                                                                      GraphTensor("g", "float32", ("n", 32))], {"n": 5},
+                  path)
     names = write_tapped_graph(path, tmp_path / ".two.rounding.onnx")
-    assert [n.removesuffix(TAP_SUFFIX) for n in names] == rounding_outputs(onnx.load(str(tmp_path / ".two.rounding.onnx")))
+    assert ([n.removesuffix(TAP_SUFFIX) for n in names]
+            == rounding_outputs(onnx.load(str(tmp_path / ".two.rounding.onnx"))))
     x = np.random.default_rng(1).standard_normal((7, 64)).astype(np.float32)
     got = ort_runner(tmp_path / ".two.rounding.onnx")({"x": x})
     taps = [got.pop(n) for n in names]
@@ -133,7 +135,8 @@ def test_a_real_export_pairs_every_rounding(tmp_path: Path) -> None:
 def test_a_graph_without_fake_quant_is_not_copied(tmp_path: Path) -> None:
     module = torch.nn.Linear(8, 8).eval()
     path = tmp_path / "plain.onnx"
-    export_module(module, [GraphTensor("x", "float32", ("n", 8))], [GraphTensor("y", "float32", ("n", 8))], {"n": 3}, path)
+    export_module(module, [GraphTensor("x", "float32", ("n", 8))], [GraphTensor("y", "float32", ("n", 8))], {"n": 3},
+                  path)
     assert write_tapped_graph(path, tmp_path / ".plain.rounding.onnx") == []
     assert not (tmp_path / ".plain.rounding.onnx").exists()
 

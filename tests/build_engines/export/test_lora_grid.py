@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from build_engines.export.lora_grid import MIN_GRID_ROWS, lora_grid, row_slots
+from ced.steps.lora_grid import MIN_GRID_ROWS, lora_grid, row_slots
 
 
-@pytest.mark.parametrize(("slots", "steps"), [([0], 1), ([3], 1), ([2, 0, 2, 1], 1), ([1, 1, 1], 2), ([4, 0], 5), ([0, 1, 2, 3, 4] * 3 + [1], 1)])
+@pytest.mark.parametrize(("slots", "steps"), [([0], 1), ([3], 1), ([2, 0, 2, 1], 1), ([1, 1, 1], 2), ([4, 0], 5),
+                                              ([0, 1, 2, 3, 4] * 3 + [1], 1)])
 def test_each_position_reads_its_own_row_on_its_own_slot(slots: list[int], steps: int) -> None:
     grid = lora_grid(slots, steps)
     used, rows, at = grid["lora_used"], grid["lora_rows"], grid["lora_at"]
@@ -33,7 +34,8 @@ def test_a_single_position_is_padded_to_two_rows() -> None:
     assert grid["lora_rows"].tolist() == [[0, 0]] and grid["lora_at"].tolist() == [[0]]
 
 
-@pytest.mark.parametrize(("slots", "steps", "message"), [([], 1, "one adapter slot per row"), ([0, -1], 1, ">= 0"), ([1], 0, "at least one position")])
+@pytest.mark.parametrize(("slots", "steps", "message"),
+                         [([], 1, "one adapter slot per row"), ([0, -1], 1, ">= 0"), ([1], 0, "at least one position")])
 def test_bad_grids_are_refused(slots: list[int], steps: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         lora_grid(np.asarray(slots, np.int64), steps)

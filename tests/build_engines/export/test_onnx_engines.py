@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from build_engines.build.onnx_build import GRAPH_FILES, random_bank
-from build_engines.export import graph_ops
-from build_engines.export.parity import HANDOVER, max_difference
-from build_engines.export.rows import (
+from ced.model.attention import select_top as reference_select_top
+from ced.steps import graph_ops
+from ced.steps.parity import HANDOVER, max_difference
+from ced.steps.rows import (
     DecoderRow,
     EncoderRow,
     absorb_decoder,
@@ -20,7 +21,6 @@ from build_engines.export.rows import (
     decoder_inputs,
     encoder_inputs,
 )
-from build_engines.model.attention import select_top as reference_select_top
 from plugins import DOMAIN, PLUGIN_NAMESPACE, register_onnx_schemas
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.slow
 
 def test_graphs_pass_the_checker_and_carry_the_mol2_nodes(exported) -> None:  # type: ignore[no-untyped-def]
     register_onnx_schemas()
-    expected = {"encoder": {"SparseGlobalAttention", "SwaReplayAttention"}, "decoder": {"SparseGlobalAttention"}, "pointer": {"PointerScore"}}
+    expected = {"encoder": {"SparseGlobalAttention", "SwaReplayAttention"}, "decoder": {"SparseGlobalAttention"},
+                "pointer": {"PointerScore"}}
     for name, ops in expected.items():
         model = onnx.load(str(exported["dir"] / GRAPH_FILES[name]))
         onnx.checker.check_model(model, full_check=True)
@@ -56,7 +57,8 @@ def test_engram_tables_stay_out_of_the_encoder_graph(exported) -> None:  # type:
     assert not tables & sizes, "an Engram table is an initializer of the encoder graph"
     if layout.engram_layers:
         value_projection = (cfg.dim * (cfg.hc_mult + 1), layout.engram_cols * cfg.engram_head_dim)
-        assert value_projection in sizes or value_projection[::-1] in sizes, "the gate's value projection is in the graph"
+        assert value_projection in sizes or value_projection[::-1] in sizes, (
+            "the gate's value projection is in the graph")
 
 
 def _prefill(layout, runner, rows, tokens, engram=None):  # type: ignore[no-untyped-def]
@@ -140,7 +142,8 @@ def test_decoder_replay_and_decode_with_two_adapters_in_one_batch(exported) -> N
     rows = []
     for length in (140, 201):  # both longer than the window: equal replay lengths in one batch
         erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-        out = _prefill(layout, enc_t, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)), exported["engram"])
+        out = _prefill(layout, enc_t, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)),
+                       exported["engram"])
         drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
         rows.append((erow, drow))
     decoders = [[r[1] for r in rows], [r[1].clone() for r in rows]]  # torch side, onnx side
@@ -157,7 +160,8 @@ def test_decoder_replay_and_decode_with_two_adapters_in_one_batch(exported) -> N
             if step:
                 for drow, h in zip(side, new):
                     drow.absorb(layout, h)
-            feeds.append({**decoder_inputs(layout, side, None if step == 0 else [{k: h[k] for k in HANDOVER[:4]} for h in new], slots), **bank})
+            feeds.append({**decoder_inputs(layout, side, None if step == 0
+                                           else [{k: h[k] for k in HANDOVER[:4]} for h in new], slots), **bank})
         got_t, got_o = dec_t(feeds[0]), dec_o(feeds[1])
         for side, got, feed in zip(decoders, (got_t, got_o), feeds):
             absorb_decoder(side, got, feed, step == 0, slots)
@@ -175,7 +179,8 @@ def test_a_batched_step_gives_each_row_exactly_its_solo_result(exported) -> None
     sessions = []
     for length in (5, 130, 300, 61):
         erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-        out = _prefill(layout, enc_o, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)), exported["engram"])
+        out = _prefill(layout, enc_o, [erow], np.random.randint(0, layout.cfg.vocab_size, (1, length)),
+                       exported["engram"])
         drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
         feed = {**decoder_inputs(layout, [drow], None, [length % 4]), **bank}
         absorb_decoder([drow], dec_o(feed), feed, True, [length % 4])
@@ -196,7 +201,8 @@ def test_a_batched_step_gives_each_row_exactly_its_solo_result(exported) -> None
     d_rows = [s[1] for s in sessions]
     for b, d in enumerate(d_rows):
         d.absorb(layout, {k: e_out[k][b] for k in HANDOVER})
-    feed = {**decoder_inputs(layout, d_rows, [{k: e_out[k][b] for k in HANDOVER[:4]} for b in range(4)], [s[2] for s in sessions]), **bank}
+    feed = {**decoder_inputs(layout, d_rows, [{k: e_out[k][b] for k in HANDOVER[:4]} for b in range(4)],
+                             [s[2] for s in sessions]), **bank}
     d_out = dec_o(feed)
     for b, (_, s_dec) in enumerate(solo):
         assert np.array_equal(d_out["logits"][b], s_dec["logits"][0]), f"decoder logits of row {b} depend on the batch"
@@ -210,13 +216,15 @@ def test_prefill_chunking_does_not_change_a_bit(exported) -> None:  # type: igno
     tokens = np.random.randint(0, layout.cfg.vocab_size, (1, 333))
     one, pieces = EncoderRow.empty(layout), EncoderRow.empty(layout)
     whole = _prefill(layout, enc_o, [one], tokens, exported["engram"])
-    parts = [_prefill(layout, enc_o, [pieces], tokens[:, a:b], exported["engram"]) for a, b in ((0, 100), (100, 101), (101, 229), (229, 333))]
+    parts = [_prefill(layout, enc_o, [pieces], tokens[:, a:b], exported["engram"])
+             for a, b in ((0, 100), (100, 101), (101, 229), (229, 333))]
     for key in HANDOVER:
         assert np.array_equal(whole[key][0], np.concatenate([p[key][0] for p in parts])), key
     assert np.array_equal(one.rings, pieces.rings) and np.array_equal(one.engram_recent, pieces.engram_recent)
     for s in layout.sources:
         used = one.used(layout, s)
-        assert np.array_equal(one.kv[s][:used], pieces.kv[s][:used]) and np.array_equal(one.index_k[s][:used], pieces.index_k[s][:used])
+        assert (np.array_equal(one.kv[s][:used], pieces.kv[s][:used])
+                and np.array_equal(one.index_k[s][:used], pieces.index_k[s][:used]))
 
 
 def test_replay_through_the_engine_is_independent_of_the_source_adapter(exported) -> None:  # type: ignore[no-untyped-def]
@@ -243,8 +251,10 @@ def test_replay_through_the_engine_is_independent_of_the_source_adapter(exported
             feed = {**decoder_inputs(layout, [drow], None, [target]), **bank}
             results.append(dec_o(feed))
         for other in results[1:]:
-            assert np.array_equal(other["logits"], results[0]["logits"]) and np.array_equal(other["ring_rows"], results[0]["ring_rows"])
-    assert not np.array_equal(results[0]["logits"], dec_o({**decoder_inputs(layout, [drow], None, [0]), **bank})["logits"]), \
+            assert (np.array_equal(other["logits"], results[0]["logits"])
+                    and np.array_equal(other["ring_rows"], results[0]["ring_rows"]))
+    assert not np.array_equal(results[0]["logits"],
+                              dec_o({**decoder_inputs(layout, [drow], None, [0]), **bank})["logits"]), \
         "the target adapter does change the logits (the check is not vacuous)"
 
 
@@ -252,7 +262,7 @@ def test_the_encoder_service_carries_each_session_s_history_across_turns_and_reb
     """Through the serving path (EncoderService on the engine interface, which opens the checkpoint's Engram feed):
     a second turn encodes as the same turn of a session rebuilt from its history, and differently from a
     session that starts with it (with Engram, its first n-grams reach back into the previous turn)."""
-    from tritonserver_backend.encoder_service import EncoderService
+    from tritonserver_backend.core.encoder_service import EncoderService
     from tritonserver_backend.engines import open_engine
 
     layout = exported["layout"]

@@ -1,4 +1,4 @@
-"""Rollback of a speculative block in the engine rows (build_engines/export/rows.py).
+"""Rollback of a speculative block in the engine rows (ced/steps/rows.py).
 
 A speculative step runs the encoder and the decoder over a block [last token, draft 1 .. draft k] and keeps only the
 prefix the target accepted. What must hold, bit for bit: after keeping `a` positions of the block, every piece of a
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from build_engines.build.onnx_build import random_bank
-from build_engines.export.layout import StepLayout
-from build_engines.export.rows import (
+from ced.steps.layout import StepLayout
+from ced.steps.rows import (
     HANDOVER_FIELDS,
     HANDOVER_KEYS,
     DecoderRow,
@@ -25,8 +25,8 @@ from build_engines.export.rows import (
     absorb_encoder,
     decoder_inputs,
     encoder_inputs,
-    prefill_and_replay,
 )
+from ced.steps.step_loop import prefill_and_replay
 from tests.tiny import tiny_network
 
 BLOCK = 5  # the last sampled token and four drafts, DSpark's block size
@@ -71,7 +71,8 @@ def _step(engines, rows: list[tuple[EncoderRow, DecoderRow]], tokens: np.ndarray
     return {**{f"enc.{k}": v for k, v in out.items()}, **{f"dec.{k}": v for k, v in result.items()}}
 
 
-def _assert_same_state(layout: StepLayout, got: tuple[EncoderRow, DecoderRow], want: tuple[EncoderRow, DecoderRow], what: str) -> None:
+def _assert_same_state(layout: StepLayout, got: tuple[EncoderRow, DecoderRow], want: tuple[EncoderRow, DecoderRow],
+                       what: str) -> None:
     (ge, gd), (we, wd) = got, want
     assert ge.position == we.position and gd.position == wd.position, what
     assert np.array_equal(ge.rings, we.rings), f"{what}: encoder rings"

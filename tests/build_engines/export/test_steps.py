@@ -6,13 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.engram_feed import EngramFeed
-from build_engines.export.graph_ops import pair_swap, rope_apply, rope_tables, window_ring_positions
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import HANDOVER, torch_runner
-from build_engines.export.rows import (
+from ced.conversation import Conversation
+from ced.lora import AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter
+from ced.model.primitives import apply_rope_tail, rope_angles
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.engram_feed import EngramFeed
+from ced.steps.graph_ops import pair_swap, rope_apply, rope_tables, window_ring_positions
+from ced.steps.layout import StepLayout
+from ced.steps.lora_stacked import stack_adapters
+from ced.steps.parity import HANDOVER, torch_runner
+from ced.steps.rows import (
     DecoderRow,
     EncoderRow,
     absorb_decoder,
@@ -20,11 +24,7 @@ from build_engines.export.rows import (
     decoder_inputs,
     encoder_inputs,
 )
-from build_engines.lora import AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter
-from build_engines.lora.stacked import stack_adapters
-from build_engines.model.conversation import Conversation
-from build_engines.model.primitives import apply_rope_tail, rope_angles
-from tests.build_engines.model.test_engram import engram_network
+from tests.ced.model.test_engram import engram_network
 from tests.tiny import tiny_network
 
 
@@ -116,26 +116,27 @@ def test_steps_follow_the_reference_network_through_turns_replays_and_decode(ste
 
 
 def test_engines_doc_carries_the_current_graph_contract() -> None:
-    from build_engines.export.layout import layout_markdown
-    from build_engines.formats.checkpoint import load_config
-    from build_engines.model.drafter_files import drafter_spec
-    from build_engines.routing.pointer_head import load_router_head
+    from ced.formats.checkpoint import load_config
+    from ced.formats.drafter_files import drafter_spec
+    from ced.routing.pointer_head import load_router_head
+    from ced.steps.layout import layout_markdown
     from tests.conftest import EMBEDDED
     from tests.tiny import PROJECT_ROOT
 
     cfg = load_config(EMBEDDED)
     head, _ = load_router_head(EMBEDDED, cfg.dim)
     doc = (PROJECT_ROOT / "docs" / "engines.md").read_text()
-    assert layout_markdown(StepLayout(cfg, drafter_spec(EMBEDDED)), head.cfg.width) in doc, "docs/engines.md is stale: paste layout_markdown() again"
+    assert layout_markdown(StepLayout(cfg, drafter_spec(EMBEDDED)), head.cfg.width) in doc, (
+        "docs/engines.md is stale: paste layout_markdown() again")
 
 
 @pytest.mark.parametrize("trial", range(5))
 def test_pooled_selection_equals_masking_every_stored_entry(trial: int) -> None:
     """The decoder's re-index layers score only the candidate pool; the entries they pick (ties included: many scores
     are exactly equal) must be the ones the reference picks by scoring every entry and masking all but the pool."""
-    from build_engines.export.common import candidate_pool_ids
-    from build_engines.model.attention import candidate_entry_mask
-    from build_engines.model.attention import select_top as reference_select_top
+    from ced.model.attention import candidate_entry_mask
+    from ced.model.attention import select_top as reference_select_top
+    from ced.steps.common import candidate_pool_ids
 
     g = torch.Generator().manual_seed(trial)
     B, S, N, block, C, k = 2, 6, 96, 8, 4, 10

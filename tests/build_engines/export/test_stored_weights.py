@@ -13,14 +13,27 @@ import torch
 from torch import nn
 
 from build_engines.build.onnx_build import ort_runner, random_bank
-from build_engines.export.decoder_step import DecoderStep
-from build_engines.export.encoder_step import EncoderStep
-from build_engines.export.graph_ops import DenseExperts
-from build_engines.export.layout import GraphTensor, StepLayout
 from build_engines.export.onnx_export import data_file, export_module
-from build_engines.export.parity import decoder_case, encoder_case, max_difference, torch_runner
 from build_engines.export.stored_role import load_stored_role, stores_quantized
-from build_engines.export.stored_weights import (
+from ced.formats.checkpoint import (
+    load_checkpoint,
+    save_checkpoint,
+    write_synthetic_release,
+)
+from ced.model.network import DecoderEngine, EncoderEngine
+from ced.model.primitives import quantizes_input
+from ced.model.quant_formats import (
+    dequantize_fp4_packed,
+    dequantize_fp8_blocks,
+    quantize_fp4_packed,
+    quantize_fp8_blocks,
+)
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.graph_ops import DenseExperts
+from ced.steps.layout import GraphTensor, StepLayout
+from ced.steps.parity import decoder_case, encoder_case, max_difference, torch_runner
+from ced.steps.stored_weights import (
     StoredExperts,
     StoredLinear,
     StoredMatrix,
@@ -29,19 +42,6 @@ from build_engines.export.stored_weights import (
     experts_per_chunk,
     head_logits,
 )
-from build_engines.formats.checkpoint import (
-    load_checkpoint,
-    save_checkpoint,
-    write_synthetic_release,
-)
-from build_engines.formats.quant_formats import (
-    dequantize_fp4_packed,
-    dequantize_fp8_blocks,
-    quantize_fp4_packed,
-    quantize_fp8_blocks,
-)
-from build_engines.model.network import DecoderEngine, EncoderEngine
-from build_engines.model.primitives import quantizes_input
 from tests.tiny import tiny_config, tiny_network
 
 
@@ -86,7 +86,8 @@ def test_joined_weights_equal_the_joined_values_and_misaligned_joins_are_refused
     with pytest.raises(StoredWeightError, match="scale block"):
         StoredMatrix.concatenated("bad", [odd, odd], 0)
     with pytest.raises(StoredWeightError, match="stored differently"):
-        StoredMatrix.concatenated("mixed", [parts[0], StoredMatrix.from_stored("f", torch.zeros(32, 64), None, (32, 64))], 0)
+        StoredMatrix.concatenated("mixed",
+                                  [parts[0], StoredMatrix.from_stored("f", torch.zeros(32, 64), None, (32, 64))], 0)
 
 
 def test_a_stored_fp4_tensor_with_the_wrong_scale_is_refused_by_name() -> None:
@@ -111,7 +112,8 @@ def test_the_graph_keeps_the_stored_bytes_in_a_data_file_and_computes_the_module
     path = tmp_path / "two.onnx"
     model = export_module(module, [GraphTensor("x", "float32", ("B", 64))], [GraphTensor("y", "float32", ("B", 32))],
                           {"B": 3}, path, external_data=True)
-    kinds = {onnx.TensorProto.DataType.Name(t.data_type) for t in model.graph.initializer if t.dims and np.prod(t.dims) >= 1024}
+    kinds = {onnx.TensorProto.DataType.Name(t.data_type) for t in model.graph.initializer
+             if t.dims and np.prod(t.dims) >= 1024}
     assert kinds == {"UINT8"}, kinds  # codes and scales as stored: no fp32 copy of a weight was folded in
     assert data_file(path).exists()
     assert not any(t.HasField("raw_data") and len(t.raw_data) >= 1024 for t in model.graph.initializer)
@@ -174,8 +176,10 @@ def test_a_layers_routed_experts_export_as_one_scan_whatever_their_count(tmp_pat
         width = experts.count * experts.inter
         graph = tmp_path / f"experts{routed}.onnx"
         model = export_module(_StackedExperts(experts).eval(),
-                              [GraphTensor("x", "float32", ("B", "S", cfg.dim)), GraphTensor("a", "float32", ("B", "S", width))],
-                              [GraphTensor("up", "float32", ("B", "S", 2 * width)), GraphTensor("down", "float32", ("B", "S", cfg.dim))],
+                              [GraphTensor("x", "float32", ("B", "S", cfg.dim)),
+                               GraphTensor("a", "float32", ("B", "S", width))],
+                              [GraphTensor("up", "float32", ("B", "S", 2 * width)),
+                               GraphTensor("down", "float32", ("B", "S", cfg.dim))],
                               {"B": 2, "S": 3}, graph, external_data=True)
         nodes[routed] = [n.op_type for n in model.graph.node]
         assert nodes[routed].count("Scan") == 2
@@ -229,12 +233,13 @@ def test_a_bfloat16_head_is_cast_in_chunks_of_rows_and_gives_the_whole_products(
     assert np.abs(got - whole.numpy()).max() < 1e-5
 
 
-def test_the_chunk_budget_comes_from_the_build_and_a_bad_one_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_chunk_budget_comes_from_the_build_and_a_bad_one_is_refused(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`--expert-chunk-bytes` reaches the spawned build workers through `MOL2_EXPERT_CHUNK_BYTES`: 1 byte means one
     expert per chunk (what the release's 100 MB experts give at the default), a value that is not a positive number
     of bytes is refused by name, and the CLI refuses it before building anything."""
     from build_engines.build.cli import main as build_main
-    from build_engines.export.stored_weights import (
+    from ced.steps.stored_weights import (
         EXPERT_CHUNK_BYTES,
         EXPERT_CHUNK_ENV,
         expert_chunk_bytes,
@@ -271,7 +276,8 @@ def test_stored_steps_compute_what_the_fp32_steps_compute(tmp_path: Path) -> Non
     path = write_synthetic_release(cfg, tmp_path / "release", seed=7, extras=False)
     layout = StepLayout(cfg)
     state = load_checkpoint(path).state_dict()
-    steps = {"stored": (EncoderStep(load_stored_role(path, "encoder")[1]).eval(), DecoderStep(load_stored_role(path, "decoder")[1]).eval()),
+    steps = {"stored": (EncoderStep(load_stored_role(path, "encoder")[1]).eval(),
+                        DecoderStep(load_stored_role(path, "decoder")[1]).eval()),
              "fp32": (EncoderStep(EncoderEngine.from_state_dict(cfg, state).eval()).eval(),
                       DecoderStep(DecoderEngine.from_state_dict(cfg, state).eval()).eval())}
     enc = {k: torch_runner(e, layout.encoder_inputs(), layout.encoder_outputs()) for k, (e, _) in steps.items()}
@@ -319,7 +325,8 @@ def test_shape_constants_stay_in_the_graph_when_the_weights_go_to_a_data_file(tm
                   path, external_data=True)
     model = onnx.load(str(path), load_external_data=False)
     external = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
-    assert external and all(t.data_type != onnx.TensorProto.INT64 for t in model.graph.initializer if t.name in external)
+    assert external and all(t.data_type != onnx.TensorProto.INT64 for t in model.graph.initializer
+                            if t.name in external)
     x = np.random.default_rng(0).standard_normal((4, 60)).astype(np.float32)
     got = ort_runner(path)({"x": x})["y"]
     with torch.no_grad():

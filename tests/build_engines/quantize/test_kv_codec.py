@@ -13,20 +13,23 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from build_engines.build.manifest import BuildSettings
-from build_engines.export.rows import FP8_MAX, fp8_decode, fp8_encode
+from ced.engine_dir.manifest import BuildSettings
+from ced.steps.rows import FP8_MAX, fp8_decode, fp8_encode
 
 
 def qdq_session():  # type: ignore[no-untyped-def]
-    """x -> (codes = QuantizeLinear(x, s), rounded = DequantizeLinear(codes, s)); codes8 -> DequantizeLinear(codes8, s)."""
+    """x -> (codes = QuantizeLinear(x, s), rounded = DequantizeLinear(codes, s));
+    codes8 -> DequantizeLinear(codes8, s)."""
     nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["codes"]),
              helper.make_node("DequantizeLinear", ["codes", "s", "z"], ["rounded"]),
              helper.make_node("DequantizeLinear", ["codes8", "s", "z"], ["decoded"])]
     graph = helper.make_graph(
         nodes, "qdq",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"]), helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"]),
+         helper.make_tensor_value_info("s", TensorProto.FLOAT, []),
          helper.make_tensor_value_info("codes8", TensorProto.FLOAT8E4M3FN, ["M"])],
-        [helper.make_tensor_value_info("codes", TensorProto.FLOAT8E4M3FN, ["N"]), helper.make_tensor_value_info("rounded", TensorProto.FLOAT, ["N"]),
+        [helper.make_tensor_value_info("codes", TensorProto.FLOAT8E4M3FN, ["N"]),
+         helper.make_tensor_value_info("rounded", TensorProto.FLOAT, ["N"]),
          helper.make_tensor_value_info("decoded", TensorProto.FLOAT, ["M"])],
         [helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
@@ -40,14 +43,17 @@ def qdq_session():  # type: ignore[no-untyped-def]
 def test_python_codes_are_the_graphs_codes(scale: float) -> None:
     session = qdq_session()
     rng = np.random.default_rng(0)
-    every_code = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)  # 254 finite codes (0x7f, 0xff are NaN)
+    # 254 finite codes (0x7f, 0xff are NaN)
+    every_code = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
     x = np.concatenate([rng.standard_normal(20000) * FP8_MAX * scale / 4, np.array([0.0, -0.0, 1e9, -1e9]) * scale,
                         fp8_decode(every_code, scale)]).astype(np.float32)
     codes8 = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(every_code, TensorProto.FLOAT8E4M3FN)
     codes, rounded, decoded = session.run(None, {"x": x, "s": np.array(scale, np.float32), "codes8": codes8})
     assert codes.dtype == np.uint8, "fp8 outputs come back to Python as their uint8 codes"
-    assert np.array_equal(fp8_encode(rounded, scale), codes), "encoding the graph's rounded values gives the graph's codes"
-    assert np.array_equal(fp8_decode(codes, scale).view(np.uint32), rounded.view(np.uint32)), "decode = DequantizeLinear bit for bit"
+    assert np.array_equal(fp8_encode(rounded, scale), codes), (
+        "encoding the graph's rounded values gives the graph's codes")
+    assert np.array_equal(fp8_decode(codes, scale).view(np.uint32), rounded.view(np.uint32)), (
+        "decode = DequantizeLinear bit for bit")
     assert np.array_equal(fp8_decode(every_code, scale).view(np.uint32), decoded.view(np.uint32))
     assert codes[20000 + 2] == 0x7E and codes[20000 + 3] == 0xFE, "the graph saturates at +-448 (never NaN)"
 
@@ -65,4 +71,5 @@ def test_float8_numpy_arrays_cannot_be_fed_but_uint8_codes_can() -> None:
 def test_builds_without_kv_quant_keep_their_manifest_settings() -> None:
     """fp32 / fp8 / int8 builds without --kv-quant write (and look for) the settings they always did."""
     assert BuildSettings("onnx", "none", 18).as_dict() == {"format": "onnx", "quant": "none", "opset": 18}
-    assert BuildSettings("onnx", "fp8", 18, "fp8").as_dict() == {"format": "onnx", "quant": "fp8", "opset": 18, "kv_quant": "fp8"}
+    assert BuildSettings("onnx", "fp8", 18, "fp8").as_dict() == {"format": "onnx", "quant": "fp8", "opset": 18,
+                                                                 "kv_quant": "fp8"}

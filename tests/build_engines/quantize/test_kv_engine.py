@@ -16,10 +16,12 @@ from onnx import TensorProto, numpy_helper
 
 from build_engines.build.cli import main as build
 from build_engines.build.onnx_build import GRAPH_FILES
-from build_engines.export.arena import StepArena
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import HANDOVER
-from build_engines.export.rows import (
+from build_engines.quantize.heldout import load_heldout, token_sequences
+from build_engines.quantize.scoring import bundled_adapters, sequence_nll
+from ced.steps.arena import StepArena
+from ced.steps.layout import StepLayout
+from ced.steps.parity import HANDOVER
+from ced.steps.rows import (
     FP8_MAX,
     DecoderRow,
     EncoderRow,
@@ -30,13 +32,12 @@ from build_engines.export.rows import (
     encoder_inputs,
     fp8_decode,
 )
-from build_engines.quantize.heldout import load_heldout, token_sequences
-from build_engines.quantize.scoring import bundled_adapters, sequence_nll
 from tests.conftest import DEFAULT_ENGINES, EMBEDDED
 from tritonserver_backend.engines.onnx_engine import OnnxEngine
 
 pytestmark = pytest.mark.slow
-FP8_STATE = {"encoder": ({"rings", "kv_2", "kv_4"}, {"ring_rows", "new_kv_2"}), "decoder": ({"rings", "kv"}, {"ring_rows"})}
+FP8_STATE = {"encoder": ({"rings", "kv_2", "kv_4"}, {"ring_rows", "new_kv_2"}),
+             "decoder": ({"rings", "kv"}, {"ring_rows"})}
 
 
 def built_engine(name: str, flags: list[str], fp32_dir: Path) -> OnnxEngine:
@@ -74,10 +75,12 @@ def test_state_crosses_the_graph_boundary_as_fp8_with_the_calibrated_scales(kv_e
     scales, amax = kv["scales"], kv["amax"]
     for key in ("encoder_rings", "decoder_rings"):
         assert scales[key] == [float(np.float32(a / FP8_MAX)) for a in amax[key]]
-    assert {int(s): v for s, v in scales["stores"].items()} == {int(s): float(np.float32(a / FP8_MAX)) for s, a in amax["stores"].items()}
+    assert {int(s): v for s, v in scales["stores"].items()} == {int(s): float(np.float32(a / FP8_MAX))
+                                                                for s, a in amax["stores"].items()}
     for name, (inputs, outputs) in FP8_STATE.items():
         model = onnx.load(str(kv_engine.engine_dir / GRAPH_FILES[name]))
-        fp8 = {v.name for v in list(model.graph.input) + list(model.graph.output) if v.type.tensor_type.elem_type == TensorProto.FLOAT8E4M3FN}
+        fp8 = {v.name for v in list(model.graph.input) + list(model.graph.output)
+               if v.type.tensor_type.elem_type == TensorProto.FLOAT8E4M3FN}
         assert fp8 == inputs | outputs, f"{name}: fp8 state tensors"
         inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
         assert inits["rings.kv_scale"].tolist() == scales[f"{name}_rings"]
@@ -145,7 +148,8 @@ def test_prefill_chunking_changes_no_bit_of_the_fp8_state(kv_engine) -> None:  #
     assert np.array_equal(one.rings, pieces.rings)
     for s in layout.sources:
         n = one.used(layout, s)
-        assert np.array_equal(one.kv[s][:n], pieces.kv[s][:n]) and np.array_equal(one.index_k[s][:n], pieces.index_k[s][:n])
+        assert (np.array_equal(one.kv[s][:n], pieces.kv[s][:n])
+                and np.array_equal(one.index_k[s][:n], pieces.index_k[s][:n]))
     for k in HANDOVER:
         assert np.array_equal(whole[k], np.concatenate([p[k] for p in parts])), k
 
@@ -164,14 +168,16 @@ def test_batched_steps_equal_solo_steps_bit_for_bit(kv_engine) -> None:  # type:
         sessions.append((erow, drow, slot))
     token = rng.integers(0, layout.cfg.vocab_size, (3, 1))
 
-    def step(group: list[tuple[EncoderRow, DecoderRow, int]], tokens: np.ndarray, arenas: tuple[StepArena, StepArena] | None):  # type: ignore[no-untyped-def]
+    def step(group: list[tuple[EncoderRow, DecoderRow, int]], tokens: np.ndarray,  # type: ignore[no-untyped-def]
+             arenas: tuple[StepArena, StepArena] | None):
         erows, drows, slots = [g[0] for g in group], [g[1] for g in group], [g[2] for g in group]
         out = kv_engine.encoder(encoder_inputs(layout, erows, tokens, arenas and arenas[0]))
         absorb_encoder(layout, erows, out, 1)
         rows = [{k: out[k][b] for k in HANDOVER} for b in range(len(group))]
         for d, r in zip(drows, rows):
             d.absorb(layout, r)
-        feed = decoder_inputs(layout, drows, [{k: r[k] for k in HANDOVER[:4]} for r in rows], slots, arenas and arenas[1])
+        feed = decoder_inputs(layout, drows, [{k: r[k] for k in HANDOVER[:4]} for r in rows], slots,
+                              arenas and arenas[1])
         result = kv_engine.decoder(feed)
         absorb_decoder(drows, result, feed, False, slots)
         return result["logits"]

@@ -47,8 +47,10 @@ def test_only_products_with_a_weight_initializer_are_selected() -> None:
     nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="weight"),
              helper.make_node("MatMul", ["x", "lora_a"], ["b"], name="lora"),
              helper.make_node("MatMul", ["c", "small"], ["d"], name="tiny")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("x", "lora_a", "c")],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b", "d")], [w, small])
+    graph = helper.make_graph(nodes, "g",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("x", "lora_a", "c")],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b", "d")],
+                              [w, small])
     assert weight_matmuls(helper.make_model(graph)) == ["weight"]
 
 

@@ -17,8 +17,13 @@ import pytest
 from build_engines.build.cli import main as build
 from build_engines.build.onnx_build import GRAPH_FILES
 from build_engines.build.quant_build import CHECK_TOKENS
-from build_engines.export.parity import HANDOVER
-from build_engines.export.rows import (
+from build_engines.quantize.heldout import load_heldout, token_sequences
+from build_engines.quantize.scoring import bundled_adapters, sequence_nll
+from build_engines.verify.engine_perplexity import domain_nll, perplexities
+from ced.formats.checkpoint import load_config
+from ced.steps.kv_state import kv_layout, kv_runner
+from ced.steps.parity import HANDOVER
+from ced.steps.rows import (
     DecoderRow,
     EncoderRow,
     absorb_decoder,
@@ -26,13 +31,8 @@ from build_engines.export.rows import (
     decoder_inputs,
     encoder_inputs,
 )
-from build_engines.formats.checkpoint import load_config
-from build_engines.quantize.heldout import load_heldout, token_sequences
-from build_engines.quantize.kv_cache import kv_layout, kv_runner
-from build_engines.quantize.scoring import bundled_adapters, sequence_nll
-from build_engines.verify.engine_perplexity import domain_nll, perplexities
 from tests.conftest import DEFAULT_ENGINES, EMBEDDED
-from tritonserver_backend.engines.interface import open_engine
+from tritonserver_backend.engines import open_engine
 
 pytestmark = pytest.mark.slow
 WEIGHT_TYPE = {"int8": "INT8", "fp8": "FLOAT8E4M3FN"}
@@ -49,7 +49,8 @@ BUILDS = {"int8": ["--quant", "int8"], "fp8": ["--quant", "fp8"], "fp8-kv8": ["-
 def quantized(request, default_engines):  # type: ignore[no-untyped-def]
     """(weight mode, engine directory, manifest); "fp8-kv8" is the fp8 engine with fp8 rings and global-KV stores."""
     out = DEFAULT_ENGINES.parent / f"mol2-small-{request.param}"
-    code = build(["--model", str(EMBEDDED), "--out", str(out), *BUILDS[request.param], "--reuse-fp32", str(default_engines)])
+    code = build(["--model", str(EMBEDDED), "--out", str(out), *BUILDS[request.param], "--reuse-fp32",
+                  str(default_engines)])
     assert code == 0, f"python -m build_engines build {BUILDS[request.param]} exited {code}"
     return request.param.split("-")[0], out, json.loads((out / "manifest.json").read_text())
 
@@ -86,13 +87,15 @@ def test_graphs_hold_standard_qdq_with_quantized_weights(quantized) -> None:  # 
     mode, out, manifest = quantized
     assert manifest["settings"]["quant"] == mode
     calib = manifest["quant"]["calibration"]
-    assert calib["split"] == "val" and calib["tokens"] >= 4096 and calib["encoder_feeds"] > 0 and calib["decoder_feeds"] > 0
+    assert (calib["split"] == "val" and calib["tokens"] >= 4096 and calib["encoder_feeds"] > 0
+            and calib["decoder_feeds"] > 0)
     for name in ("encoder", "decoder"):
         model = onnx.load(str(out / GRAPH_FILES[name]))
         assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}, "no TensorRT or other custom domain left"
         inits = {t.name: t for t in model.graph.initializer}
         weights = collections.Counter(onnx.TensorProto.DataType.Name(inits[n.input[0]].data_type)
-                                      for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits)
+                                      for n in model.graph.node
+                                      if n.op_type == "DequantizeLinear" and n.input[0] in inits)
         assert weights[WEIGHT_TYPE[mode]] >= 20, f"{name}: weights stored as {WEIGHT_TYPE[mode]}: {weights}"
         assert sum(n.op_type == "QuantizeLinear" for n in model.graph.node) >= 15, "activations are quantized too"
     fp32_bytes = json.loads((DEFAULT_ENGINES / "manifest.json").read_text())["graphs"]["decoder"]["bytes"]
@@ -176,21 +179,24 @@ def test_replay_is_independent_of_the_source_adapter_on_the_quantized_engine(qua
                 absorb_decoder([drow], dec_o(feed), feed, False, [source])
             results.append(dec_o({**decoder_inputs(layout, [drow], None, [target]), **bank}))
         for other in results[1:]:
-            assert np.array_equal(other["logits"], results[0]["logits"]) and np.array_equal(other["ring_rows"], results[0]["ring_rows"])
+            assert (np.array_equal(other["logits"], results[0]["logits"])
+                    and np.array_equal(other["ring_rows"], results[0]["ring_rows"]))
     base = dec_o({**decoder_inputs(layout, [drow], None, [0]), **bank})
-    assert not np.array_equal(results[0]["logits"], base["logits"]), "the target adapter changes the logits (not vacuous)"
+    assert not np.array_equal(results[0]["logits"], base["logits"]), (
+        "the target adapter changes the logits (not vacuous)")
 
 
 def test_a_routed_conversation_runs_on_the_quantized_engines(quantized, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from tritonserver_backend.pipeline import InProcessPipeline
-    from tritonserver_backend.registry_init import ensure_registry
-    from tritonserver_backend.sampling import SamplingParams
+    from tritonserver_backend.adapters.registry_init import ensure_registry
+    from tritonserver_backend.core.pipeline import InProcessPipeline
+    from tritonserver_backend.sampling.sampler import SamplingParams
 
     mode, out, _ = quantized
     ensure_registry(tmp_path, EMBEDDED)
     pipe = InProcessPipeline(EMBEDDED, tmp_path, backend="onnx", engine_dir=out)
     turns = [("Hi! How was your day?", None, True), ("Make the header sticky with a shadow.", "L3_design", False),
              ("Thanks, that helps.", "base", False)]
-    replies = [pipe.chat("s", text, adapter=a, new_session=new, params=SamplingParams(max_tokens=16)) for text, a, new in turns]
+    replies = [pipe.chat("s", text, adapter=a, new_session=new, params=SamplingParams(max_tokens=16))
+               for text, a, new in turns]
     assert [r.adapter for r in replies][1:] == ["L3_design", "base"]
     assert all(len(r.token_ids) > 0 for r in replies)

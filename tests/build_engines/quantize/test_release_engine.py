@@ -14,9 +14,16 @@ from onnx import TensorProto
 
 from build_engines.build.cli import main as build
 from build_engines.build.onnx_build import GRAPH_FILES, random_bank
-from build_engines.export.layout import StepLayout
-from build_engines.export.parity import HANDOVER
-from build_engines.export.rows import (
+from build_engines.quantize.release_weights import match_initializers, stored_weights
+from ced.formats.checkpoint import (
+    dequantize_tensors,
+    load_checkpoint,
+    read_raw_tensors,
+    write_synthetic_release,
+)
+from ced.steps.layout import StepLayout
+from ced.steps.parity import HANDOVER
+from ced.steps.rows import (
     DecoderRow,
     EncoderRow,
     absorb_decoder,
@@ -24,13 +31,6 @@ from build_engines.export.rows import (
     decoder_inputs,
     encoder_inputs,
 )
-from build_engines.formats.checkpoint import (
-    dequantize_tensors,
-    load_checkpoint,
-    read_raw_tensors,
-    write_synthetic_release,
-)
-from build_engines.quantize.release_weights import match_initializers, stored_weights
 from tests.tiny import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -70,10 +70,13 @@ def test_the_engine_stores_the_released_bytes_and_no_fp32_copy(release) -> None:
             if key in inits:
                 want = TensorProto.FLOAT8E4M3FN if w.kind == "fp8" else TensorProto.UINT8
                 assert inits[key].data_type == want
-                assert inits[key].raw_data == w.data.contiguous().view(torch.uint8).numpy().tobytes(), f"{w.name}: the release's bytes"
-                assert inits[f"{w.name}.scale_e8m0"].raw_data == w.scale.contiguous().view(torch.uint8).numpy().tobytes()
+                assert inits[key].raw_data == w.data.contiguous().view(torch.uint8).numpy().tobytes(), (
+                    f"{w.name}: the release's bytes")
+                assert (inits[f"{w.name}.scale_e8m0"].raw_data
+                        == w.scale.contiguous().view(torch.uint8).numpy().tobytes())
                 stored.add(w.name)
-        assert match_initializers(model, weights) == [], f"{name}: no float initializer holds a stored weight in any layout"
+        assert match_initializers(model, weights) == [], (
+            f"{name}: no float initializer holds a stored weight in any layout")
         blocked_dq += sum(1 for n in model.graph.node if n.op_type == "DequantizeLinear"
                           and any(a.name == "block_size" and a.i == 32 for a in n.attribute))
         assert next(o.version for o in model.opset_import if o.domain == "") == 21
@@ -125,7 +128,7 @@ def test_logits_match_the_fp32_reference_of_the_same_checkpoint(release) -> None
 
 
 def test_a_checkpoint_without_stored_fp8_or_fp4_weights_is_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from build_engines.formats.checkpoint import save_checkpoint
+    from ced.formats.checkpoint import save_checkpoint
     from tests.tiny import tiny_network
 
     ckpt = save_checkpoint(tiny_network(), tmp_path / "plain")

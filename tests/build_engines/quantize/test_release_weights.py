@@ -11,13 +11,13 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from build_engines.formats.quant_formats import (
+from build_engines.quantize.release_weights import SESSION_CONFIG, ReleaseWeightError, StoredWeight, rewrite_graph
+from ced.model.quant_formats import (
     dequantize_fp4_packed,
     dequantize_fp8_blocks,
     quantize_fp4_packed,
     quantize_fp8_blocks,
 )
-from build_engines.quantize.release_weights import SESSION_CONFIG, ReleaseWeightError, StoredWeight, rewrite_graph
 
 
 def _fp8(name: str, shape: tuple[int, int], block: tuple[int, int]) -> StoredWeight:
@@ -39,7 +39,8 @@ def _graph(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
         nodes.append(helper.make_node("Identity", [name], [f"out_w{i}"]))
         outputs += [helper.make_tensor_value_info(f"out_y{i}", TensorProto.FLOAT, [3, array.shape[-1]]),
                     helper.make_tensor_value_info(f"out_w{i}", TensorProto.FLOAT, list(array.shape))]
-    graph = helper.make_graph(nodes, "g", inputs, outputs, [numpy_helper.from_array(a.astype(np.float32), n) for n, a in weights.items()])
+    graph = helper.make_graph(nodes, "g", inputs, outputs,
+                              [numpy_helper.from_array(a.astype(np.float32), n) for n, a in weights.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
@@ -62,7 +63,8 @@ def test_stored_weights_are_found_in_every_layout_and_rebuilt_bit_for_bit(seed: 
     v = {n: w.values for n, w in ws.items()}
     initializers = {
         "t_a": v["a.weight"].T, "t_b": v["b.weight"].T, "c_plain": v["c.weight"],  # W^T and W (W @ used as [K, N])
-        "w13": np.concatenate([v["e0.w1.weight"].T, v["e1.w1.weight"].T, v["shared.w1.weight"].T], 1),  # experts along N
+        # experts along N
+        "w13": np.concatenate([v["e0.w1.weight"].T, v["e1.w1.weight"].T, v["shared.w1.weight"].T], 1),
         "w2": np.concatenate([v["e0.w2.weight"].T, v["e1.w2.weight"].T, v["shared.w2.weight"].T], 0),  # experts along K
         "wo_a": v["wo_a.weight"].reshape(2, 32, 128).transpose(0, 2, 1)[0],  # not a whole weight: left alone
         "grouped": v["wo_a.weight"].reshape(2, 32, 128).transpose(0, 2, 1),  # folded view(G, r, -1).transpose(1, 2)
@@ -72,7 +74,8 @@ def test_stored_weights_are_found_in_every_layout_and_rebuilt_bit_for_bit(seed: 
     plain.graph.node.append(helper.make_node("Identity", ["grouped"], ["g_out"]))
     plain.graph.output.append(helper.make_tensor_value_info("g_out", TensorProto.FLOAT, [2, 128, 32]))
     rng = np.random.default_rng(seed)
-    feed = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32) for i in plain.graph.input}
+    feed = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+            for i in plain.graph.input}
     want = _run(plain, feed, {})
     rewritten, used, report = rewrite_graph(onnx.load_from_string(plain.SerializeToString()), ws)
     onnx.checker.check_model(rewritten)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from build_engines.data.tokenizer import ChatTokenizer, Message, train_tokenizer
-from build_engines.model.network import EncoderEngine
 from build_engines.routing.features import POOLINGS, TokenFeatures, extract_h19_tokens
 from build_engines.routing.train import extract_h19
+from ced.model.network import EncoderEngine
+from ced.text.tokenizer import ChatTokenizer, Message, train_tokenizer
 from tests.build_engines.routing.test_router_baselines import SENTENCES
 from tests.tiny import tiny_config, tiny_network
 

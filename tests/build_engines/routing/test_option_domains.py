@@ -22,7 +22,8 @@ def make_data(root: Path, *, labelled: tuple[str, ...] = ("bbc_topic", "vader_do
     manifest: dict = {"format_version": reader.FORMAT_VERSION, "sources": {}, "labelled": {}}
     files = {}
     for split in ("train", "val", "test"):
-        docs = [{"doc_id": f"austen-sensesensibility/ch{d:03d}", "text": f"{split.upper()} {d}. " + CHAPTER} for d in range(3)]
+        docs = [{"doc_id": f"austen-sensesensibility/ch{d:03d}", "text": f"{split.upper()} {d}. " + CHAPTER}
+                for d in range(3)]
         docs.append({"doc_id": "unknown-book/ch001", "text": CHAPTER})  # not a book the builder names: skipped
         files[split] = write_jsonl(root / "corpus" / "novels" / f"{split}.jsonl", docs, root)
     manifest["sources"]["novels"] = {"kind": "base", "files": files}
@@ -30,7 +31,8 @@ def make_data(root: Path, *, labelled: tuple[str, ...] = ("bbc_topic", "vader_do
         "bbc_topic": [{"text": f"{split.upper()} headline {n}\n\nbody", "label": "business", "split": split}
                       for split in ("train", "test") for n in range(6)],
         "vader_domain": [{"text": f"{label} {split.upper()} snippet {n}", "label": label, "split": split}
-                         for label in ("movie", "amazon", "tweet", "nyt") for split in ("train", "test") for n in range(6)],
+                         for label in ("movie", "amazon", "tweet", "nyt") for split in ("train", "test")
+                         for n in range(6)],
     }
     for name in labelled:
         manifest["labelled"][name] = {"file": write_jsonl(root / "labelled" / f"{name}.jsonl", rows[name], root)}
@@ -92,9 +94,10 @@ def test_a_missing_source_leaves_its_domain_out(tmp_path: Path) -> None:
 
 def test_vary_options_adds_descriptions_and_keeps_the_answer() -> None:
     adapters = list(ADAPTER_DESCRIPTIONS.values())
-    items = [{"id": f"request_routing:{n}", "task": "request_routing", "query": "q", "options": adapters, "answer": n % 4,
-              "split": "train", "label": list(ADAPTER_DESCRIPTIONS)[n % 4]} for n in range(200)]
-    other = {"id": "bbc_topic:0", "task": "bbc_topic", "query": "q", "options": ["a", "b"], "answer": 1, "split": "train", "label": "x"}
+    items = [{"id": f"request_routing:{n}", "task": "request_routing", "query": "q", "options": adapters,
+              "answer": n % 4, "split": "train", "label": list(ADAPTER_DESCRIPTIONS)[n % 4]} for n in range(200)]
+    other = {"id": "bbc_topic:0", "task": "bbc_topic", "query": "q", "options": ["a", "b"], "answer": 1,
+             "split": "train", "label": "x"}
     varied = od.vary_options(items + [other], seed=0)
     assert varied[-1] == other, "generic tasks are not touched"
     sizes = set()

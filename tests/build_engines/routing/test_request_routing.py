@@ -83,7 +83,8 @@ def test_man_facts_read_name_usage_and_options() -> None:
     assert by_flag["-D"]["option_desc"] == "print all duplicate lines"
     assert by_flag["-s"]["option_desc"] == "avoid comparing the first N characters"
     assert by_flag["-c"]["option2"] == "-D"
-    git = rf.man_facts("git-man/git-log.1", "NAME\n    git-log - Show commit logs\n\nSYNOPSIS\n    git log [<options>]\n")
+    git = rf.man_facts("git-man/git-log.1",
+                       "NAME\n    git-log - Show commit logs\n\nSYNOPSIS\n    git log [<options>]\n")
     assert git == [{"cmd": "git log", "summary": "show commit logs", "usage": "git log [<options>]",
                     "doc": "git-man/git-log.1"}]
 
@@ -201,7 +202,8 @@ def test_real_natural_request_benchmark(real_data: Path) -> None:
                                  rq.DEFAULT_REQUEST_BENCH_PER_DOMAIN)
     bench = [i for i in got if i["task"] == rq.REQUEST_BENCHMARK_TASK]
     assert len(bench) >= 200
-    assert Counter(i["label"] for i in bench) == {a: rq.DEFAULT_REQUEST_BENCH_PER_DOMAIN for a in rd.ADAPTER_DESCRIPTIONS}
+    assert Counter(i["label"] for i in bench) == {a: rq.DEFAULT_REQUEST_BENCH_PER_DOMAIN
+                                                  for a in rd.ADAPTER_DESCRIPTIONS}
     names = [source for kind in rd.ADAPTER_KINDS.values() for source in reader.sources(real_data, kind)]
     test_docs = set().union(*(_docs(real_data, name, "test") for name in names))
     train_docs = set().union(*(_docs(real_data, name, "train") for name in names))
@@ -213,7 +215,8 @@ def test_real_natural_request_benchmark(real_data: Path) -> None:
 
 
 def test_play_facts_for_the_zero_shot_domain() -> None:
-    text = "ORLANDO.\nI am no villain: I am the youngest son of Sir Rowland.\n\nADAM.\n[Coming forward] Sweet masters, be patient for your father's sake.\n\nOLIVER.\nLet go.\n"
+    text = ("ORLANDO.\nI am no villain: I am the youngest son of Sir Rowland.\n\nADAM.\n"
+            "[Coming forward] Sweet masters, be patient for your father's sake.\n\nOLIVER.\nLet go.\n")
     facts = rf.play_facts("as_you_like_it#p001", text)
     assert [(f["play"], f["character"]) for f in facts] == [("As You Like It", "Orlando"), ("As You Like It", "Adam")]
     assert facts[1]["line"].startswith("Sweet masters")  # stage direction dropped; "Let go." is too short
@@ -247,6 +250,7 @@ def test_rendering_does_not_depend_on_the_process_hash_seed() -> None:
     import subprocess
     import sys
 
-    outputs = [subprocess.run([sys.executable, "-c", _RENDER_ALL], capture_output=True, text=True, check=True, cwd=PROJECT_ROOT,
+    outputs = [subprocess.run([sys.executable, "-c", _RENDER_ALL], capture_output=True, text=True, check=True,
+                              cwd=PROJECT_ROOT,
                               env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2", "3")]
     assert outputs[0] and outputs[0] == outputs[1] == outputs[2]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from build_engines.model.conversation import Conversation
-from build_engines.routing.pointer_head import OptionCache, PointerHead, RouterConfig, pool_h19
 from build_engines.routing.train import TaskSet, accuracy, train_head
+from ced.conversation import Conversation
+from ced.routing.pointer_head import OptionCache, PointerHead, RouterConfig, pool_h19
 from tests.tiny import tiny_network
 
 
@@ -26,8 +26,10 @@ def test_cached_option_side_equals_a_fresh_computation(seed: int) -> None:
     assert cached.shape == (4, 3)
 
 
-def _score_with_module(head: PointerHead, q: torch.Tensor, cache: OptionCache, option_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The pointer score with the cross-attention run by nn.MultiheadAttention itself (the oracle for the cached path)."""
+def _score_with_module(head: PointerHead, q: torch.Tensor, cache: OptionCache,
+                       option_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The pointer score with the cross-attention run by nn.MultiheadAttention itself (the oracle for the cached
+    path)."""
     n, T, w = cache.tokens.shape
     x = head.query_proj(head.query_norm(q)).unsqueeze(1)
     mem = cache.tokens.reshape(1, n * T, w).expand(q.shape[0], -1, -1)
@@ -50,7 +52,8 @@ def test_cached_cross_attention_equals_the_attention_module(seed: int) -> None:
     torch.testing.assert_close(head.score(q, cache), _score_with_module(head, q, cache), rtol=1e-5, atol=1e-5)
     mask = torch.rand(6, 4) > 0.4
     mask[:, 1] = True
-    torch.testing.assert_close(head.score(q, cache, mask), _score_with_module(head, q, cache, mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head.score(q, cache, mask), _score_with_module(head, q, cache, mask), rtol=1e-5,
+                               atol=1e-5)
     assert cache.attn_query.shape == (32, 4 * 4 * 7) and cache.point_read.shape == (4 * 4 * 7, 4)
 
 

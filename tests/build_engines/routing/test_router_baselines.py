@@ -9,11 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from build_engines.data.tokenizer import ChatTokenizer, Message, train_tokenizer
-from build_engines.lora import Adapter, AdapterBank, decoder_lora_modules, random_adapter_weights
-from build_engines.model.conversation import Conversation, DecoderSession
-from build_engines.model.network import CEDNetwork
-from build_engines.model.state import HandOver
 from build_engines.routing.baselines import (
     ContextualExample,
     ContextualMoLRouter,
@@ -24,7 +19,12 @@ from build_engines.routing.baselines import (
     parse_choice,
     user_turn_h19,
 )
-from build_engines.routing.pointer_head import PointerHead, RouterConfig, pool_h19
+from ced.conversation import Conversation, DecoderSession
+from ced.lora import Adapter, AdapterBank, decoder_lora_modules, random_adapter_weights
+from ced.model.network import CEDNetwork
+from ced.model.state import HandOver
+from ced.routing.pointer_head import PointerHead, RouterConfig, pool_h19
+from ced.text.tokenizer import ChatTokenizer, Message, train_tokenizer
 from tests.tiny import tiny_config, tiny_network
 
 SENTENCES = [
@@ -60,11 +60,13 @@ def model(tokenizer: ChatTokenizer) -> tuple[CEDNetwork, object, object, Adapter
     enc.eval(), dec.eval()
     AdapterBank(net.cfg, dec).attach(dec)
     mods = decoder_lora_modules(net.cfg, net)
-    l0 = Adapter("L0_chat", "adapters/L0_chat", 4, 8.0, random_adapter_weights(mods, 4, std=0.05, generator=torch.Generator().manual_seed(5)), "test")
+    l0 = Adapter("L0_chat", "adapters/L0_chat", 4, 8.0,
+                 random_adapter_weights(mods, 4, std=0.05, generator=torch.Generator().manual_seed(5)), "test")
     return net, enc, dec, l0
 
 
-def _conversation(model, tokenizer: ChatTokenizer, query: str, history_turns: int = 2) -> tuple[Conversation, list[int], HandOver]:  # type: ignore[no-untyped-def]
+def _conversation(model, tokenizer: ChatTokenizer, query: str,  # type: ignore[no-untyped-def]
+                  history_turns: int = 2) -> tuple[Conversation, list[int], HandOver]:
     """A conversation with a replayed earlier turn (non-empty adapter rings) and the new user turn encoded."""
     net, enc, dec, l0 = model
     conv = Conversation(enc, dec)
@@ -83,7 +85,8 @@ def _snapshot(conv: Conversation):  # type: ignore[no-untyped-def]
     snap = DecoderSession.__new__(DecoderSession)
     snap.__dict__.update(d.__dict__)
     snap.sources = d.sources.clone()
-    snap.recent = HandOver(*(getattr(d.recent, f.name).clone() for f in fields(HandOver))) if d.recent is not None else None
+    snap.recent = (HandOver(*(getattr(d.recent, f.name).clone() for f in fields(HandOver))) if d.recent is not None
+                   else None)
     rings = {k: r.clone() for k, r in d.rings.items()}
     return conv.encoder_state.clone(), snap, rings, d.adapter, conv.position
 
@@ -95,7 +98,8 @@ def _assert_unchanged(conv: Conversation, snap) -> None:  # type: ignore[no-unty
     assert conv.decoder.shared_equal(dec_snap), "the decoder's shared state (mirror, rows) changed"
     assert conv.decoder.adapter is adapter
     assert rings.keys() == conv.decoder.rings.keys()
-    assert all(torch.equal(r.kv, conv.decoder.rings[k].kv) and torch.equal(r.pos, conv.decoder.rings[k].pos) for k, r in rings.items())
+    assert all(torch.equal(r.kv, conv.decoder.rings[k].kv) and torch.equal(r.pos, conv.decoder.rings[k].pos)
+               for k, r in rings.items())
 
 
 def _routers(model, tokenizer: ChatTokenizer) -> list[Router]:  # type: ignore[no-untyped-def]
@@ -108,7 +112,8 @@ def _routers(model, tokenizer: ChatTokenizer) -> list[Router]:  # type: ignore[n
 
 
 @pytest.mark.parametrize("n_options", [2, 3, 4, 5, 6])
-def test_every_router_picks_a_valid_option_and_leaves_the_conversation_untouched(model, tokenizer: ChatTokenizer, n_options: int) -> None:  # type: ignore[no-untyped-def]
+def test_every_router_picks_a_valid_option_and_leaves_the_conversation_untouched(  # type: ignore[no-untyped-def]
+        model, tokenizer: ChatTokenizer, n_options: int) -> None:
     conv, query_ids, _ = _conversation(model, tokenizer, "list the files in this folder with ls -la")
     snap = _snapshot(conv)
     options = random.Random(n_options).sample(OPTIONS, n_options)
@@ -133,7 +138,8 @@ def test_mol_router_parses_labels_and_falls_back_to_number_logits(model, tokeniz
     index, info = router.decide_info(conv, query_ids, OPTIONS[:4])
     assert 0 <= index < 4 and 0 <= info["label_tokens"] <= 24
     prompt = tokenizer.decode(router.prompt_ids(OPTIONS[:4])[0])
-    assert "1) " + OPTIONS[0] in prompt and "4) " + OPTIONS[3] in prompt and prompt.rstrip().endswith("Answer with the number.")
+    assert ("1) " + OPTIONS[0] in prompt and "4) " + OPTIONS[3] in prompt
+            and prompt.rstrip().endswith("Answer with the number."))
     if not info["parsed"]:  # an untrained adapter rarely writes a number: the fallback must be the number-logit argmax
         fork = conv.fork()
         ids, numbers = router.prompt_ids(OPTIONS[:4])
@@ -155,7 +161,8 @@ def test_mol2_reads_the_user_turn_h19_and_caches_the_option_side(model, tokenize
     for name in ("tokens", "padding", "keys"):
         assert torch.equal(getattr(cached, name), getattr(fresh, name))
     from_conv = router.decide(conv, query_ids, OPTIONS)
-    assert from_conv == router.decide(conv, query_ids, OPTIONS, h19=expected) == router.decide(conv, query_ids, OPTIONS, h19=handover.encoder_out)
+    assert (from_conv == router.decide(conv, query_ids, OPTIONS, h19=expected)
+            == router.decide(conv, query_ids, OPTIONS, h19=handover.encoder_out))
     assert from_conv == int(router.head.score(expected[None], fresh).argmax())
     with pytest.raises(RoutingError):
         router.decide(conv, query_ids, OPTIONS, h19=torch.zeros(2, 3, 4))
@@ -185,7 +192,8 @@ def test_contextual_fit_reduces_the_loss_on_a_separable_set(model, tokenizer: Ch
     net, enc, dec, l0 = model
     router = ContextualMoLRouter(enc, tokenizer, width=16, seed=3)
     rng = random.Random(0)
-    queries = {0: ["hey, how are you doing today?", "small talk and feelings, how are you"], 1: ["list the files with ls -la", "shell commands with options and flags"]}
+    queries = {0: ["hey, how are you doing today?", "small talk and feelings, how are you"],
+               1: ["list the files with ls -la", "shell commands with options and flags"]}
     examples = []
     for _ in range(6):
         for label, texts in queries.items():
@@ -193,7 +201,8 @@ def test_contextual_fit_reduces_the_loss_on_a_separable_set(model, tokenizer: Ch
             swap = rng.random() < 0.5
             if swap:
                 options.reverse()
-            examples.append((tokenizer.turn(Message("user", rng.choice(texts)), generation_prompt=True), options, (1 - label) if swap else label))
+            examples.append((tokenizer.turn(Message("user", rng.choice(texts)), generation_prompt=True), options,
+                             (1 - label) if swap else label))
     data = router.featurize(examples)
     assert all(isinstance(e, ContextualExample) for e in data)
     before = router.loss(data)

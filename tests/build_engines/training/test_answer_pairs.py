@@ -10,11 +10,11 @@ import pytest
 
 from build_engines.data.corpora import reader
 from build_engines.data.corpora.output import write_json, write_jsonl
-from build_engines.data.tokenizer import Message, train_tokenizer
 from build_engines.routing.request_facts import CSS_PROPERTY_PHRASES
 from build_engines.training import answer_facts as af
 from build_engines.training import answer_pairs as ap
 from build_engines.training.answer_tuning import encode_pair
+from ced.text.tokenizer import Message, train_tokenizer
 
 PROPS = sorted(CSS_PROPERTY_PHRASES)[:24]
 WORDS = ["weather", "dinner", "money", "horse", "letter", "garden", "train", "music", "doctor", "party"]
@@ -26,9 +26,11 @@ def _chat(split: str, d: int) -> str:
 
 
 def _man(split: str, d: int) -> str:
-    options = "\n\n".join(f"    -{chr(97 + k)}, --{split}-opt{d}-{k}\n        print the {split} value {d} {k} for the tool"
+    options = "\n\n".join(f"    -{chr(97 + k)}, --{split}-opt{d}-{k}\n"
+                          f"        print the {split} value {d} {k} for the tool"
                           for k in range(12))
-    return f"NAME\n    {split}tool{d} - does {split} things\n\nSYNOPSIS\n    {split}tool{d} [OPTION]... FILE\n\nOPTIONS\n{options}\n"
+    return (f"NAME\n    {split}tool{d} - does {split} things\n\nSYNOPSIS\n    {split}tool{d} [OPTION]... FILE\n\n"
+            f"OPTIONS\n{options}\n")
 
 
 def _code(split: str, d: int) -> str:
@@ -119,7 +121,7 @@ def test_answers_lead_with_the_fact(built: dict) -> None:
 
 
 def test_pairs_are_tokenized_as_the_server_feeds_the_decoder(tmp_path: Path) -> None:
-    from tritonserver_backend.text_service import TextService
+    from tritonserver_backend.core.text_service import TextService
 
     texts = ["what does the -r option of grep do? it searches recursively", "hello there, how are you"] * 20
     tok = train_tokenizer(texts, 300, tmp_path / "tokenizer.json")

@@ -12,9 +12,6 @@ import pytest
 import torch
 
 from build_engines.data.token_data import Mixture
-from build_engines.data.tokenizer import train_tokenizer
-from build_engines.lora import save_adapter
-from build_engines.lora.peft_io import ADAPTER_CONFIG
 from build_engines.training.answer_stage import keep_domain_adapter, training_seconds
 from build_engines.training.answer_tuning import (
     STAGE_KEY,
@@ -27,6 +24,9 @@ from build_engines.training.answer_tuning import (
 )
 from build_engines.training.build_default import merge_previous
 from build_engines.training.train import trainable_adapter
+from ced.lora import save_adapter
+from ced.lora.peft_io import ADAPTER_CONFIG
+from ced.text.tokenizer import train_tokenizer
 from tests.tiny import tiny_network
 
 TEXTS = ["what does the -r option of grep do? -r: it will search recursively", "display: it sets how it is shown"] * 30
@@ -89,7 +89,8 @@ def test_domain_adapter_is_kept_before_it_is_replaced(tmp_path: Path) -> None:
     model_adapter = _source_adapter(net, tmp_path / "model" / "L1_agent")
     keep = tmp_path / "keep" / "L1_agent"
     assert keep_domain_adapter(model_adapter, keep) == keep
-    assert (keep / "adapter_model.safetensors").read_bytes() == (model_adapter / "adapter_model.safetensors").read_bytes()
+    assert ((keep / "adapter_model.safetensors").read_bytes()
+            == (model_adapter / "adapter_model.safetensors").read_bytes())
     cfg = json.loads((model_adapter / ADAPTER_CONFIG).read_text())
     (model_adapter / ADAPTER_CONFIG).write_text(json.dumps(cfg | {STAGE_KEY: {"stage": "answers"}}))
     assert keep_domain_adapter(model_adapter, keep) == keep  # answer-tuned in the model: start from the kept copy
@@ -104,8 +105,11 @@ def test_training_seconds_add_up_across_resumed_runs() -> None:
 
 def test_incremental_rebuild_keeps_the_previous_timings(tmp_path: Path) -> None:
     path = tmp_path / "manifest.json"
-    path.write_text(json.dumps({"notes": ["n"], "timings_s": {"tokenizer_s": 4.0, "base_training_s": 100.0}, "wall_s": 104.0}))
-    merged = merge_previous(path, {"timings_s": {"tokenizer_s": 0.1, "answers_L0_chat_s": 50.0, "evaluation_s": 9.0}, "wall_s": 60.0})
+    path.write_text(json.dumps({"notes": ["n"], "timings_s": {"tokenizer_s": 4.0, "base_training_s": 100.0},
+                                "wall_s": 104.0}))
+    merged = merge_previous(path, {"timings_s": {"tokenizer_s": 0.1, "answers_L0_chat_s": 50.0, "evaluation_s": 9.0},
+                                   "wall_s": 60.0})
     assert merged["notes"] == ["n"]
-    assert merged["timings_s"] == {"tokenizer_s": 4.0, "base_training_s": 100.0, "answers_L0_chat_s": 50.0, "evaluation_s": 9.0}
+    assert merged["timings_s"] == {"tokenizer_s": 4.0, "base_training_s": 100.0, "answers_L0_chat_s": 50.0,
+                                   "evaluation_s": 9.0}
     assert merged["wall_s"] == pytest.approx(163.0)

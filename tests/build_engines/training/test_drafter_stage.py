@@ -10,9 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from build_engines.model.drafter_files import DRAFTER_DIR, save_drafter
-from build_engines.model.dspark import DSpark, DSparkSpec
-from build_engines.model.network import CEDNetwork
 from build_engines.training import drafter_stage as stage
 from build_engines.training.drafter_stage import (
     Anchors,
@@ -26,6 +23,9 @@ from build_engines.training.drafter_stage import (
     new_drafter,
     train_drafter,
 )
+from ced.formats.drafter_files import DRAFTER_DIR, save_drafter
+from ced.model.dspark import DSpark, DSparkSpec
+from ced.model.network import CEDNetwork
 from tests.tiny import PROJECT_ROOT, tiny_config, tiny_network
 
 EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
@@ -186,7 +186,7 @@ REPLY_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def shipped() -> Shipped:
-    from build_engines.model.drafter_files import load_drafter
+    from ced.formats.drafter_files import load_drafter
 
     torch.manual_seed(0)
     net, adapters, tok = stage.load_target(EMBEDDED)

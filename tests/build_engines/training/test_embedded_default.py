@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from build_engines.model.config import get_preset
 from build_engines.training.build_default import smoke_generation
+from ced.model.config import get_preset
 from tests.tiny import PROJECT_ROOT
 
 MODEL = PROJECT_ROOT / "embedded" / "mol2-small"
@@ -17,7 +17,8 @@ def test_manifest_hashes_and_budget() -> None:
     manifest = json.loads((MODEL / "manifest.json").read_text())
     files = manifest["files_sha256"]
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
-    assert {f.split("/")[1] for f in files if f.startswith("adapters/")} == {"L0_chat", "L1_agent", "L2_code", "L3_design"}
+    assert {f.split("/")[1] for f in files if f.startswith("adapters/")} == {"L0_chat", "L1_agent", "L2_code",
+                                                                             "L3_design"}
     for rel, digest in files.items():
         assert hashlib.sha256((MODEL / rel).read_bytes()).hexdigest() == digest, rel
     total = sum(p.stat().st_size for p in MODEL.rglob("*") if p.is_file())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from build_engines.model.config import get_preset
 from build_engines.verify.parallel_plan import Layout, _model_bytes, plan_markdown, role_plans
+from ced.model.config import get_preset
 
 pytestmark = pytest.mark.slow  # the release-sized meta network takes ~10-30 s to build
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from build_engines.export.parity import HANDOVER
-from build_engines.export.rows import (
+from ced.steps.parity import HANDOVER
+from ced.steps.rows import (
     DecoderRow,
     EncoderRow,
     absorb_decoder,
@@ -15,16 +15,17 @@ from build_engines.export.rows import (
     encoder_inputs,
 )
 from tests.conftest import EMBEDDED
+from tritonserver_backend.adapters.registry_init import ensure_registry
+from tritonserver_backend.core.pipeline import InProcessPipeline
 from tritonserver_backend.engines import EngineUnavailable, open_engine
-from tritonserver_backend.pipeline import InProcessPipeline
-from tritonserver_backend.registry_init import ensure_registry
-from tritonserver_backend.sampling import SamplingParams
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 
 def test_the_selector_says_what_is_missing(tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(EngineUnavailable, match="unknown engine backend 'tensorflow'"):
         open_engine("tensorflow", EMBEDDED, tmp_path)
-    with pytest.raises(EngineUnavailable, match=r"no manifest.*python -m build_engines build --model .* --out .* --format onnx"):
+    with pytest.raises(EngineUnavailable,
+                       match=r"no manifest.*python -m build_engines build --model .* --out .* --format onnx"):
         open_engine("onnx", EMBEDDED, tmp_path / "nothing_here")
     with pytest.raises(EngineUnavailable, match="TensorRT|NVIDIA GPU"):
         open_engine("trt", EMBEDDED, tmp_path)
@@ -36,9 +37,9 @@ def test_onnx_engine_follows_the_torch_reference_on_the_default(default_engines)
     engines = {b: open_engine(b, EMBEDDED, default_engines) for b in ("torch", "onnx")}
     import torch
 
-    from build_engines.lora import AdapterBank
-    from build_engines.lora.stacked import stack_adapters
-    from build_engines.model.network import CEDNetwork
+    from ced.lora import AdapterBank
+    from ced.model.network import CEDNetwork
+    from ced.steps.lora_stacked import stack_adapters
 
     layout = engines["torch"].layout
     with torch.device("meta"):
@@ -86,14 +87,15 @@ def test_onnx_engine_follows_the_torch_reference_on_the_default(default_engines)
 @pytest.mark.slow
 def test_a_routed_five_turn_conversation_is_the_same_on_both_engines(default_engines, tmp_path) -> None:  # type: ignore[no-untyped-def]
     conversation = [("Hi! How was your day?", None, True), ("def mean(xs):\n    return sum(xs) / len(xs)", None, False),
-                    ("Make the header sticky with a shadow.", "L3_design", False), ("git log --oneline shows nothing, why?", None, False),
-                    ("Thanks, that helps.", "base", False)]
+                    ("Make the header sticky with a shadow.", "L3_design", False),
+                    ("git log --oneline shows nothing, why?", None, False), ("Thanks, that helps.", "base", False)]
     results = {}
     for backend in ("torch", "onnx"):
         root = tmp_path / backend
         ensure_registry(root, EMBEDDED)
         pipe = InProcessPipeline(EMBEDDED, root, backend=backend, engine_dir=default_engines)
-        results[backend] = [(r.adapter, r.token_ids) for r in (pipe.chat("s", text, adapter=a, new_session=new, params=SamplingParams(max_tokens=24))
+        results[backend] = [(r.adapter, r.token_ids) for r in (pipe.chat("s", text, adapter=a, new_session=new,
+                                                                         params=SamplingParams(max_tokens=24))
                                                               for text, a, new in conversation)]
     assert results["torch"] == results["onnx"]
     assert [a for a, _ in results["onnx"]][2] == "L3_design" and results["onnx"][4][0] == "base"

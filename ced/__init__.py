@@ -1,0 +1,1 @@
+"""The core library under building and serving: network, formats, LoRA, parallel layout, step modules, text."""

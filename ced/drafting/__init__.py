@@ -1,0 +1,1 @@
+"""Drafters that need no model (prompt lookup)."""

@@ -1,0 +1,1 @@
+"""Engine-directory checks: the build manifest, what is stale."""

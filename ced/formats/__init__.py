@@ -1,0 +1,1 @@
+"""Checkpoint formats: ours and the release's, configs, drafter sidecars."""

@@ -1,0 +1,1 @@
+"""The MoL2 pointer head."""

@@ -1,0 +1,1 @@
+"""Adapters: the registry, slots in the banks, the admin service."""

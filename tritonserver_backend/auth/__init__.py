@@ -1,0 +1,1 @@
+"""Admin key and session tokens."""

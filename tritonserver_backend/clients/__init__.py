@@ -1,0 +1,1 @@
+"""Clients of the served tensor API (gRPC/HTTP)."""

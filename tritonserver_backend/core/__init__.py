@@ -1,0 +1,1 @@
+"""The serving core: text, encoder, router, decoder services, scheduler, pipeline, session store, drafting."""

@@ -1,0 +1,311 @@
+"""The encoder model's logic: per-session encoder state on the encoder engine, run once per token for every adapter.
+
+Two kinds of call. A user turn (`encode_turn`: one session, the turn's tokens, and on a (re)start the history
+before it) runs as prefill chunks; the decoder's per-step call (`encode_step`: every active session's newest token
+in one batch) runs as one batched step. Each session has at most one turn in flight: from its user turn until the
+decoder reports the turn done (or rolls it back), a second turn for it is refused, and the number of turns in
+flight is the admission bound.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ced.steps.arena_pool import ArenaPool
+from ced.steps.rows import HANDOVER_KEYS, EncoderRow, absorb_encoder, encoder_inputs
+from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens
+from tritonserver_backend.core import counters as k
+from tritonserver_backend.core.counters import Counters
+from tritonserver_backend.core.handover import MAX_DECODE_LANES, Handover
+from tritonserver_backend.core.session_store import SessionStore
+from tritonserver_backend.engines import StepEngine
+from tritonserver_backend.errors import BadRequest, ServerBusy, UnknownSession
+
+DEFAULT_MAX_CONTEXT = 8192
+DEFAULT_PREFILL_CHUNK = 256
+
+
+@dataclass
+class _InFlight:
+    before: EncoderRow | None  # the state before the user turn (None: the turn started the session)
+    token_before: str | None = None  # the session's token digest before the turn (None: it had none)
+    h19_before: np.ndarray | None = None  # the session's last turn's H19 before the turn (what a fork routes on)
+
+
+@dataclass
+class _DraftBlock:
+    """A speculative step's outputs for one session, not absorbed yet: the next step call says how many of its
+    positions to keep (the last fed token and the accepted drafts), and only those are written (`absorb_encoder`'s
+    `keep`: the state is then that of a session that never saw the rest)."""
+
+    out: dict[str, np.ndarray]  # the step's outputs, this session's row only (1, …)
+    tokens: np.ndarray  # (1, S)
+
+
+@dataclass(frozen=True)
+class EncodedTurn:
+    """What a user turn's encoding hands on: H19 pooled over the turn, the hand-over rows, and the session token
+    issued when this turn (re)started the session ("" on a continuing turn, or with session tokens off)."""
+
+    h19: np.ndarray
+    handover: Handover
+    issued_token: str = ""
+
+
+class EncoderService:
+    def __init__(self, engine: StepEngine, budget_bytes: int = 2 << 30, max_context: int = DEFAULT_MAX_CONTEXT,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0, counters: Counters | None = None,
+                 session_auth: bool = True) -> None:
+        """`max_turns` bounds the turns in flight (active + queued at the decoder); 0 = no bound. `counters` count the
+        tokens encoded (what shows that a continued conversation encodes only its new turn). `session_auth`: a
+        session's later turns need the token issued when it started (session_auth.py); off only for a trusted
+        single-tenant deployment."""
+        self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
+        # opened now, not at the first turn: the token map is a pass over the vocabulary, and a checkpoint without its
+        # Engram tables should fail at start-up
+        self.engram = engine.engram
+        self.max_context, self.prefill_chunk, self.max_turns = max_context, prefill_chunk, max_turns
+        self.sessions: SessionStore[EncoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
+        self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked state, kept between its steps
+        self._in_flight: dict[str, _InFlight] = {}
+        self.tokens = SessionTokens(session_auth)
+        self.counters = counters or Counters()
+        self._uncounted_steps = 0  # step tokens encoded since the last flush (see encode_step)
+        # each live session's last turn's H19 (what a fork without new tokens routes on)
+        self._h19: dict[str, np.ndarray] = {}
+        self._drafts: dict[str, _DraftBlock] = {}  # speculative steps waiting for their kept length (encode_step)
+
+    def flush_counts(self) -> None:
+        """Add the step tokens encoded since the last flush to the counters. Called at every turn's end, so the
+        metric is exact whenever no turn is in flight and lags by the tokens of the turns in flight otherwise."""
+        if self._uncounted_steps:
+            self.counters.add(k.ENCODED_TOKENS, k.STEP, self._uncounted_steps)
+            self._uncounted_steps = 0
+
+    # ------------------------------------------------------------------ a user turn
+    def encode_turn(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None,
+                    start: bool = False, session_token: str | None = None, fork_from: str | None = None,
+                    fork_token: str | None = None) -> EncodedTurn:
+        """Encode a user turn -> H19 pooled over `token_ids`, the hand-over rows of everything encoded, and the session
+        token when the turn (re)started the session.
+
+        A session starts when `start` is set, or is rebuilt when it is not live and `prefix_ids` carries history (more
+        than the lone <|bos|>); otherwise a session that is not live is an error. With session tokens on, a live
+        session (continued, restarted or sent history) needs its `session_token`, checked before anything that could
+        tell a stranger whether the session exists. Nothing is stored on error.
+
+        `fork_from` (with `start`): the session starts as a copy of that live, idle session's state (its token in
+        `fork_token`), and `token_ids` (maybe none) are encoded after it: n completions of one prompt share its
+        prefill this way. With no new tokens the hand-over is empty and H19 is the source's last turn's.
+        """
+        if not session_id:
+            raise BadRequest("session_id must be a non-empty string")
+        ids = check_ids(token_ids, self.cfg.vocab_size, "TOKEN_IDS")
+        prefix = (check_ids(prefix_ids, self.cfg.vocab_size, "PREFIX_IDS") if prefix_ids is not None
+                  else np.zeros(0, np.int64))
+        source = None
+        if fork_from is not None:
+            source = self._fork_source(fork_from, fork_token, start)
+        elif ids.size == 0:
+            raise BadRequest("TOKEN_IDS is empty")
+        existed = self.sessions.contains(session_id)
+        restart = start or (not existed and prefix.size > 1)
+        if existed:
+            self.check_token(session_id, session_token, k.PATH_TURN)
+        elif not restart:
+            self._refuse_missing(session_id, session_token)
+        if session_id in self._in_flight:
+            raise BadRequest(f"session {session_id!r} is still answering its previous turn; wait for its final "
+                             "response")
+        if self.max_turns and len(self._in_flight) >= self.max_turns:
+            self.counters.add(k.TURNS_REFUSED, k.BUSY)
+            raise ServerBusy(f"server busy: {len(self._in_flight)} turns in flight (limit {self.max_turns}); retry "
+                             "shortly")
+        if source is not None:
+            row, ids_all = source.clone(), ids
+        elif restart:
+            row, ids_all = EncoderRow.empty(self.layout), np.concatenate([prefix, ids])
+        else:
+            row, ids_all = self.sessions.get(session_id).clone(), ids
+        if row.position + ids_all.size > self.max_context:
+            self.counters.add(k.TURNS_REFUSED, k.CONTEXT_LIMIT)
+            raise BadRequest(f"session {session_id!r} would reach {row.position + ids_all.size} tokens, more than the "
+                             f"{self.max_context}-token context limit")
+        first = row.position
+        parts = [self._prefill(row, ids_all[i:i + self.prefill_chunk])
+                 for i in range(0, ids_all.size, self.prefill_chunk)]
+        handover = ({k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)} if parts
+                    else self._empty_rows())
+        handover["positions"] = np.arange(first, row.position, dtype=np.int64)
+        self._in_flight[session_id] = _InFlight(self.sessions.get(session_id) if existed else None,
+                                                self.tokens.digest(session_id), self._h19.get(session_id))
+        for evicted in self.sessions.put(session_id, row):
+            self.tokens.forget(evicted)
+            self._h19.pop(evicted, None)
+        issued = self.tokens.issue(session_id) if restart else ""
+        if ids_all.size:
+            self.counters.add(k.ENCODED_TOKENS, k.TURN, int(ids_all.size))
+        rows_h19 = handover.pop("h19")
+        h19 = rows_h19[-ids.size:].mean(0).astype(np.float32) if ids.size else \
+            self._h19.get(fork_from or "", np.zeros(self.cfg.dim, np.float32))
+        self._h19[session_id] = h19
+        return EncodedTurn(h19, handover, issued)
+
+    def _fork_source(self, fork_from: str, fork_token: str | None, start: bool) -> EncoderRow:
+        """The live, idle session a fork copies (its token checked like a turn's)."""
+        if not start:
+            raise BadRequest("fork_from starts a session: send it with new_session")
+        if not self.sessions.contains(fork_from):
+            self._refuse_missing(fork_from, fork_token)
+        self.check_token(fork_from, fork_token, k.PATH_TURN)
+        if fork_from in self._in_flight:
+            raise BadRequest(f"session {fork_from!r} is answering a turn; fork it once that turn has ended")
+        return self.sessions.get(fork_from)
+
+    def _empty_rows(self) -> Handover:
+        """A hand-over of no rows (a fork that adds no tokens), shaped like the engine's."""
+        cfg = self.cfg
+        inner = {"streams": ((cfg.hc_mult, cfg.dim), np.float32), "ffn_pre": ((cfg.hc_mult,), np.float32),
+                 "topk": ((cfg.index_topk,), np.int64), "candidates": ((cfg.candidate_topk_blocks,), np.int64),
+                 "global_kv": ((cfg.head_dim,), np.float32), "index_k": ((cfg.index_head_dim,), np.float32),
+                 "h19": ((cfg.dim,), np.float32)}
+        return {key: np.zeros((0, *shape), dtype) for key, (shape, dtype) in inner.items()}
+
+    def _refuse_missing(self, session_id: str, token: str | None) -> None:
+        """A turn for a session that is not live: its owner learns why (evicted, ended), anyone else is refused."""
+        try:
+            self.sessions.get(session_id)
+        except UnknownSession as reason:
+            try:
+                self.tokens.check_gone(session_id, token, reason)
+            except SessionRefused:
+                self.counters.add(k.TOKEN_REFUSALS, k.PATH_TURN)
+                raise
+
+    def check_token(self, session_id: str, token: str | None, path: str) -> None:
+        """Refuse (the one message, counted under `path`) unless `token` opens this live session."""
+        if not self.tokens.matches(session_id, token):
+            self.counters.add(k.TOKEN_REFUSALS, path)
+            self.tokens.check(session_id, token)
+
+    def _prefill(self, row: EncoderRow, ids: np.ndarray) -> Handover:
+        out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None], engram=self.engram))
+        absorb_encoder(self.layout, [row], out, ids.size, ids[None])
+        return {k: out[k][0] for k in HANDOVER_KEYS + ("h19",)}
+
+    # ------------------------------------------------------------------ the decoder's batched steps
+    def encode_step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool = False,
+                    keep: np.ndarray | None = None, draft: bool = False) -> list[Handover]:
+        """One batched step: `tokens` (B, S) are each session's next generated tokens (one row per session).
+
+        `turn_done` marks the last call of those sessions' turns (the reply's last token and end-of-turn): their next
+        user turn is then welcome. A session unknown here (evicted meanwhile) fails the whole call before any change.
+
+        Speculative decoding: with `draft` the step's rows go back to the decoder as usual but are not absorbed; the
+        session's next call gives, in `keep` (B,), how many of that step's positions to keep (the token fed last and
+        the drafts the decoder accepted, 1..S), and those are absorbed before anything else. -1 (or no `keep`): the
+        session has no block waiting. So the accepted length rides on the next call and costs no round trip.
+        """
+        tokens = np.asarray(tokens)
+        if tokens.ndim != 2 or tokens.shape[0] != len(session_ids) or tokens.dtype.kind not in "iu":
+            raise BadRequest(f"step tokens must be an integer (sessions, steps) array, got {tokens.shape} for "
+                             f"{len(session_ids)} sessions")
+        if len(set(session_ids)) != len(session_ids):
+            raise BadRequest("a session appears twice in one step")
+        check_ids(tokens.reshape(-1), self.cfg.vocab_size, "STEP_TOKEN_IDS")
+        keep = self._check_keep(session_ids, keep)
+        rows = [self.sessions.get(s) for s in session_ids]
+        if draft and (turn_done or tokens.shape[1] == 0):
+            raise BadRequest("a speculative step needs tokens and is never the last step of a turn")
+        over = [s for s, r, kept in zip(session_ids, rows, keep)
+                if r.position + max(kept, 0) + tokens.shape[1] > self.max_context]
+        if over:
+            raise BadRequest(f"sessions {over} would pass the {self.max_context}-token context limit")
+        for s, row, kept in zip(session_ids, rows, keep):  # every check passed: the waiting blocks' kept positions
+            if kept >= 0:
+                block = self._drafts.pop(s)
+                absorb_encoder(self.layout, [row], block.out, block.tokens.shape[1], block.tokens, keep=[kept])
+                self._uncounted_steps += kept
+        if tokens.shape[1] == 0:  # a turn that ends with nothing left to encode (a prefill-only or raw turn)
+            if turn_done:
+                for s in session_ids:
+                    self._in_flight.pop(s, None)
+                self.flush_counts()
+            empty = {key: a for key, a in self._empty_rows().items() if key != "h19"}
+            return [{**empty, "positions": np.zeros(0, np.int64)} for _ in session_ids]
+        starts = [r.position for r in rows]
+        tokens = tokens.astype(np.int64)
+        out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens, self.arena, self.engram))
+        if draft:
+            for b, s in enumerate(session_ids):
+                self._drafts[s] = _DraftBlock({key: v[b:b + 1] for key, v in out.items()}, tokens[b:b + 1])
+        else:
+            absorb_encoder(self.layout, rows, out, tokens.shape[1], tokens)
+            # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
+            self._uncounted_steps += int(tokens.size)
+        if turn_done:
+            for s in session_ids:
+                self._in_flight.pop(s, None)
+            self.flush_counts()
+        steps = tokens.shape[1]
+        return [{**{k: out[k][b] for k in HANDOVER_KEYS},
+                 "positions": np.arange(starts[b], starts[b] + steps, dtype=np.int64)}
+                for b in range(len(session_ids))]
+
+    def _check_keep(self, session_ids: list[str], keep: np.ndarray | None) -> list[int]:
+        """`keep` as one int per session, checked against the blocks waiting: a session with a block must say how
+        much of it to keep (1..S), one without must not (a malformed call changes nothing)."""
+        if keep is None:
+            keep_list = [-1] * len(session_ids)
+        else:
+            a = np.asarray(keep)
+            if a.shape != (len(session_ids),) or a.dtype.kind not in "iu":
+                raise BadRequest(f"STEP_KEEP must be one integer per step session ({len(session_ids)}), got shape "
+                                 f"{a.shape} dtype {a.dtype}")
+            keep_list = [int(v) for v in a]
+        for s, kept in zip(session_ids, keep_list):
+            block = self._drafts.get(s)
+            if block is None and kept != -1:
+                raise BadRequest(f"STEP_KEEP: session {s!r} has no speculative step waiting (send -1)")
+            if block is not None and not 1 <= kept <= block.tokens.shape[1]:
+                raise BadRequest(f"STEP_KEEP: session {s!r} must keep 1..{block.tokens.shape[1]} positions of its "
+                                 f"speculative step, got {kept}")
+        return keep_list
+
+    # ------------------------------------------------------------------ turn bookkeeping
+    def rollback(self, session_id: str) -> None:
+        """Undo the user turn in flight (the decoder rejected it before absorbing anything)."""
+        self._drafts.pop(session_id, None)
+        flight = self._in_flight.pop(session_id, None)
+        if flight is None:
+            return
+        if flight.h19_before is None:
+            self._h19.pop(session_id, None)
+        else:
+            self._h19[session_id] = flight.h19_before
+        if flight.before is None:
+            self.sessions.end(session_id)
+        else:
+            for evicted in self.sessions.put(session_id, flight.before):
+                self.tokens.forget(evicted)
+        self.tokens.restore(session_id, flight.token_before)
+
+    def end(self, session_id: str) -> bool:
+        self._drafts.pop(session_id, None)
+        self._in_flight.pop(session_id, None)
+        self._h19.pop(session_id, None)
+        self.tokens.forget(session_id)
+        return self.sessions.end(session_id)
+
+
+def check_ids(ids: np.ndarray | None, vocab: int, name: str) -> np.ndarray:
+    a = np.asarray(ids)
+    if a.ndim != 1 or a.dtype.kind not in "iu":
+        raise BadRequest(f"{name} must be a 1-D integer tensor, got shape {a.shape} dtype {a.dtype}")
+    if a.size and (a.min() < 0 or a.max() >= vocab):
+        raise BadRequest(f"{name} holds ids outside [0, {vocab})")
+    return a.astype(np.int64)
+
+

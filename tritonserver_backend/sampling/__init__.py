@@ -1,0 +1,1 @@
+"""Sampling: parameters, sampler, grammar masks, speculative acceptance."""

@@ -1,0 +1,1 @@
+"""Triton glue: request dispatch of the Python-backend models, the hand-over codec."""
