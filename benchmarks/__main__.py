@@ -11,6 +11,7 @@ BENCHMARKS = {
     "session-memory": ("session_memory", "session memory vs adapters (docs/benchmarks.md)"),
     "routing-latency": ("routing_latency", "routing placement and latency (docs/routing_latency.md)"),
     "routing-serving": ("routing_serving", "routing through a served model under load (docs/load.md)"),
+    "prefix-cache": ("prefix_cache", "time to first token with the prefix cache: cold vs hit (docs/prefix_cache.md)"),
     "engines": ("engines", "torch vs onnx engines side by side (docs/engines.md)"),
     "serving": ("serving", "concurrent sessions through tritonserver (docs/load.md)"),
     "speculative": ("speculative", "DSpark and prompt lookup vs plain decoding (docs/speculative.md)"),

@@ -67,6 +67,7 @@ from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.encoder_service import EncoderService
+from tritonserver_backend.core.prefix_cache import DEFAULT_BUDGET_BYTES
 from tritonserver_backend.core.router_service import RouterService
 from tritonserver_backend.engines import open_engine
 from tritonserver_backend.errors import BadRequest, ServingError, UnknownSession
@@ -107,7 +108,7 @@ class EncoderWorker:
         # the client's token is checked here, per x-dynamo-session-id, which outlives the service's internal session ids
         # (a rebuild starts a new one); the service is reached only through this worker's endpoints
         self.encoder = EncoderService(engine, max_context=settings.max_context, counters=self.counters,
-                                      session_auth=False)
+                                      session_auth=False, prefix_cache_bytes=DEFAULT_BUDGET_BYTES)
         # x-dynamo-session-id -> its token's digest, while its record lives
         self.tokens = SessionTokens(settings.session_auth)
         self.key = load_internal_key(settings.internal_key_path)

@@ -202,7 +202,7 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
         """Raw-text completions, echo with prompt log-probabilities, n choices from one prefill (completions.py)."""
         from openai_frontend.completions import respond
 
-        return await respond(service, await request.body(), _safe)
+        return await respond(service, await request.body(), _safe, getattr(request.state, "cache_namespace", ""))
 
     return app
 

@@ -20,6 +20,7 @@ Parameters follow the table below (`HONOURED` ...): a parameter the server would
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -32,6 +33,7 @@ from ced.text.tokenizer import ChatTokenizer
 from openai_frontend import model_ids
 from openai_frontend.errors import APIError, bad_request
 from openai_frontend.parameters import _empty, _is, check_table, rows_of
+from openai_frontend.prefix_cache import cache_salt_of
 from openai_frontend.schemas import MAX_STOP, MAX_TOKENS_LIMIT, StreamOptions, _json_object, _validate
 from openai_frontend.stop_text import StopText
 from openai_frontend.triton_stream import Piece
@@ -126,6 +128,7 @@ class CompletionRequest:
     prompts: tuple[Prompt, ...]
     body: CompletionBody
     stop: tuple[str, ...]
+    cache_salt: str | None = None  # the API key's partition of the server's prefix cache (None: shared)
 
     @property
     def stream(self) -> bool:
@@ -242,7 +245,8 @@ class Completions:
                     top_p=b.top_p, seed=b.seed, frequency_penalty=b.frequency_penalty,
                     presence_penalty=b.presence_penalty,
                     repetition_penalty=b.repetition_penalty, stream=b.stream, logprobs=b.logprobs is not None,
-                    top_logprobs=b.logprobs or None, raw=True, end_session=True, text="")
+                    top_logprobs=b.logprobs or None, raw=True, end_session=True, text="",
+                    cache_salt=request.cache_salt)
         base.update(kw)
         return TurnRequest(session_id, **base)  # type: ignore[arg-type]
 
@@ -435,13 +439,14 @@ def now() -> int:
     return int(time.time())
 
 
-async def respond(service: Any, raw: bytes, safe: Any) -> Any:
+async def respond(service: Any, raw: bytes, safe: Any, namespace: str = "") -> Any:
     """The `/v1/completions` response: one `text_completion` object, or server-sent chunks (the first delta is awaited
     before the response starts, so an error before it keeps its HTTP status). `safe` turns a lost connection to
-    tritonserver into a 503 (app._safe)."""
+    tritonserver into a 503 (app._safe). `namespace`: the API key's, whose partition of the prefix cache the
+    prompts use."""
     from fastapi.responses import JSONResponse, StreamingResponse
 
-    request = CompletionRequest.parse(raw, service.tokenizer)
+    request = dataclasses.replace(CompletionRequest.parse(raw, service.tokenizer), cache_salt=cache_salt_of(namespace))
     totals, cid, created = Totals(), completion_id(), now()
     deltas = Completions(service).deltas(request, totals)
     if not request.stream:

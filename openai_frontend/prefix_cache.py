@@ -41,6 +41,13 @@ def namespace_of(api_key: str | None) -> str:
     return hashlib.sha256(api_key.encode("utf-8")).hexdigest() if api_key else ""
 
 
+def cache_salt_of(namespace: str) -> str | None:
+    """The server's `cache_salt` for requests of this namespace: a digest of it (the API key never leaves the
+    frontend), None without API keys (the server's shared partition). Each key then has its own partition of the
+    encoder's prefix cache too: another tenant can neither take its prefixes nor time them (docs/prefix_cache.md)."""
+    return hashlib.sha256(b"mol2-cache-salt\0" + namespace.encode()).hexdigest()[:32] if namespace else None
+
+
 def prefix_key(messages: Sequence[Message], namespace: str = "") -> str:
     """The cache key of a message list within a namespace (`namespace_of`; "" without API keys)."""
     canonical = json.dumps([list(m) for m in messages], ensure_ascii=False, separators=(",", ":"))

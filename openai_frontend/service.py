@@ -26,7 +26,7 @@ from ced.text.chat_format import ChatFormatError
 from ced.text.tokenizer import ChatTokenizer
 from openai_frontend import model_ids, responses, tool_calls
 from openai_frontend.errors import APIError, bad_request, session_lost, session_refused, unknown_model
-from openai_frontend.prefix_cache import Entry, PrefixCache, prefix_key
+from openai_frontend.prefix_cache import Entry, PrefixCache, cache_salt_of, prefix_key
 from openai_frontend.schemas import ChatRequest
 from openai_frontend.stop_text import StopText
 from openai_frontend.triton_stream import Piece, TritonStream
@@ -178,6 +178,7 @@ class ChatService:
         syntax = tool_calls.syntax_for(self.tokenizer.chat_format) if tools.rendered else None
         if syntax is not None and tools.forced:
             request = dataclasses.replace(request, grammar=tools.grammar(syntax))
+        salt = cache_salt_of(namespace)  # the API key's partition of the server's prefix cache
         namespace = tools.namespace(namespace)  # a session holds the tools' text: the cache keys on the tools too
         try:  # counted in the model directory's chat format, the one the server renders the turn in
             prompt_tokens = len(self.tokenizer.chat_format.encode(
@@ -185,24 +186,25 @@ class ChatService:
                 tools=list(tools.definitions) if tools.rendered else None))
         except ChatFormatError as exc:
             raise bad_request(str(exc), "messages") from None
-        answer = await self._answer(request, namespace, prompt_tokens)
+        answer = await self._answer(request, namespace, prompt_tokens, salt)
         if syntax is not None:
             answer.tools = tool_calls.ToolReply(syntax, tools.parallel and not tools.forced)
         return answer
 
-    async def _answer(self, request: ChatRequest, namespace: str, prompt_tokens: int) -> Answer:
+    async def _answer(self, request: ChatRequest, namespace: str, prompt_tokens: int,
+                      salt: str | None = None) -> Answer:
         entry = self.cache.take(prefix_key(request.earlier, namespace)) if request.earlier else None
         refused = False
         if entry is not None:
             try:
                 return await self._open(request, namespace, entry.session_id, False, prompt_tokens, entry.tokens,
-                                        entry.session_token)
+                                        entry.session_token, salt)
             except APIError as exc:
                 if not session_lost(exc):
                     raise
                 refused = session_refused(exc)
                 self.refusals += refused
-        answer = await self._open(request, namespace, f"oai-{uuid.uuid4().hex}", True, prompt_tokens, 0)
+        answer = await self._open(request, namespace, f"oai-{uuid.uuid4().hex}", True, prompt_tokens, 0, "", salt)
         answer.refused = refused
         if entry is not None:
             self.rebuilt_after_refusal += refused
@@ -210,7 +212,7 @@ class ChatService:
         return answer
 
     async def _open(self, request: ChatRequest, namespace: str, session_id: str, new: bool, prompt_tokens: int,
-                    cached: int, session_token: str = "") -> Answer:
+                    cached: int, session_token: str = "", salt: str | None = None) -> Answer:
         history = (json.dumps([tool_calls.wire(m) for m in request.earlier], ensure_ascii=False)
                    if new and request.earlier else None)
         plain = len(request.turn) == 1 and request.turn[0][0] == "user"  # the tensor API's text; else turn_messages
@@ -226,7 +228,7 @@ class ChatService:
                            session_token=session_token or None, top_k=request.top_k, min_p=request.min_p,
                            logit_bias=request.logit_bias, stop_token_ids=list(request.stop_token_ids) or None,
                            min_tokens=request.min_tokens, ignore_eos=request.ignore_eos, grammar=request.grammar,
-                           tools=request.tools.json(), turn_messages=turn_messages)
+                           tools=request.tools.json(), turn_messages=turn_messages, cache_salt=salt)
         pieces = self.stream.turn(turn)
         try:
             first = await anext(pieces)

@@ -148,7 +148,12 @@ FORK_FROM = TensorSpec("fork_from", "BYTES", (1,), True,
                        "state, its decoder's global-KV mirror and replay window); nothing is re-encoded, text may be "
                        "empty; needs that session's token in fork_token")
 FORK_TOKEN = TensorSpec("fork_token", "BYTES", (1,), True, "the session token of the fork_from session")
+CACHE_SALT = TensorSpec("cache_salt", "BYTES", (1,), True,
+                        "the prefix cache partition a starting session reads and fills (at most 256 printable "
+                        "characters; absent: the shared partition): sessions with another salt never see its "
+                        "prefixes, nor their timing")
 COMPLETION_INPUTS = (RAW, FORCED_IDS, FORK_FROM, FORK_TOKEN)
+CACHE_INPUTS = (CACHE_SALT,)
 
 # ------------------------------------------------------------------------------------ between models
 TOKEN_IDS = TensorSpec("TOKEN_IDS", "INT64", (-1,),
@@ -249,7 +254,7 @@ PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTO
                        (TOKEN_IDS, PREFIX_IDS, START, ARRIVAL_NS))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, SESSION_TOKEN, DROP_SESSION, ROLLBACK,
                                 STEP_SESSION_IDS, STEP_TOKEN_IDS, STEP_KEEP, STEP_DRAFT, TURN_DONE,
-                                INTERNAL_KEY, CHECK_TOKEN, FORK_FROM, FORK_TOKEN),
+                                INTERNAL_KEY, CHECK_TOKEN, FORK_FROM, FORK_TOKEN, CACHE_SALT),
                     (H19, *HANDOVER, ISSUED_TOKEN, GRANT))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 # the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two
@@ -268,7 +273,7 @@ SESSION_CONTROL = ModelSpec("session_control", (SESSION_ID, CONTROL_ACTION, CONT
 ENSEMBLE_NAME = "mol2"
 ENSEMBLE_INPUTS = (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTORY, *TOOL_INPUTS, ADAPTER, MAX_TOKENS, TEMPERATURE, TOP_P,
                    SEED, STOP, *PENALTIES, *SAMPLING_INPUTS, END_SESSION, STREAM,
-                   LOGPROBS, TOP_LOGPROBS, SESSION_TOKEN, *COMPLETION_INPUTS)
+                   LOGPROBS, TOP_LOGPROBS, SESSION_TOKEN, *COMPLETION_INPUTS, *CACHE_INPUTS)
 ENSEMBLE_OUTPUTS = (TEXT_OUTPUT, TOKEN_ID_OUT, ADAPTER_NAME, FINISH_REASON, *LOGPROB_OUTPUTS, ISSUED_SESSION_TOKEN)
 MODELS = (PREPROCESS, ENCODER, ROUTER, DECODER, ADMIN, SESSION_CONTROL)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tritonserver_backend import contract as c
 from tritonserver_backend.core.drafting import DRAFT_BATCH, check_speculative
+from tritonserver_backend.core.prefix_cache import DEFAULT_BUDGET_BYTES
 
 DEFAULT_PARAMETERS = {
     "model_dir": "embedded/mol2-small",
@@ -26,6 +27,9 @@ DEFAULT_PARAMETERS = {
     "stream_interval": "1",  # tokens per streamed response (the last one of a turn flushes the rest); docs/load.md
     "decode_lanes": "1",  # 2: one lane's encoder step overlaps the other's decoder step (docs/load.md); 1: one batch
     "prefill_chunk": "256",
+    # the encoder's prefix cache (docs/prefix_cache.md): bytes of cached prompt prefixes, beside session_budget_bytes
+    # (0: off); its block is prefill_chunk
+    "prefix_cache_bytes": str(DEFAULT_BUDGET_BYTES),
     # speculative decoding (docs/speculative.md): the drafter (auto: the model's DSpark drafter where its engines
     # hold one, else off; dspark; ngram: prompt lookup over the reply; off), drafts per step, the confidence below
     # which a DSpark block is cut (0: never), and the most turns a lane may have going for its steps to draft (a
@@ -57,7 +61,7 @@ PARALLEL = ("tensor_parallel_size", "enable_expert_parallel")
 PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
     "encoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",
-                "max_active_turns", "max_queued_turns", "prefill_chunk",
+                "max_active_turns", "max_queued_turns", "prefill_chunk", "prefix_cache_bytes",
                 "session_auth", "internal_key_file"),
     "router": ("model_dir", "registry_root", *ENGINE),
     "decoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",

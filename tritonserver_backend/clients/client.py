@@ -72,6 +72,7 @@ class TurnRequest:
     forced_ids: list[int] | None = None  # teacher forcing: emitted first, with their log-probabilities
     fork_from: str | None = None  # with new_session: start as a copy of this live, idle session
     fork_token: str | None = None  # that session's token (None: the client's SessionTokens fill it in)
+    cache_salt: str | None = None  # the prefix cache partition of a starting session (None: the shared one)
     # JSON list of OpenAI tool definitions, rendered by the chat format (every turn of a session)
     tools: str | None = None
     turn_messages: str | None = None  # JSON list of the messages this turn adds (tool results, user) instead of text
@@ -108,6 +109,7 @@ class TurnRequest:
             c.FORCED_IDS: list(self.forced_ids) if self.forced_ids is not None else None,
             c.FORK_FROM: self.fork_from,
             c.FORK_TOKEN: self.fork_token,
+            c.CACHE_SALT: self.cache_salt,
             c.TOOLS: self.tools,
             c.TURN_MESSAGES: self.turn_messages,
         }

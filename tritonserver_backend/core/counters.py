@@ -28,6 +28,13 @@ TOKEN_PATHS = (PATH_TURN, PATH_CANCEL)
 # (accepted / blocks + 1 is the mean tokens a turn gets per decoder step)
 SPECULATIVE_BLOCKS, DRAFTED, DRAFTS_ACCEPTED = ("speculative_blocks", "speculative_drafted_tokens",
                                                 "speculative_accepted_tokens")
+# the encoder's prefix cache (prefix_cache.py), labelled by partition: SHARED (no cache_salt) or SALTED (any salt;
+# a salt is never written into a metric). Hits and misses count starting sessions; hit tokens the positions a hit
+# did not prefill; evictions the entries dropped for the budget.
+PREFIX_HITS, PREFIX_MISSES = "prefix_cache_hits", "prefix_cache_misses"
+PREFIX_HIT_TOKENS, PREFIX_EVICTIONS = "prefix_cache_hit_tokens", "prefix_cache_evictions"
+PREFIX_SHARED, PREFIX_SALTED = "shared", "salted"
+PREFIX_PARTITIONS = (PREFIX_SHARED, PREFIX_SALTED)
 DESCRIPTIONS = {
     WRITTEN: "routing decisions written by the router (explicit overrides included)",
     READ: "routing decisions read by the decoder",
@@ -48,6 +55,11 @@ DESCRIPTIONS = {
     DRAFTED: "tokens drafted into speculative blocks",
     DRAFTS_ACCEPTED: "drafted tokens the target accepted (greedy: equal to its own choice; sampling: speculative "
                      "sampling)",
+    PREFIX_HITS: "starting sessions whose prompt began with a cached prefix (partition=shared: no cache_salt; "
+                 "partition=salted: a cache_salt)",
+    PREFIX_MISSES: "starting sessions the prefix cache had no prefix for",
+    PREFIX_HIT_TOKENS: "prompt positions taken from the prefix cache instead of prefilled",
+    PREFIX_EVICTIONS: "prefix cache entries dropped for its byte budget (least recently used first)",
     ENCODED_TOKENS: "tokens run through the encoder (kind=turn: user turns and any rebuilt history; kind=step: "
                     "generated tokens fed back)",
 }

@@ -19,6 +19,7 @@ from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.handover import MAX_DECODE_LANES, Handover
+from tritonserver_backend.core.prefix_cache import PrefixCache, check_salt
 from tritonserver_backend.core.session_store import SessionStore
 from tritonserver_backend.engines import StepEngine
 from tritonserver_backend.errors import BadRequest, ServerBusy, UnknownSession
@@ -57,11 +58,12 @@ class EncodedTurn:
 class EncoderService:
     def __init__(self, engine: StepEngine, budget_bytes: int = 2 << 30, max_context: int = DEFAULT_MAX_CONTEXT,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0, counters: Counters | None = None,
-                 session_auth: bool = True) -> None:
+                 session_auth: bool = True, prefix_cache_bytes: int = 0) -> None:
         """`max_turns` bounds the turns in flight (active + queued at the decoder); 0 = no bound. `counters` count the
         tokens encoded (what shows that a continued conversation encodes only its new turn). `session_auth`: a
         session's later turns need the token issued when it started (session_auth.py); off only for a trusted
-        single-tenant deployment."""
+        single-tenant deployment. `prefix_cache_bytes`: the prefix cache's budget (prefix_cache.py; 0: off), beside
+        the session budget; its block is the prefill chunk."""
         self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
         # opened now, not at the first turn: the token map is a pass over the vocabulary, and a checkpoint without its
         # Engram tables should fail at start-up
@@ -76,6 +78,8 @@ class EncoderService:
         # each live session's last turn's H19 (what a fork without new tokens routes on)
         self._h19: dict[str, np.ndarray] = {}
         self._drafts: dict[str, _DraftBlock] = {}  # speculative steps waiting for their kept length (encode_step)
+        self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, f"{engine.model_dir}:{engine.describe()}",
+                                        self.counters)
 
     def flush_counts(self) -> None:
         """Add the step tokens encoded since the last flush to the counters. Called at every turn's end, so the
@@ -87,7 +91,7 @@ class EncoderService:
     # ------------------------------------------------------------------ a user turn
     def encode_turn(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None,
                     start: bool = False, session_token: str | None = None, fork_from: str | None = None,
-                    fork_token: str | None = None) -> EncodedTurn:
+                    fork_token: str | None = None, cache_salt: str | None = None) -> EncodedTurn:
         """Encode a user turn -> H19 pooled over `token_ids`, the hand-over rows of everything encoded, and the session
         token when the turn (re)started the session.
 
@@ -102,6 +106,7 @@ class EncoderService:
         """
         if not session_id:
             raise BadRequest("session_id must be a non-empty string")
+        salt = check_salt(cache_salt)
         ids = check_ids(token_ids, self.cfg.vocab_size, "TOKEN_IDS")
         prefix = (check_ids(prefix_ids, self.cfg.vocab_size, "PREFIX_IDS") if prefix_ids is not None
                   else np.zeros(0, np.int64))
@@ -134,8 +139,7 @@ class EncoderService:
             raise BadRequest(f"session {session_id!r} would reach {row.position + ids_all.size} tokens, more than the "
                              f"{self.max_context}-token context limit")
         first = row.position
-        parts = [self._prefill(row, ids_all[i:i + self.prefill_chunk])
-                 for i in range(0, ids_all.size, self.prefill_chunk)]
+        row, parts, cached = self._encode(row, ids_all, salt if restart and source is None else None)
         handover = ({k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)} if parts
                     else self._empty_rows())
         handover["positions"] = np.arange(first, row.position, dtype=np.int64)
@@ -145,8 +149,8 @@ class EncoderService:
             self.tokens.forget(evicted)
             self._h19.pop(evicted, None)
         issued = self.tokens.issue(session_id) if restart else ""
-        if ids_all.size:
-            self.counters.add(k.ENCODED_TOKENS, k.TURN, int(ids_all.size))
+        if ids_all.size - cached:
+            self.counters.add(k.ENCODED_TOKENS, k.TURN, int(ids_all.size - cached))
         rows_h19 = handover.pop("h19")
         h19 = rows_h19[-ids.size:].mean(0).astype(np.float32) if ids.size else \
             self._h19.get(fork_from or "", np.zeros(self.cfg.dim, np.float32))
@@ -189,6 +193,27 @@ class EncoderService:
         if not self.tokens.matches(session_id, token):
             self.counters.add(k.TOKEN_REFUSALS, path)
             self.tokens.check(session_id, token)
+
+    def _encode(self, row: EncoderRow, ids: np.ndarray,
+                salt: str | None) -> tuple[EncoderRow, list[Handover], int]:
+        """Prefill `ids` into `row` in chunks -> the row after them, the rows of every position, and how many came
+        from the prefix cache. `salt` None: no cache (a continuing turn, a fork); else the starting session's
+        partition (`row` is then a fresh row)."""
+        parts: list[Handover] = []
+        cached = 0
+        if salt is not None and self.prefix_cache.enabled:
+            hit = self.prefix_cache.lookup(salt, ids)
+            if hit is not None:
+                row = hit.row  # the session's own copy of the cached state
+                parts.append(hit.rows)
+                cached = hit.length
+        store = self.prefix_cache.longest_block(ids) if salt is not None and self.prefix_cache.enabled else 0
+        for i in range(cached, ids.size, self.prefill_chunk):
+            parts.append(self._prefill(row, ids[i:i + self.prefill_chunk]))
+            if row.position == store and store > cached:  # the longest block-aligned prefix: for the next sessions
+                rows = {k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)}
+                self.prefix_cache.insert(salt or "", ids[:store], row.clone(), rows)
+        return row, parts, cached
 
     def _prefill(self, row: EncoderRow, ids: np.ndarray) -> Handover:
         out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None], engram=self.engram))

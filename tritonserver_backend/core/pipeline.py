@@ -56,16 +56,19 @@ class DirectEncoderPort:
 class InProcessPipeline:
     def __init__(self, model_dir: str | Path, registry_root: str | Path, max_context: int = 8192,
                  backend: str = "torch", engine_dir: str | Path | None = None, session_auth: bool = False,
-                 drafter: Drafter | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False) -> None:
+                 drafter: Drafter | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
+                 prefix_cache_bytes: int = 0) -> None:
         """`session_auth` off by default: the in-process pipeline has one caller (the server's models default to on).
         `drafter`: speculative decoding with it (None: plain decoding). `tensor_parallel_size` > 1: the encoder and
-        the decoder each run on that many ranks (this process leads; `engines.rank_group`)."""
+        the decoder each run on that many ranks (this process leads; `engines.rank_group`). `prefix_cache_bytes`: the
+        encoder's prefix cache budget (0: off)."""
         self.drafter = drafter
         self.counters = Counters()
         self.registry = Registry(registry_root)
         self.engine = open_engine(backend, model_dir, engine_dir, tensor_parallel_size, expert_parallel)
         self.text = TextService(model_dir)
-        self.encoder = EncoderService(self.engine, max_context=max_context, session_auth=session_auth)
+        self.encoder = EncoderService(self.engine, max_context=max_context, session_auth=session_auth,
+                                      prefix_cache_bytes=prefix_cache_bytes)
         self.router = RouterService(model_dir, Registry(registry_root), self.counters, self.engine)
         self.decoder = DecoderService(self.engine, Registry(registry_root), self.text.tokenizer, self.counters,
                                       max_context=max_context)
@@ -73,13 +76,15 @@ class InProcessPipeline:
     def chat(self, session_id: str, text: str, adapter: str | None = None, new_session: bool = False,
              history: str | None = None, params: SamplingParams | None = None, end_session: bool = False,
              session_token: str | None = None,
-             fork_from: str | None = None, fork_token: str | None = None) -> TurnResult:
+             fork_from: str | None = None, fork_token: str | None = None,
+             cache_salt: str | None = None) -> TurnResult:
         """`params.raw` / `params.forced_ids`, `fork_from` / `fork_token`: the completions inputs (contract.RAW,
         ...)."""
         params = params or SamplingParams()
         self.registry.check_explicit(adapter)  # fail before anything is encoded
         ids, prefix, start = self.text.render(text, new_session, history, params.raw, fork_from is not None)
-        encoded = self.encoder.encode_turn(session_id, ids, prefix, start, session_token, fork_from, fork_token)
+        encoded = self.encoder.encode_turn(session_id, ids, prefix, start, session_token, fork_from, fork_token,
+                                           cache_salt)
         routed = self.router.route([encoded.h19], [adapter])[0]
         if isinstance(routed, Exception):
             self.encoder.rollback(session_id)

@@ -253,29 +253,25 @@ def export_counters(counters: Counters, names: list[str], label: str = "adapter"
 
 
 SESSION_BYTES, SESSION_BUDGET = "mol2_session_bytes", "mol2_session_budget_bytes"
+PREFIX_CACHE_BYTES, PREFIX_CACHE_BUDGET = "mol2_prefix_cache_bytes", "mol2_prefix_cache_budget_bytes"
 TTFT_METRIC, ITL_METRIC = "mol2_time_to_first_token_seconds", "mol2_inter_token_latency_seconds"
 GAUGE_METRICS, HISTOGRAM_METRICS = (SESSION_BYTES, SESSION_BUDGET), (TTFT_METRIC, ITL_METRIC)
 
 
-class SessionGauges:
-    """`mol2_session_bytes{store}` and `mol2_session_budget_bytes{store}` of one model's session store: what its
-    sessions hold against the budget that evicts them. `update()` is called by the thread that owns the model's
-    `pb_utils` objects (the encoder's `execute`, the decoder's worker) and sets the gauge only when the bytes
-    changed."""
+class StoreGauges:
+    """A bytes gauge and a budget gauge of one byte-bounded store (`total_bytes()`, `budget_bytes`), labelled
+    store=`store_name`. `update()` is called by the thread that owns the model's `pb_utils` objects (the encoder's
+    `execute`, the decoder's worker) and sets the gauge only when the bytes changed."""
 
-    def __init__(self, store_name: str, store: Any) -> None:
+    def __init__(self, store_name: str, store: Any, used: tuple[str, str], budget: tuple[str, str]) -> None:
         pb_utils = pb()
         gauge = pb_utils.MetricFamily.GAUGE
-        used = pb_utils.MetricFamily(name=SESSION_BYTES, description="bytes of the sessions a model's store holds "
-                                                                     "(store=encoder: encoder state; store=decoder: "
-                                                                     "global-KV mirror, replay rows, "
-                                                                     "rings)", kind=gauge)
-        budget = pb_utils.MetricFamily(name=SESSION_BUDGET, description="the store's budget: past it the least "
-                                       "recently used sessions are evicted (session_budget_bytes)", kind=gauge)
-        self.store, self._last = store, -1
-        self._families = (used, budget)  # a Metric is usable only while its MetricFamily object lives
-        self._used = used.Metric(labels={"store": store_name})
-        self._budget = budget.Metric(labels={"store": store_name})
+        used_family = pb_utils.MetricFamily(name=used[0], description=used[1], kind=gauge)
+        budget_family = pb_utils.MetricFamily(name=budget[0], description=budget[1], kind=gauge)
+        self.store, self._last, self._name = store, -1, used[0]
+        self._families = (used_family, budget_family)  # a Metric is usable only while its MetricFamily object lives
+        self._used = used_family.Metric(labels={"store": store_name})
+        self._budget = budget_family.Metric(labels={"store": store_name})
         self._budget.set(float(store.budget_bytes))
         self.update()
 
@@ -287,7 +283,30 @@ class SessionGauges:
                 self._used.set(float(now))
                 self._last = now
         except Exception:  # noqa: BLE001 - monitoring must not fail a turn
-            LOG.exception("could not update %s", SESSION_BYTES)
+            LOG.exception("could not update %s", self._name)
+
+
+class SessionGauges(StoreGauges):
+    """`mol2_session_bytes{store}` and `mol2_session_budget_bytes{store}` of one model's session store: what its
+    sessions hold against the budget that evicts them."""
+
+    def __init__(self, store_name: str, store: Any) -> None:
+        super().__init__(store_name, store,
+                         (SESSION_BYTES, "bytes of the sessions a model's store holds (store=encoder: encoder state; "
+                                         "store=decoder: global-KV mirror, replay rows, rings)"),
+                         (SESSION_BUDGET, "the store's budget: past it the least recently used sessions are evicted "
+                                          "(session_budget_bytes)"))
+
+
+class PrefixCacheGauges(StoreGauges):
+    """`mol2_prefix_cache_bytes` and `mol2_prefix_cache_budget_bytes` of the encoder's prefix cache."""
+
+    def __init__(self, cache: Any) -> None:
+        super().__init__("encoder", cache,
+                         (PREFIX_CACHE_BYTES, "bytes the encoder's prefix cache holds (encoder rows and hand-over rows "
+                                              "of cached prefixes)"),
+                         (PREFIX_CACHE_BUDGET, "the prefix cache's budget: past it the least recently used prefixes "
+                                               "are evicted (prefix_cache_bytes; 0: off)"))
 
 
 # seconds; Dynamo's frontend histograms cover the same range (first token: prefill of a long turn; ITL: one step)

@@ -26,14 +26,17 @@ class TritonPythonModel:
         glue.export_counters(counters, [k.ENCODED_TOKENS], label="kind")
         glue.export_counters(counters, [k.TURNS_REFUSED], label="reason", known=k.REFUSAL_REASONS)
         glue.export_counters(counters, [k.TOKEN_REFUSALS], label="path", known=k.TOKEN_PATHS)
+        glue.export_counters(counters, [k.PREFIX_HITS, k.PREFIX_MISSES, k.PREFIX_HIT_TOKENS, k.PREFIX_EVICTIONS],
+                             label="partition", known=k.PREFIX_PARTITIONS)
         session_auth = parse_switch(params.get("session_auth", "true"))
         glue.announce_session_auth("encoder", session_auth)
         self.key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]),
                                                            params.get("internal_key_file") or None))
         self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]),
                                       int(params["max_context"]), int(params["prefill_chunk"]), max_turns, counters,
-                                      session_auth)
+                                      session_auth, int(params.get("prefix_cache_bytes", "0")))
         self.gauges = glue.SessionGauges("encoder", self.service.sessions)
+        self.cache_gauges = glue.PrefixCacheGauges(self.service.prefix_cache)
 
     def execute(self, requests):
         responses = []
@@ -43,6 +46,7 @@ class TritonPythonModel:
             except Exception as exc:  # noqa: BLE001 - one request's error never fails the others
                 responses.append(glue.error_response(exc))
         self.gauges.update()
+        self.cache_gauges.update()
         return responses
 
     def _serve(self, request):
@@ -72,7 +76,8 @@ class TritonPythonModel:
         fork = glue.read(request, c.FORK_FROM, None)
         turn = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS),
                                         bool(glue.read(request, c.START)), glue.read(request, c.SESSION_TOKEN, None),
-                                        fork, glue.read(request, c.FORK_TOKEN, None))
+                                        fork, glue.read(request, c.FORK_TOKEN, None),
+                                        glue.read(request, c.CACHE_SALT, None))
         grant = self.key.grant(grant_subject(session, fork), first_position(turn.handover["positions"]))
         return {c.H19: turn.h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([turn.handover])),
                 c.ISSUED_TOKEN: turn.issued_token, c.GRANT: grant}
