@@ -48,3 +48,12 @@ def test_serving_runs_small(tmp_path: Path, default_engines: Path) -> None:
     text = out.read_text()
     assert "python -m benchmarks serving --sessions 1 2 --tokens 6" in text
     assert "| 1 | 1 |" in text and "| 1 | 2 |" in text  # stream interval 1: one row per session count
+
+
+@pytest.mark.slow
+def test_prefix_cache_runs_small(tmp_path: Path, default_engines: Path) -> None:
+    out = tmp_path / "prefix_cache.md"
+    run("prefix-cache", "--lengths", "300", "--rounds", "1", "--out", str(out), "--work", str(tmp_path / "work"))
+    text = out.read_text()
+    assert "## Measured: time to first token, cold vs hit (benchmarks/prefix_cache.py)" in text
+    assert "| 300 |" in text
