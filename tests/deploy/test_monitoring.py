@@ -129,6 +129,7 @@ def test_the_scrape_config_finds_the_pods_and_adds_the_dashboards_labels() -> No
         "status",
         "error_type",
         "store",
+        "partition",
     }
     assert groupings <= scrape_config_added_labels(CONFIG, "mol2-triton")
 

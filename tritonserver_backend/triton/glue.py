@@ -255,7 +255,8 @@ def export_counters(counters: Counters, names: list[str], label: str = "adapter"
 SESSION_BYTES, SESSION_BUDGET = "mol2_session_bytes", "mol2_session_budget_bytes"
 PREFIX_CACHE_BYTES, PREFIX_CACHE_BUDGET = "mol2_prefix_cache_bytes", "mol2_prefix_cache_budget_bytes"
 TTFT_METRIC, ITL_METRIC = "mol2_time_to_first_token_seconds", "mol2_inter_token_latency_seconds"
-GAUGE_METRICS, HISTOGRAM_METRICS = (SESSION_BYTES, SESSION_BUDGET), (TTFT_METRIC, ITL_METRIC)
+GAUGE_METRICS = (SESSION_BYTES, SESSION_BUDGET, PREFIX_CACHE_BYTES, PREFIX_CACHE_BUDGET)
+HISTOGRAM_METRICS = (TTFT_METRIC, ITL_METRIC)
 
 
 class StoreGauges:
