@@ -12,6 +12,9 @@ BENCHMARKS = {
     "routing-latency": ("routing_latency", "routing placement and latency (docs/routing_latency.md)"),
     "routing-serving": ("routing_serving", "routing through a served model under load (docs/load.md)"),
     "prefix-cache": ("prefix_cache", "time to first token with the prefix cache: cold vs hit (docs/prefix_cache.md)"),
+    "chunked-prefill": ("chunked_prefill", "streams while a long prompt is prefilled: whole vs chunked (docs/load.md)"),
+    "prefix-state-bytes": ("prefix_state_bytes", "encoder state bytes of sessions on one prompt, cache vs none "
+                           "(docs/prefix_cache.md)"),
     "engines": ("engines", "torch vs onnx engines side by side (docs/engines.md)"),
     "serving": ("serving", "concurrent sessions through tritonserver (docs/load.md)"),
     "speculative": ("speculative", "DSpark and prompt lookup vs plain decoding (docs/speculative.md)"),

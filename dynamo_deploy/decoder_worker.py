@@ -41,7 +41,7 @@ from tritonserver_backend.auth.session_auth import GrantLedger, SessionRefused, 
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.decoder_service import DecoderService, Turn
-from tritonserver_backend.core.scheduler import TurnScheduler, TurnStart
+from tritonserver_backend.core.scheduler import DEFAULT_REPLAY_BUDGET, TurnScheduler, TurnStart
 from tritonserver_backend.engines import open_engine
 
 LOG = logging.getLogger("mol2.decoder")
@@ -74,7 +74,8 @@ class DecoderWorker:
         self.ledger = GrantLedger()
         self.port = RemoteEncoderPort(step_client, control_client, loop, self.stats, CallAuth(self.key))
         self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
-        self.scheduler = TurnScheduler(self.decoder, self.port, self._emit, self._fail)
+        self.scheduler = TurnScheduler(self.decoder, self.port, self._emit, self._fail,
+                                       replay_budget=DEFAULT_REPLAY_BUDGET)
         self.inbox: queue.SimpleQueue[TurnStart] = queue.SimpleQueue()
         self.wake = threading.Event()
         threading.Thread(target=self._loop, name="decoder-scheduler", daemon=True).start()

@@ -66,7 +66,7 @@ from tritonserver_backend.adapters.registry import Registry
 from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens, refusal
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
-from tritonserver_backend.core.encoder_service import EncoderService
+from tritonserver_backend.core.encoder_service import DEFAULT_PREFILL_STEP, EncodedTurn, EncoderService
 from tritonserver_backend.core.prefix_cache import DEFAULT_BUDGET_BYTES
 from tritonserver_backend.core.router_service import RouterService
 from tritonserver_backend.engines import open_engine
@@ -128,6 +128,19 @@ class EncoderWorker:
 
     async def run(self, call: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._compute, call, *args)
+
+    async def encode_turn(self, *args: Any) -> EncodedTurn:
+        """`EncoderService.encode_turn`, one prefill piece per call on the engine thread: the decoders' step calls
+        that arrive meanwhile queue between two pieces, so a long prompt delays their streams by at most one piece
+        (prefill_queue.py says why). A turn whose client left is dropped; its session stays as it was."""
+        turn = await self.run(self.encoder.begin_turn, *args)
+        try:
+            while not await self.run(self.encoder.advance_turn, turn, DEFAULT_PREFILL_STEP):
+                pass
+            return await self.run(self.encoder.finish_turn, turn)
+        except BaseException:
+            self._compute.submit(self.encoder.abandon_turn, turn)  # in order on the engine thread, even when cancelled
+            raise
 
     # ------------------------------------------------------------------ the frontend's endpoint
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
@@ -234,8 +247,7 @@ class EncoderWorker:
         encoded = None
         if record is not None and new is not None and record.decoder_instance in live:
             try:
-                encoded = await self.run(self.encoder.encode_turn, record.session_id, np.asarray(new, np.int64), None,
-                                         False)
+                encoded = await self.encode_turn(record.session_id, np.asarray(new, np.int64), None, False)
                 sid, target, rebuilt = record.session_id, record.decoder_instance, False
             except UnknownSession:  # evicted here meanwhile: rebuild below
                 encoded = None
@@ -247,8 +259,7 @@ class EncoderWorker:
             sid = f"{key}#{self.stats.instance_id}.{next(self._serial)}"
             target = live[next(self._next) % len(live)]
             rebuilt = len(history) > 1
-            encoded = await self.run(self.encoder.encode_turn, sid, np.asarray(turn, np.int64),
-                                     np.asarray(history, np.int64), True)
+            encoded = await self.encode_turn(sid, np.asarray(turn, np.int64), np.asarray(history, np.int64), True)
         h19, handover = encoded.h19, encoded.handover
         routed = (await self.run(self.router.route, [h19], [explicit]))[0]
         if isinstance(routed, Exception):

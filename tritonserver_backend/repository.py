@@ -13,7 +13,9 @@ from pathlib import Path
 
 from tritonserver_backend import contract as c
 from tritonserver_backend.core.drafting import DRAFT_BATCH, check_speculative
+from tritonserver_backend.core.encoder_service import DEFAULT_PREFILL_STEP
 from tritonserver_backend.core.prefix_cache import DEFAULT_BUDGET_BYTES
+from tritonserver_backend.core.scheduler import DEFAULT_REPLAY_BUDGET
 
 DEFAULT_PARAMETERS = {
     "model_dir": "embedded/mol2-small",
@@ -26,7 +28,13 @@ DEFAULT_PARAMETERS = {
     "max_queued_turns": "64",  # turns waiting for a row; beyond active + queued a new turn gets "server busy" at once
     "stream_interval": "1",  # tokens per streamed response (the last one of a turn flushes the rest); docs/load.md
     "decode_lanes": "1",  # 2: one lane's encoder step overlaps the other's decoder step (docs/load.md); 1: one batch
-    "prefill_chunk": "256",
+    # positions of bounded replay that starting turns may run in one iteration while others decode (0: no bound)
+    "replay_tokens_per_step": str(DEFAULT_REPLAY_BUDGET),
+    "prefill_chunk": "256",  # the most tokens of one prefill engine call; the prefix cache's block
+    # a long prompt's prefill advances this many tokens between two decoder steps (docs/load.md, "Chunked prefill");
+    # prefill_between_steps false: a turn's prefill runs whole on arrival, every stream waiting (as before issue 49)
+    "prefill_tokens_per_step": str(DEFAULT_PREFILL_STEP),
+    "prefill_between_steps": "true",
     # the encoder's prefix cache (docs/prefix_cache.md): bytes of cached prompt prefixes, beside session_budget_bytes
     # (0: off); its block is prefill_chunk
     "prefix_cache_bytes": str(DEFAULT_BUDGET_BYTES),
@@ -61,11 +69,11 @@ PARALLEL = ("tensor_parallel_size", "enable_expert_parallel")
 PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
     "encoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",
-                "max_active_turns", "max_queued_turns", "prefill_chunk", "prefix_cache_bytes",
-                "session_auth", "internal_key_file"),
+                "max_active_turns", "max_queued_turns", "prefill_chunk", "prefill_tokens_per_step",
+                "prefill_between_steps", "prefix_cache_bytes", "session_auth", "internal_key_file"),
     "router": ("model_dir", "registry_root", *ENGINE),
     "decoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",
-                "max_active_turns", "decode_lanes", "stream_interval",
+                "max_active_turns", "decode_lanes", "replay_tokens_per_step", "stream_interval",
                 "internal_key_file", "speculative", "speculative_block", "speculative_confidence", "speculative_batch"),
     "adapter_admin": ("model_dir", "registry_root", "admin_enabled", "admin_key_file", "adapter_roots", "max_adapters",
                       "max_adapter_rank", "max_adapter_bytes"),

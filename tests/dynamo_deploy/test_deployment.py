@@ -15,6 +15,7 @@ from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment, read_turns
 from dynamo_deploy.model_ids import model_id
 from tests.conftest import EMBEDDED
 from tritonserver_backend.adapters.registry import Registry
+from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.pipeline import InProcessPipeline
 from tritonserver_backend.sampling.sampler import SamplingParams
 
@@ -178,6 +179,25 @@ def test_client_leaving_mid_stream_cancels_the_turn_and_keeps_the_partial_reply(
 
 
 NIXL_THRESHOLD = 192 << 10  # above every single turn's hand-over here (<= ~120 KB), below a rebuild of three turns
+
+
+def test_sessions_sharing_a_prefix_go_to_the_encoder_that_holds_it(fleet, reference) -> None:  # type: ignore[no-untyped-def]
+    """New sessions that open with one document, one after another: Dynamo's KV router (approximate mode: it predicts
+    each worker's cache from its own routing, no KV events) sends each to the encoder worker that took the first, where
+    the encoder's prefix cache serves the document; every reply equals the single-server one."""
+    document = "\n".join(f"{i}. grep -rn 'item {i}' /srv/logs and count the lines" for i in range(40))
+    texts = [document + f"\nWhat does line {i} search for?" for i in range(4)]
+    before = {w["instance_id"]: w["counters"].get(f"{k.PREFIX_HITS}/{k.PREFIX_SHARED}", 0)
+              for w in fleet.stats().values() if w["role"] == "encoder"}
+    for i, text in enumerate(texts):
+        Conversation(fleet.url, f"shared-prefix-{i}").say(text, max_tokens=MAX_TOKENS)
+    served = [_served(fleet.run_dir, f"shared-prefix-{i}")[0] for i in range(4)]
+    assert len({t["worker"] for t in served}) == 1, served  # one encoder took them all (by chance: 1 in 8)
+    after = {w["instance_id"]: w["counters"].get(f"{k.PREFIX_HITS}/{k.PREFIX_SHARED}", 0)
+             for w in fleet.stats().values() if w["role"] == "encoder"}
+    assert sum(after.values()) - sum(before.values()) == 3  # every session after the first hit its cache
+    for i, (t, text) in enumerate(zip(served, texts)):
+        assert t["tokens"] == _reference_turns(reference, f"ref-shared-prefix-{i}", [text])[0]
 
 
 def test_killed_decoder_rebuilds_elsewhere_with_same_tokens(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]

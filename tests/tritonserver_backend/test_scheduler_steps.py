@@ -155,3 +155,35 @@ def test_a_turn_whose_check_fails_unexpectedly_is_answered_and_the_others_go_on(
     assert got["check-0"] == solo["check-0"] and got["check-2"] == solo["check-2"]
     monkeypatch.setattr(pipeline.decoder, "prepare", real_prepare)
     assert pipeline.answer(_request(pipeline, "check-1", PROMPTS[1])).token_ids == solo["check-1"]
+
+
+def test_starting_turns_join_a_decoding_batch_within_the_replay_budget(pipeline) -> None:  # type: ignore[no-untyped-def]
+    """While a turn decodes, the turns waiting to start join at about `replay_budget` replayed positions per iteration
+    (one short prompt's replay here), not all at once; each still gets its solo tokens. With nothing decoding they all
+    join in one iteration."""
+    prompts = ["Tell me a story.", *PROMPTS]
+    solo = [pipeline.answer(_request(pipeline, f"budget-solo-{i}", p)).token_ids for i, p in enumerate(prompts)]
+    got: dict[str, list[int]] = {f"budget-{i}": [] for i in range(len(prompts))}
+
+    def emit(turn: Turn, token: int, reason: str) -> bool:
+        if token >= 0:
+            got[turn.session_id].append(token)
+        return True
+
+    scheduler = TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit,
+                              lambda _, exc: pytest.fail(repr(exc)), replay_budget=1)
+    scheduler.submit(_request(pipeline, "budget-0", prompts[0]))
+    scheduler.iterate()
+    assert len(scheduler.active) == 1  # nothing was decoding: it joined at once
+    for i, prompt in enumerate(prompts[1:], 1):
+        scheduler.submit(_request(pipeline, f"budget-{i}", prompt))
+    still_waiting = []
+    while not scheduler.idle:
+        scheduler.iterate()
+        still_waiting.append(len(scheduler.waiting))
+    scheduler.close()
+    assert still_waiting[:3] == [2, 1, 0]  # one joiner per iteration
+    assert [len(got[f"budget-{i}"]) > 0 for i in range(len(prompts))] == [True] * len(prompts)
+    assert [got[f"budget-{i}"] for i in range(len(prompts))] == solo
+    with pytest.raises(ValueError, match="replay budget"):
+        TurnScheduler(pipeline.decoder, DirectEncoderPort(pipeline.encoder), emit, lambda *_: None, replay_budget=-1)

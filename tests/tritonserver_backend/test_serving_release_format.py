@@ -124,3 +124,34 @@ def test_the_engines_keep_the_weights_as_stored(served) -> None:  # type: ignore
                          if files.tensors[n].dtype == "F32")
         # the f32 the release stores (mHC, sinks, gate biases) + lookup tables
         assert fp32_bytes <= stored_f32 + 64 * 1024
+
+
+def test_sessions_that_share_a_prefix_hit_the_cache_and_answer_as_cold(served, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On the release format with Engram (its n-gram history is part of what a cached prefix holds): sessions that
+    open with one document under two adapters take it from the encoder's prefix cache and answer with the tokens the
+    in-process pipeline gives without a cache."""
+    from tests.tritonserver_backend.test_prefix_cache import metric
+    from tritonserver_backend.adapters.registry_init import ensure_registry
+    from tritonserver_backend.clients.client import GrpcChat, TurnRequest
+    from tritonserver_backend.core.pipeline import InProcessPipeline
+    from tritonserver_backend.sampling.sampler import SamplingParams
+
+    document = " ".join(f"shelf {i} holds {i * 13 % 17} boxes of screws;" for i in range(60))
+    texts = {adapter: f"{document}\nWhich shelf is fullest? ({adapter})" for adapter in ("L0_chat", "L2_code")}
+    hits = metric(served.server, "mol2_prefix_cache_hits", "shared")
+    chat = GrpcChat(served.server.grpc_url)
+    try:
+        chat.turn(TurnRequest("prefix-warm", document + "\nHow many shelves?", new_session=True, max_tokens=2,
+                              end_session=True))
+        replies = {a: chat.turn(TurnRequest(f"prefix-{a}", t, new_session=True, adapter=a, max_tokens=6,
+                                            end_session=True)) for a, t in texts.items()}
+    finally:
+        chat.close()
+    assert metric(served.server, "mol2_prefix_cache_hits", "shared") == hits + len(texts)
+    ensure_registry(tmp_path / "registry", served.model)
+    pipe = InProcessPipeline(served.model, tmp_path / "registry", backend="onnx", engine_dir=served.engines)
+    for adapter, text in texts.items():
+        assert not replies[adapter].error, replies[adapter].error
+        alone = pipe.chat(f"cold-{adapter}", text, adapter=adapter, new_session=True,
+                          params=SamplingParams(max_tokens=6))
+        assert replies[adapter].token_ids == alone.token_ids, adapter

@@ -1,15 +1,19 @@
 """The encoder model's logic: per-session encoder state on the encoder engine, run once per token for every adapter.
 
-Two kinds of call. A user turn (`encode_turn`: one session, the turn's tokens, and on a (re)start the history
-before it) runs as prefill chunks; the decoder's per-step call (`encode_step`: every active session's newest token
-in one batch) runs as one batched step. Each session has at most one turn in flight: from its user turn until the
-decoder reports the turn done (or rolls it back), a second turn for it is refused, and the number of turns in
-flight is the admission bound.
+Two kinds of call. A user turn (one session, the turn's tokens, and on a (re)start the history before it) is checked
+and taken in flight (`begin_turn`), prefilled piece by piece (`advance_turn`, which a server interleaves with the
+other calls: prefill_queue.py) and handed over (`finish_turn`); `encode_turn` does all three at once. The decoder's
+per-step call (`encode_step`: every active session's newest token in one batch) runs as one batched step. Each
+session has at most one turn in flight: from its user turn until the decoder reports the turn done (or rolls it
+back), a second turn for it is refused, and the number of turns in flight is the admission bound.
+
+A starting session takes the longest cached prefix of its tokens from the prefix cache (prefix_cache.py), and between
+its turns rests on it, holding only its own state (resting_rows.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,13 +23,17 @@ from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.handover import MAX_DECODE_LANES, Handover
-from tritonserver_backend.core.prefix_cache import PrefixCache, check_salt
+from tritonserver_backend.core.prefix_cache import PrefixCache, PrefixEntry, check_salt
+from tritonserver_backend.core.resting_rows import RestingRow, rest, wake
 from tritonserver_backend.core.session_store import SessionStore
 from tritonserver_backend.engines import StepEngine
 from tritonserver_backend.errors import BadRequest, ServerBusy, UnknownSession
 
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_PREFILL_CHUNK = 256
+# tokens a waiting prefill advances by between two of the decoder's step calls (prefill_queue.py): the most a step
+# waits for is one such piece (about 30 ms at 7 K tokens of context on the 2-core machine, docs/load.md)
+DEFAULT_PREFILL_STEP = 64
 
 
 @dataclass
@@ -33,6 +41,7 @@ class _InFlight:
     before: EncoderRow | None  # the state before the user turn (None: the turn started the session)
     token_before: str | None = None  # the session's token digest before the turn (None: it had none)
     h19_before: np.ndarray | None = None  # the session's last turn's H19 before the turn (what a fork routes on)
+    base_before: PrefixEntry | None = None  # the cached prefix the session rested on before the turn
 
 
 @dataclass
@@ -55,6 +64,32 @@ class EncodedTurn:
     issued_token: str = ""
 
 
+@dataclass
+class TurnPrefill:
+    """A user turn between `begin_turn` and `finish_turn`: its own copy of the session's state, the tokens to
+    prefill and how many are done (a prefix cache hit counts as done), and the hand-over rows so far."""
+
+    session_id: str
+    flight: _InFlight  # its entry in the turns in flight (a session ended meanwhile no longer holds it)
+    row: EncoderRow
+    ids: np.ndarray  # every token to encode: the history and the turn on a (re)start, else the turn
+    new: int  # the turn's own tokens (the last `new` of `ids`): what H19 is pooled over
+    first: int  # the position of ids[0]
+    existed: bool  # the session was live when the turn began
+    restart: bool
+    fork_h19: np.ndarray | None = None  # a fork's source's last H19 (what a fork without new tokens routes on)
+    done: int = 0
+    cached: int = 0  # tokens taken from the prefix cache
+    parts: list[Handover] = field(default_factory=list)
+    salt: str = ""
+    chain: list[bytes] = field(default_factory=list)  # the prefix cache's block keys (empty: no cache for it)
+    base: PrefixEntry | None = None  # the cached prefix the session will rest on between turns (resting_rows.py)
+
+    @property
+    def remaining(self) -> int:
+        return int(self.ids.size - self.done)
+
+
 class EncoderService:
     def __init__(self, engine: StepEngine, budget_bytes: int = 2 << 30, max_context: int = DEFAULT_MAX_CONTEXT,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0, counters: Counters | None = None,
@@ -69,7 +104,10 @@ class EncoderService:
         # Engram tables should fail at start-up
         self.engram = engine.engram
         self.max_context, self.prefill_chunk, self.max_turns = max_context, prefill_chunk, max_turns
-        self.sessions: SessionStore[EncoderRow] = SessionStore(budget_bytes, lambda r: r.nbytes())
+        # a session's state: whole while a turn of it is in flight, resting on its cached prefix between turns
+        self.sessions: SessionStore[EncoderRow | RestingRow] = SessionStore(budget_bytes, lambda r: r.nbytes(),
+                                                                            on_drop=self._dropped)
+        self._bases: dict[str, PrefixEntry] = {}  # session -> the cached prefix it rests on (pinned in the cache)
         self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked state, kept between its steps
         self._in_flight: dict[str, _InFlight] = {}
         self.tokens = SessionTokens(session_auth)
@@ -79,7 +117,7 @@ class EncoderService:
         self._h19: dict[str, np.ndarray] = {}
         self._drafts: dict[str, _DraftBlock] = {}  # speculative steps waiting for their kept length (encode_step)
         self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, f"{engine.model_dir}:{engine.describe()}",
-                                        self.counters)
+                                        self.counters, self.cfg.window_size)
 
     def flush_counts(self) -> None:
         """Add the step tokens encoded since the last flush to the counters. Called at every turn's end, so the
@@ -92,17 +130,36 @@ class EncoderService:
     def encode_turn(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None,
                     start: bool = False, session_token: str | None = None, fork_from: str | None = None,
                     fork_token: str | None = None, cache_salt: str | None = None) -> EncodedTurn:
-        """Encode a user turn -> H19 pooled over `token_ids`, the hand-over rows of everything encoded, and the session
-        token when the turn (re)started the session.
+        """Encode a user turn at once (`begin_turn`, every prefill chunk, `finish_turn`): for a caller that has nothing
+        else to run meanwhile. A server runs the chunks one at a time between its decode steps (`advance_turn`)."""
+        turn = self.begin_turn(session_id, token_ids, prefix_ids, start, session_token, fork_from, fork_token,
+                               cache_salt)
+        try:
+            while not self.advance_turn(turn):
+                pass
+            return self.finish_turn(turn)
+        except BaseException:
+            self.abandon_turn(turn)
+            raise
+
+    def begin_turn(self, session_id: str, token_ids: np.ndarray, prefix_ids: np.ndarray | None = None,
+                   start: bool = False, session_token: str | None = None, fork_from: str | None = None,
+                   fork_token: str | None = None, cache_salt: str | None = None) -> "TurnPrefill":
+        """Check a user turn and take it in flight -> its prefill, to run chunk by chunk (`advance_turn`) and then
+        hand over (`finish_turn`). Nothing is stored until `finish_turn`; a second turn of the session is refused
+        from here on.
 
         A session starts when `start` is set, or is rebuilt when it is not live and `prefix_ids` carries history (more
         than the lone <|bos|>); otherwise a session that is not live is an error. With session tokens on, a live
         session (continued, restarted or sent history) needs its `session_token`, checked before anything that could
-        tell a stranger whether the session exists. Nothing is stored on error.
+        tell a stranger whether the session exists.
 
         `fork_from` (with `start`): the session starts as a copy of that live, idle session's state (its token in
         `fork_token`), and `token_ids` (maybe none) are encoded after it: n completions of one prompt share its
         prefill this way. With no new tokens the hand-over is empty and H19 is the source's last turn's.
+
+        A starting session (not a fork) takes the longest block-aligned prefix of its tokens that the prefix cache
+        holds in its `cache_salt` partition, and prefills only the rest.
         """
         if not session_id:
             raise BadRequest("session_id must be a non-empty string")
@@ -133,29 +190,82 @@ class EncoderService:
         elif restart:
             row, ids_all = EncoderRow.empty(self.layout), np.concatenate([prefix, ids])
         else:
-            row, ids_all = self.sessions.get(session_id).clone(), ids
+            row, ids_all = self._row(session_id).clone(), ids
         if row.position + ids_all.size > self.max_context:
             self.counters.add(k.TURNS_REFUSED, k.CONTEXT_LIMIT)
             raise BadRequest(f"session {session_id!r} would reach {row.position + ids_all.size} tokens, more than the "
                              f"{self.max_context}-token context limit")
-        first = row.position
-        row, parts, cached = self._encode(row, ids_all, salt if restart and source is None else None)
+        flight = _InFlight(self._row(session_id) if existed else None, self.tokens.digest(session_id),
+                           self._h19.get(session_id), self._bases.get(session_id))
+        turn = TurnPrefill(session_id, flight, row, ids_all, int(ids.size), row.position, existed, restart,
+                           fork_h19=None if source is None else self._h19.get(fork_from or ""))
+        if source is not None:
+            turn.base = self._bases.get(fork_from or "")
+        elif not restart:
+            turn.base = self._bases.get(session_id)
+        if restart and source is None and self.prefix_cache.enabled:
+            turn.salt, turn.chain = salt, self.prefix_cache.chain(salt, ids_all)
+            hit = self.prefix_cache.lookup(salt, turn.chain)
+            if hit is not None:
+                turn.row, turn.done, turn.cached = hit.row, hit.length, hit.length  # the session's own copy
+                turn.parts.append(hit.rows)
+                turn.base = hit.entry
+        self._in_flight[session_id] = flight
+        return turn
+
+    def advance_turn(self, turn: "TurnPrefill", tokens: int = 0) -> bool:
+        """Prefill the turn's next piece -> True once every token is done. A piece is at most `tokens` tokens (0: the
+        prefill chunk) and never crosses a multiple of the prefill chunk, so that the prefix cache's block boundaries
+        are reached exactly. How a prefill is cut changes no bit of its state or rows (the engines give the same bits
+        in chunks of any size: tests/build_engines/export/test_onnx_engines.py), so a turn run alone, between decode
+        steps, or from a cache hit ends the same."""
+        if self._in_flight.get(turn.session_id) is not turn.flight:
+            raise UnknownSession(f"session {turn.session_id!r} was ended while its turn was being encoded")
+        if turn.done < turn.ids.size:
+            block = self.prefill_chunk
+            end = min(turn.done + (tokens or block), (turn.done // block + 1) * block, turn.ids.size)
+            piece = turn.ids[turn.done:end]
+            turn.parts.append(self._prefill(turn.row, piece))
+            turn.done = end
+            stored = len(turn.chain) * self.prefix_cache.block
+            if turn.chain and turn.done == stored and stored > turn.cached:  # the longest block-aligned prefix
+                rows = {k: np.concatenate([p[k] for p in turn.parts]) for k in HANDOVER_KEYS + ("h19",)}
+                stored_entry = self.prefix_cache.insert(turn.salt, turn.chain, turn.row.clone(), rows)
+                if stored_entry is not None:  # the longest prefix this session shares with the cache
+                    turn.base = stored_entry
+        return turn.done >= turn.ids.size
+
+    def finish_turn(self, turn: "TurnPrefill") -> EncodedTurn:
+        """Store the encoded turn and hand it over: H19 pooled over the turn's own tokens, the hand-over rows of every
+        position encoded, and the session token when the turn (re)started the session."""
+        session_id = turn.session_id
+        if self._in_flight.get(session_id) is not turn.flight:
+            raise UnknownSession(f"session {session_id!r} was ended while its turn was being encoded")
+        if turn.existed and not turn.restart and not self.sessions.contains(session_id):
+            raise UnknownSession(f"session {session_id!r} was evicted while its turn was being encoded; resend the "
+                                 "turn with the conversation's history")
+        parts = turn.parts
         handover = ({k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)} if parts
                     else self._empty_rows())
-        handover["positions"] = np.arange(first, row.position, dtype=np.int64)
-        self._in_flight[session_id] = _InFlight(self.sessions.get(session_id) if existed else None,
-                                                self.tokens.digest(session_id), self._h19.get(session_id))
-        for evicted in self.sessions.put(session_id, row):
-            self.tokens.forget(evicted)
-            self._h19.pop(evicted, None)
-        issued = self.tokens.issue(session_id) if restart else ""
-        if ids_all.size - cached:
-            self.counters.add(k.ENCODED_TOKENS, k.TURN, int(ids_all.size - cached))
+        handover["positions"] = np.arange(turn.first, turn.row.position, dtype=np.int64)
+        self._store(session_id, turn.row)
+        self._set_base(session_id, turn.base)
+        issued = self.tokens.issue(session_id) if turn.restart else ""
+        if turn.ids.size - turn.cached:
+            self.counters.add(k.ENCODED_TOKENS, k.TURN, int(turn.ids.size - turn.cached))
         rows_h19 = handover.pop("h19")
-        h19 = rows_h19[-ids.size:].mean(0).astype(np.float32) if ids.size else \
-            self._h19.get(fork_from or "", np.zeros(self.cfg.dim, np.float32))
+        if turn.new:
+            h19 = rows_h19[-turn.new:].mean(0).astype(np.float32)
+        else:
+            h19 = turn.fork_h19 if turn.fork_h19 is not None else np.zeros(self.cfg.dim, np.float32)
         self._h19[session_id] = h19
         return EncodedTurn(h19, handover, issued)
+
+    def abandon_turn(self, turn: "TurnPrefill") -> None:
+        """Drop a turn that failed or was cancelled before `finish_turn`: nothing was stored, so the session is as it
+        was (a prefix the turn already stored in the cache stays: it is whole and right for any session)."""
+        if self._in_flight.get(turn.session_id) is turn.flight:
+            del self._in_flight[turn.session_id]
 
     def _fork_source(self, fork_from: str, fork_token: str | None, start: bool) -> EncoderRow:
         """The live, idle session a fork copies (its token checked like a turn's)."""
@@ -166,7 +276,7 @@ class EncoderService:
         self.check_token(fork_from, fork_token, k.PATH_TURN)
         if fork_from in self._in_flight:
             raise BadRequest(f"session {fork_from!r} is answering a turn; fork it once that turn has ended")
-        return self.sessions.get(fork_from)
+        return self._row(fork_from)
 
     def _empty_rows(self) -> Handover:
         """A hand-over of no rows (a fork that adds no tokens), shaped like the engine's."""
@@ -194,27 +304,6 @@ class EncoderService:
             self.counters.add(k.TOKEN_REFUSALS, path)
             self.tokens.check(session_id, token)
 
-    def _encode(self, row: EncoderRow, ids: np.ndarray,
-                salt: str | None) -> tuple[EncoderRow, list[Handover], int]:
-        """Prefill `ids` into `row` in chunks -> the row after them, the rows of every position, and how many came
-        from the prefix cache. `salt` None: no cache (a continuing turn, a fork); else the starting session's
-        partition (`row` is then a fresh row)."""
-        parts: list[Handover] = []
-        cached = 0
-        if salt is not None and self.prefix_cache.enabled:
-            hit = self.prefix_cache.lookup(salt, ids)
-            if hit is not None:
-                row = hit.row  # the session's own copy of the cached state
-                parts.append(hit.rows)
-                cached = hit.length
-        store = self.prefix_cache.longest_block(ids) if salt is not None and self.prefix_cache.enabled else 0
-        for i in range(cached, ids.size, self.prefill_chunk):
-            parts.append(self._prefill(row, ids[i:i + self.prefill_chunk]))
-            if row.position == store and store > cached:  # the longest block-aligned prefix: for the next sessions
-                rows = {k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)}
-                self.prefix_cache.insert(salt or "", ids[:store], row.clone(), rows)
-        return row, parts, cached
-
     def _prefill(self, row: EncoderRow, ids: np.ndarray) -> Handover:
         out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None], engram=self.engram))
         absorb_encoder(self.layout, [row], out, ids.size, ids[None])
@@ -241,7 +330,7 @@ class EncoderService:
             raise BadRequest("a session appears twice in one step")
         check_ids(tokens.reshape(-1), self.cfg.vocab_size, "STEP_TOKEN_IDS")
         keep = self._check_keep(session_ids, keep)
-        rows = [self.sessions.get(s) for s in session_ids]
+        rows = [self._row(s) for s in session_ids]
         if draft and (turn_done or tokens.shape[1] == 0):
             raise BadRequest("a speculative step needs tokens and is never the last step of a turn")
         over = [s for s, r, kept in zip(session_ids, rows, keep)
@@ -255,9 +344,7 @@ class EncoderService:
                 self._uncounted_steps += kept
         if tokens.shape[1] == 0:  # a turn that ends with nothing left to encode (a prefill-only or raw turn)
             if turn_done:
-                for s in session_ids:
-                    self._in_flight.pop(s, None)
-                self.flush_counts()
+                self._turns_done(session_ids)
             empty = {key: a for key, a in self._empty_rows().items() if key != "h19"}
             return [{**empty, "positions": np.zeros(0, np.int64)} for _ in session_ids]
         starts = [r.position for r in rows]
@@ -271,9 +358,7 @@ class EncoderService:
             # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
             self._uncounted_steps += int(tokens.size)
         if turn_done:
-            for s in session_ids:
-                self._in_flight.pop(s, None)
-            self.flush_counts()
+            self._turns_done(session_ids)
         steps = tokens.shape[1]
         return [{**{k: out[k][b] for k in HANDOVER_KEYS},
                  "positions": np.arange(starts[b], starts[b] + steps, dtype=np.int64)}
@@ -299,6 +384,50 @@ class EncoderService:
                                  f"speculative step, got {kept}")
         return keep_list
 
+    # ------------------------------------------------------------------ stored rows
+    def _row(self, session_id: str) -> EncoderRow:
+        """The session's whole row (a resting one is woken and stored whole again until its turn ends)."""
+        value = self.sessions.get(session_id)
+        if isinstance(value, RestingRow):
+            value = wake(value, self.layout)
+            self._store(session_id, value)
+        return value
+
+    def _store(self, session_id: str, row: EncoderRow | RestingRow) -> None:
+        for evicted in self.sessions.put(session_id, row):
+            self.tokens.forget(evicted)
+            self._h19.pop(evicted, None)
+
+    def _set_base(self, session_id: str, entry: PrefixEntry | None) -> None:
+        held = self._bases.get(session_id)
+        if held is entry:
+            return
+        if held is not None:
+            self.prefix_cache.unpin(held)
+        if entry is None:
+            self._bases.pop(session_id, None)
+        else:
+            self.prefix_cache.pin(entry)
+            self._bases[session_id] = entry
+
+    def _dropped(self, session_id: str, _: object) -> None:
+        """A session evicted or ended: its base is no longer held by it."""
+        held = self._bases.pop(session_id, None)
+        if held is not None:
+            self.prefix_cache.unpin(held)
+
+    def _turns_done(self, session_ids: list[str]) -> None:
+        """These sessions' turns ended: their next user turn is welcome, and each rests on its cached prefix."""
+        for s in session_ids:
+            self._in_flight.pop(s, None)
+            base = self._bases.get(s)
+            value = self.sessions.get(s) if base is not None and self.sessions.contains(s) else None
+            if isinstance(value, EncoderRow):
+                resting = rest(value, base, self.layout)
+                if resting is not None:
+                    self.sessions.put(s, resting)
+        self.flush_counts()
+
     # ------------------------------------------------------------------ turn bookkeeping
     def rollback(self, session_id: str) -> None:
         """Undo the user turn in flight (the decoder rejected it before absorbing anything)."""
@@ -313,8 +442,8 @@ class EncoderService:
         if flight.before is None:
             self.sessions.end(session_id)
         else:
-            for evicted in self.sessions.put(session_id, flight.before):
-                self.tokens.forget(evicted)
+            self._store(session_id, flight.before)
+            self._set_base(session_id, flight.base_before)
         self.tokens.restore(session_id, flight.token_before)
 
     def end(self, session_id: str) -> bool:

@@ -15,10 +15,9 @@ at P leaves the remaining chunks on the same boundaries as the cold prefill: the
 the hit's rows, the decoder's replay and every reply are the same bits as without the cache.
 
 Budget. Entries are counted in bytes (`nbytes`) against `budget_bytes`, beside the session budget; the least recently
-used entries go first. A hit copies the entry's row for the session (copy-on-take), so an entry is never in use after
-`lookup` returns and eviction never waits. What this version does not do yet: share the prefix's global-KV bytes by
-reference between the sessions that took it (each session holds its own copy, as without the cache); what one cached
-token costs is in docs/prefix_cache.md.
+used entries that no session holds go first. A hit copies the entry's row for the session to decode with (the engine
+needs a session's stores contiguous); between its turns the session rests on the entry, holding only its own entries
+(resting_rows.py), and the entry is pinned meanwhile. What one cached token costs is in docs/prefix_cache.md.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ced.steps.rows import EncoderRow
+from ced.steps.rows import HANDOVER_FIELDS, EncoderRow
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.errors import BadRequest
@@ -60,7 +59,9 @@ def check_salt(salt: object) -> str:
 class PrefixEntry:
     length: int  # positions covered: a multiple of the block length
     row: EncoderRow  # the encoder state after `length` positions
-    rows: dict[str, np.ndarray]  # the hand-over rows (and "h19") of positions 0 .. length-1
+    rows: dict[str, np.ndarray]  # the hand-over rows (and "h19") of positions 0 .. length-1 (`trim_rows`)
+    partition: str  # the counters' label of the partition it was stored in (its eviction is counted there)
+    pins: int = 0  # sessions holding it as their base (resting_rows.py): never evicted while pinned
 
     def nbytes(self) -> int:
         return self.row.nbytes() + sum(a.nbytes for a in self.rows.values())
@@ -70,17 +71,37 @@ class PrefixEntry:
 class PrefixHit:
     length: int
     row: EncoderRow  # the session's own copy
-    rows: dict[str, np.ndarray]  # shared, read-only: concatenated into the turn's hand-over, never written
+    rows: dict[str, np.ndarray]  # the hand-over rows of positions 0 .. length-1 (`expand_rows`), read-only
+    entry: PrefixEntry  # what the session may rest on (`pin`)
+
+
+def trim_rows(rows: dict[str, np.ndarray], window: int) -> dict[str, np.ndarray]:
+    """The hand-over rows an entry keeps: every position's global-KV and index-key entries and H19, and the replay
+    window's fields (streams, ffn_pre, top-k, candidates) of the last `window` positions only: the decoder keeps no
+    other of those (`DecoderRow._remember`), and they are most of a row's bytes."""
+    return {key: a[-window:].copy() if key in HANDOVER_FIELDS else a for key, a in rows.items()}
+
+
+def expand_rows(rows: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+    """An entry's rows as a hand-over of `length` rows: the window fields' earlier positions are zeros, which no
+    decoder reads (the replay window takes the last rows of a hand-over; a hit's own prefill follows them)."""
+    out = {}
+    for key, a in rows.items():
+        if key in HANDOVER_FIELDS and a.shape[0] < length:
+            a = np.concatenate([np.zeros((length - a.shape[0], *a.shape[1:]), a.dtype), a])
+        out[key] = a
+    return out
 
 
 class PrefixCache:
     """Block-aligned prefixes of starting sessions -> their encoder state and hand-over rows (thread-safe)."""
 
     def __init__(self, block: int, budget_bytes: int, engine_digest: str = "",
-                 counters: Counters | None = None) -> None:
+                 counters: Counters | None = None, window: int = 0) -> None:
+        """`window`: the decoder's replay window (positions whose window fields an entry keeps, `trim_rows`; 0: all)."""
         if block < 1:
             raise ValueError(f"the prefix cache's block must hold at least one token, got {block}")
-        self.block, self.budget, self.digest = block, budget_bytes, engine_digest
+        self.block, self.budget_bytes, self.digest, self.window = block, budget_bytes, engine_digest, window
         self.counters = counters or Counters()
         self._entries: OrderedDict[bytes, PrefixEntry] = OrderedDict()
         self._bytes = 0
@@ -88,11 +109,7 @@ class PrefixCache:
 
     @property
     def enabled(self) -> bool:
-        return self.budget > 0
-
-    @property
-    def budget_bytes(self) -> int:
-        return self.budget
+        return self.budget_bytes > 0
 
     def total_bytes(self) -> int:
         """Bytes the entries hold (the `mol2_prefix_cache_bytes` gauge)."""
@@ -101,8 +118,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _keys(self, salt: str, ids: np.ndarray) -> list[bytes]:
-        """key(b) for every full block b of `ids`, in order."""
+    def chain(self, salt: str, ids: np.ndarray) -> list[bytes]:
+        """key(b) for every full block b of `ids`, in order: computed once per starting session, then given to
+        `lookup` and `insert`."""
         h = hashlib.sha256(b"mol2-prefix\0" + self.digest.encode() + b"\0" + salt.encode() + b"\0").digest()
         keys = []
         for b in range(ids.size // self.block):
@@ -111,11 +129,11 @@ class PrefixCache:
             keys.append(h)
         return keys
 
-    def lookup(self, salt: str, ids: np.ndarray) -> PrefixHit | None:
-        """The longest stored prefix of `ids` in `salt`'s partition (None: a miss), counted as a hit or a miss."""
+    def lookup(self, salt: str, keys: list[bytes]) -> PrefixHit | None:
+        """The longest stored prefix whose block keys (`chain`, in `salt`'s partition) start `keys` (None: a miss),
+        counted as a hit or a miss."""
         if not self.enabled:
             return None
-        keys = self._keys(salt, ids)
         with self._lock:
             for b in range(len(keys) - 1, -1, -1):
                 entry = self._entries.get(keys[b])
@@ -123,35 +141,52 @@ class PrefixCache:
                     self._entries.move_to_end(keys[b])
                     self.counters.add(k.PREFIX_HITS, _label(salt))
                     self.counters.add(k.PREFIX_HIT_TOKENS, _label(salt), entry.length)
-                    return PrefixHit(entry.length, entry.row.clone(), entry.rows)
+                    return PrefixHit(entry.length, entry.row.clone(), expand_rows(entry.rows, entry.length), entry)
             self.counters.add(k.PREFIX_MISSES, _label(salt))
         return None
 
-    def longest_block(self, ids: np.ndarray) -> int:
-        """The longest block-aligned prefix of `ids` an entry could cover."""
-        return ids.size // self.block * self.block
-
-    def insert(self, salt: str, ids: np.ndarray, row: EncoderRow, rows: dict[str, np.ndarray]) -> bool:
-        """Store the state after `ids` (whole blocks) and the rows of its positions; the caller gives copies this
-        cache owns. False when it does not fit the budget at all (nothing stored)."""
-        if not self.enabled or ids.size == 0 or ids.size % self.block:
-            return False
-        key = self._keys(salt, ids)[-1]
-        entry = PrefixEntry(int(ids.size), row, rows)
+    def insert(self, salt: str, keys: list[bytes], row: EncoderRow, rows: dict[str, np.ndarray]) -> PrefixEntry | None:
+        """Store the state after the blocks `keys` name (`chain`: a prefix of a session's chain) and the rows of
+        their positions; the caller gives copies this cache owns. -> the entry now stored under those keys (an equal
+        one already there is kept), or None when it does not fit: larger than the budget, or every entry it would
+        have to evict is pinned."""
+        if not self.enabled or not keys:
+            return None
+        key = keys[-1]
+        entry = PrefixEntry(len(keys) * self.block, row, trim_rows(rows, self.window) if self.window else rows,
+                            _label(salt))
         size = entry.nbytes()
-        if size > self.budget:
-            return False
+        if size > self.budget_bytes:
+            return None
         with self._lock:
-            if key in self._entries:
+            held = self._entries.get(key)
+            if held is not None:
                 self._entries.move_to_end(key)
-                return True
-            while self._entries and self._bytes + size > self.budget:
-                _, old = self._entries.popitem(last=False)
+                return held
+            while self._bytes + size > self.budget_bytes:
+                victim = next((k for k, e in self._entries.items() if not e.pins), None)
+                if victim is None:  # everything left is some session's base
+                    return None
+                old = self._entries.pop(victim)
                 self._bytes -= old.nbytes()
-                self.counters.add(k.PREFIX_EVICTIONS, _label(salt))
+                self.counters.add(k.PREFIX_EVICTIONS, old.partition)
             self._entries[key] = entry
             self._bytes += size
-        return True
+        return entry
+
+    def pin(self, entry: PrefixEntry) -> None:
+        """A session now holds `entry` as its base: keep it (and count its bytes) until `unpin`."""
+        with self._lock:
+            entry.pins += 1
+
+    def unpin(self, entry: PrefixEntry) -> None:
+        with self._lock:
+            entry.pins -= 1
+
+    def pinned(self) -> int:
+        """Entries some session holds as its base."""
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.pins)
 
 
 def _label(salt: str) -> str:

@@ -68,13 +68,15 @@ class StepTokens:
 
 
 REPLAY_BATCH = 8  # starting turns per batched replay (up to 8 x 128 rows through the decoder in one call)
+DEFAULT_REPLAY_BUDGET = 256  # replayed positions per iteration while other turns decode (the servers' default)
 Emit = Callable[[Turn, int, str], bool]  # (turn, token or -1, finish reason or "") -> client still there
 Fail = Callable[[TurnStart | Turn, BaseException], None]
 
 
 class TurnScheduler:
     def __init__(self, decoder: DecoderService, encoder: EncoderPort, emit: Emit, fail: Fail, max_active: int = 32,
-                 lanes: int = 1, drafter: Drafter | None = None, draft_batch: int = DRAFT_BATCH) -> None:
+                 lanes: int = 1, drafter: Drafter | None = None, draft_batch: int = DRAFT_BATCH,
+                 replay_budget: int = 0) -> None:
         """`lanes`: the active turns are split into this many lanes whose steps alternate, so that one lane's encoder
         step (in the encoder's process) runs while the previous lane's decoder step runs on the engine thread; 1 = every
         active turn in one batch, encoder and decoder strictly one after the other (the default: on 2 cores two lanes
@@ -82,7 +84,16 @@ class TurnScheduler:
 
         `drafter` (speculative decoding; None: off): each step feeds a turn its last token and the drafter's guesses,
         and the decoder keeps what the target agrees with. Only while a lane has at most `draft_batch` turns going:
-        a loaded batch is already compute-bound, and verifying drafts there costs more than it saves."""
+        a loaded batch is already compute-bound, and verifying drafts there costs more than it saves.
+
+        `replay_budget` (positions; 0: no bound): while turns are decoding, the starting turns that join in one
+        iteration replay about this many positions in all (at least one turn joins), so that a wave of new turns
+        delays the streams already going by about one budget's compute per token, not by every replay at once (the
+        encoder bounds a long prompt's prefill the same way, prefill_queue.py). With nothing decoding, every waiting
+        turn joins at once."""
+        if replay_budget < 0:
+            raise ValueError(f"the replay budget must be 0 (no bound) or positive, got {replay_budget}")
+        self.replay_budget = replay_budget
         self.decoder, self.encoder, self.emit, self.fail = decoder, encoder, emit, fail
         self.drafter, self.draft_batch = drafter, draft_batch
         self.max_active = max_active
@@ -251,7 +262,10 @@ class TurnScheduler:
         Runs only while no decoder step is in flight (`iterate` settles every lane first): a new adapter version
         restacks the engine's adapter bank here."""
         starting: list[Turn] = []
-        while self.waiting and len(self.active) + len(starting) < self.max_active:
+        budget = self.replay_budget if self.replay_budget and self.active else None
+        replayed = 0
+        while (self.waiting and len(self.active) + len(starting) < self.max_active
+               and (budget is None or replayed < budget)):
             request = self.waiting.popleft()
             try:
                 turn = self.decoder.prepare(request.session_id, request.handover, request.adapter_hash, request.params,
@@ -269,6 +283,7 @@ class TurnScheduler:
                 self._end(turn)
                 continue
             starting.append(turn)
+            replayed += turn.row.replay_count
         if not starting:
             return
         starting.sort(key=lambda t: t.row.replay_count)  # similar lengths share a replay batch

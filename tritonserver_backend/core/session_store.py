@@ -18,8 +18,10 @@ class SessionStore(Generic[T]):
     bare "unknown session". Thread-safe: the decoder serves several sessions from threads.
     """
 
-    def __init__(self, budget_bytes: int, size_of: Callable[[T], int], remember: int = 10_000) -> None:
-        self.budget_bytes, self.size_of, self.remember = budget_bytes, size_of, remember
+    def __init__(self, budget_bytes: int, size_of: Callable[[T], int], remember: int = 10_000,
+                 on_drop: Callable[[str, T], None] | None = None) -> None:
+        """`on_drop(session_id, value)`: called for a session evicted or ended (not for a value replaced by `put`)."""
+        self.budget_bytes, self.size_of, self.remember, self.on_drop = budget_bytes, size_of, remember, on_drop
         self._items: OrderedDict[str, T] = OrderedDict()
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.RLock()
@@ -47,17 +49,22 @@ class SessionStore(Generic[T]):
             self._gone.pop(session_id, None)
             evicted = []
             while len(self._items) > 1 and self.total_bytes() > self.budget_bytes:
-                old, _ = self._items.popitem(last=False)
+                old, value = self._items.popitem(last=False)
                 self._forget(old, "evicted (session memory budget)")
                 evicted.append(old)
+                if self.on_drop is not None:
+                    self.on_drop(old, value)
             return evicted
 
     def end(self, session_id: str) -> bool:
         with self._lock:
-            found = self._items.pop(session_id, None) is not None
-            if found:
-                self._forget(session_id, "ended")
-            return found
+            if session_id not in self._items:
+                return False
+            value = self._items.pop(session_id)
+            self._forget(session_id, "ended")
+            if self.on_drop is not None:
+                self.on_drop(session_id, value)
+            return True
 
     def _forget(self, session_id: str, why: str) -> None:
         self._gone[session_id] = why

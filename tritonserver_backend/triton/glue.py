@@ -165,6 +165,12 @@ def response(outputs: dict[c.TensorSpec, Any]) -> Any:
     return pb().InferenceResponse(output_tensors=[tensor(s, v) for s, v in outputs.items()])
 
 
+def send_final(request: Any, response: Any) -> None:
+    """Answer a request through its response sender (a model whose `execute` returned None: the one response, final),
+    from the thread that owns the model's `pb_utils` objects."""
+    request.get_response_sender().send(response, flags=pb().TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
 def error_response(exc: BaseException) -> Any:
     """Short message for the client; anything that is not a ServingError is logged and reported generically."""
     if isinstance(exc, ServingError):

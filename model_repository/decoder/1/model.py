@@ -12,7 +12,7 @@ from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.decoder_service import DecoderService
 from tritonserver_backend.core.drafting import DRAFT_BATCH, make_drafter
-from tritonserver_backend.core.scheduler import TurnScheduler
+from tritonserver_backend.core.scheduler import DEFAULT_REPLAY_BUDGET, TurnScheduler
 from tritonserver_backend.core.text_service import TextService
 from tritonserver_backend.core.turn_worker import TurnWorker
 from tritonserver_backend.triton import decoder_dispatch as triton_decoder
@@ -37,7 +37,8 @@ class TritonPythonModel:
                                service.engine, float(params.get("speculative_confidence", "0")))
         scheduler = TurnScheduler(service, triton_decoder.BlsEncoderPort(key), emitter, triton_decoder.fail,
                                   int(params["max_active_turns"]), int(params.get("decode_lanes", "1")), drafter,
-                                  int(params.get("speculative_batch", DRAFT_BATCH)))
+                                  int(params.get("speculative_batch", DRAFT_BATCH)),
+                                  int(params.get("replay_tokens_per_step", DEFAULT_REPLAY_BUDGET)))
         self.scheduler = scheduler
         gauges = glue.SessionGauges("decoder", service.sessions)
 

@@ -1,4 +1,12 @@
-"""encoder: the adapter-free encoder engine; a user turn (prefill) or the decoder's batched per-token step."""
+"""encoder: the adapter-free encoder engine; a user turn (prefill) or the decoder's batched per-token step.
+
+Every request is read and answered on one worker thread (`pb_utils` objects are not thread-safe, turn_worker.py):
+`execute` only queues them. Calls that take one engine call or none (the decoder's steps, rollbacks, token checks)
+are answered at once, in arrival order; a user turn is checked and taken in flight at once, then its prefill runs one
+piece per iteration between them (prefill_queue.py), and its response is sent once it is encoded. The model stays
+non-decoupled (one response per request, sent through the request's response sender): clients, the ensemble and BLS
+call it as before.
+"""
 
 import triton_python_backend_utils as pb_utils  # noqa: F401
 
@@ -12,8 +20,10 @@ from tritonserver_backend.auth.session_auth import (
 )
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
-from tritonserver_backend.core.encoder_service import EncoderService
-from tritonserver_backend.errors import BadRequest
+from tritonserver_backend.core.encoder_service import DEFAULT_PREFILL_STEP, EncodedTurn, EncoderService
+from tritonserver_backend.core.prefill_queue import PrefillQueue
+from tritonserver_backend.core.turn_worker import TurnWorker
+from tritonserver_backend.errors import BadRequest, ServerBusy
 from tritonserver_backend.triton import glue
 from tritonserver_backend.triton.handover_codec import to_arrays
 
@@ -35,21 +45,56 @@ class TritonPythonModel:
         self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]),
                                       int(params["max_context"]), int(params["prefill_chunk"]), max_turns, counters,
                                       session_auth, int(params.get("prefix_cache_bytes", "0")))
+        self.between_steps = parse_switch(params.get("prefill_between_steps", "true"))
         self.gauges = glue.SessionGauges("encoder", self.service.sessions)
         self.cache_gauges = glue.PrefixCacheGauges(self.service.prefix_cache)
+        self.prefills = PrefillQueue(self.service, self._answer_turn,
+                                    int(params.get("prefill_tokens_per_step", DEFAULT_PREFILL_STEP)))
+        self.worker = TurnWorker(self._handle, self._iterate, lambda: self.prefills.idle, name="mol2-encoder")
 
     def execute(self, requests):
-        responses = []
+        self.worker.submit(requests)  # read and answered on the worker thread; nothing else here
+        return None
+
+    def finalize(self):
+        self.worker.stop()
+        self.prefills.fail_all(ServerBusy("the server is shutting down; resend the turn"))
+
+    # ------------------------------------------------------------------ the worker thread
+    def _handle(self, requests):
         for request in requests:
             try:
-                responses.append(glue.response(self._serve(request)))
+                outputs = self._serve(request)
             except Exception as exc:  # noqa: BLE001 - one request's error never fails the others
-                responses.append(glue.error_response(exc))
+                glue.send_final(request, glue.error_response(exc))
+                continue
+            if outputs is not None:
+                glue.send_final(request, glue.response(outputs))
+        self._update_gauges()
+
+    def _iterate(self):
+        if not self.prefills.idle:
+            self.prefills.iterate()
+            self._update_gauges()
+
+    def _update_gauges(self):
         self.gauges.update()
         self.cache_gauges.update()
-        return responses
+
+    def _answer_turn(self, handle, outcome):
+        request, session, fork = handle
+        if isinstance(outcome, BaseException):
+            glue.send_final(request, glue.error_response(outcome))
+            return
+        glue.send_final(request, glue.response(self._turn_outputs(outcome, session, fork)))
+
+    def _turn_outputs(self, turn: EncodedTurn, session, fork):
+        grant = self.key.grant(grant_subject(session, fork), first_position(turn.handover["positions"]))
+        return {c.H19: turn.h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([turn.handover])),
+                c.ISSUED_TOKEN: turn.issued_token, c.GRANT: grant}
 
     def _serve(self, request):
+        """The outputs of a call answered at once, or None for a user turn queued for its prefill."""
         session = glue.read(request, c.SESSION_ID)
         internal = glue.read(request, c.ROLLBACK, False) or glue.read(request, c.DROP_SESSION, False) or any(
             glue.read(request, spec, None) is not None for spec in (c.STEP_SESSION_IDS, c.STEP_KEEP, c.STEP_DRAFT))
@@ -74,10 +119,10 @@ class TritonPythonModel:
             return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows)), c.ISSUED_TOKEN: "",
                     c.GRANT: ""}
         fork = glue.read(request, c.FORK_FROM, None)
-        turn = self.service.encode_turn(session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS),
-                                        bool(glue.read(request, c.START)), glue.read(request, c.SESSION_TOKEN, None),
-                                        fork, glue.read(request, c.FORK_TOKEN, None),
-                                        glue.read(request, c.CACHE_SALT, None))
-        grant = self.key.grant(grant_subject(session, fork), first_position(turn.handover["positions"]))
-        return {c.H19: turn.h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([turn.handover])),
-                c.ISSUED_TOKEN: turn.issued_token, c.GRANT: grant}
+        args = (session, glue.read(request, c.TOKEN_IDS), glue.read(request, c.PREFIX_IDS),
+                bool(glue.read(request, c.START)), glue.read(request, c.SESSION_TOKEN, None), fork,
+                glue.read(request, c.FORK_TOKEN, None), glue.read(request, c.CACHE_SALT, None))
+        if not self.between_steps:  # the whole prefill now, before any other call
+            return self._turn_outputs(self.service.encode_turn(*args), session, fork)
+        self.prefills.add((request, session, fork), self.service.begin_turn(*args))
+        return None

@@ -200,3 +200,36 @@ def test_fp32_rows_are_refused_by_the_fp8_engine(kv_engine) -> None:  # type: ig
     row = EncoderRow.empty(StepLayout(kv_engine.cfg))
     with pytest.raises(TypeError, match="uint8 fp8 codes"):
         kv_engine.encoder(encoder_inputs(kv_engine.layout, [row], np.zeros((1, 3), np.int64)))
+
+
+def test_prefix_cache_hits_and_resting_sessions_keep_the_fp8_state_exact(kv_engine) -> None:  # type: ignore[no-untyped-def]
+    """With fp8 state, a session that starts from the encoder's prefix cache, and one that rests on its cached prefix
+    between turns and wakes for the next, hold the codes and give the rows of the same sessions without the cache."""
+    from tritonserver_backend.core.encoder_service import EncoderService
+    from tritonserver_backend.core.resting_rows import RestingRow, wake
+
+    layout = kv_engine.layout
+    rng = np.random.default_rng(5)
+    shared = rng.integers(5, layout.cfg.vocab_size, 560)
+    tails = {s: rng.integers(5, layout.cfg.vocab_size, 30 + 7 * i) for i, s in enumerate("ab")}
+    later = rng.integers(5, layout.cfg.vocab_size, 20)
+    services = {"cached": EncoderService(kv_engine, session_auth=False, prefix_cache_bytes=256 << 20),
+                "cold": EncoderService(kv_engine, session_auth=False)}
+    rows = {}
+    for name, service in services.items():
+        for s in "ab":
+            service.encode_turn(s, np.concatenate([shared, tails[s]]), start=True)
+            service.encode_step([s], np.zeros((1, 0), np.int64), turn_done=True)  # the turn ends: a rests
+        rows[name] = service.encode_turn("a", later).handover  # a wakes for its next turn
+    assert services["cached"].prefix_cache.counters.get("prefix_cache_hits") == 1
+    assert isinstance(services["cached"].sessions.get("b"), RestingRow)
+    for k in (*HANDOVER, "positions"):
+        assert np.array_equal(rows["cached"][k], rows["cold"][k]), k
+    for s in "ab":
+        one, other = (services[name].sessions.get(s) for name in ("cached", "cold"))
+        one = wake(one, layout) if isinstance(one, RestingRow) else one
+        assert np.array_equal(one.rings, other.rings) and one.position == other.position
+        for source in layout.sources:
+            n = one.used(layout, source)
+            assert np.array_equal(one.kv[source][:n], other.kv[source][:n]), (s, source)
+            assert np.array_equal(one.index_k[source][:n], other.index_k[source][:n]), (s, source)
