@@ -28,6 +28,7 @@ from benchmarks.harness import (
     ROOT,
     default_params,
     ensure_engines,
+    figure_link,
     refuse_to_overwrite,
     save_figure,
     served,
@@ -156,7 +157,7 @@ def render(args: argparse.Namespace, rounds: dict[str, list[Round]]) -> str:
              f"`.venv/bin/python -m benchmarks chunked-prefill --long-tokens {args.long_tokens} --streams "
              f"{args.streams} --rounds {args.rounds}` ({time.strftime('%Y-%m-%d')}; onnx engines of the embedded "
              "default, the 2-core CPU machine; the chunked server prefills 64 tokens per iteration, "
-             "`prefill_tokens_per_step`, and joins 256 replayed positions per iteration, `replay_tokens_per_step`). "
+             "`prefill_tokens_per_step`, and joins 512 replayed positions per iteration, `replay_tokens_per_step`). "
              f"{args.streams} sessions stream greedy tokens; a new session sends a prompt of about {args.long_tokens} "
              "tokens. Medians over the rounds: the streams' median inter-token gap outside the long prompt's prefill, "
              "their longest gap while it is prefilled, and the long prompt's time to first token.", "",
@@ -170,7 +171,7 @@ def render(args: argparse.Namespace, rounds: dict[str, list[Round]]) -> str:
     before, after = stats["whole prefill (before)"], stats["chunked between steps"]
     lines += ["", f"Chunked / whole: longest gap {after['longest'] / before['longest']:.2f}x, the long prompt's TTFT "
               f"{after['ttft'] / before['ttft']:.2f}x.", "",
-              f"![inter-token gaps around the long prompt]({args.figure.relative_to(args.out.parent)})"]
+              f"![inter-token gaps around the long prompt]({figure_link(args.figure, args.out)})"]
     return "\n".join(lines) + "\n"
 
 

@@ -8,6 +8,7 @@ check behaviour, not timings. A benchmark is a module of this package with a `ma
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -67,6 +68,11 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def figure_link(figure: Path, doc: Path) -> str:
+    """`figure`'s path as a doc at `doc` links to it (relative, wherever the two were written)."""
+    return os.path.relpath(figure, doc.parent)
 
 
 def write_section(path: Path, section: str, heading: str, title: str = "# Serving under load") -> None:

@@ -24,7 +24,9 @@ from benchmarks.harness import (
     ROOT,
     default_params,
     ensure_engines,
+    figure_link,
     refuse_to_overwrite,
+    save_figure,
     served,
     write_section,
 )
@@ -63,10 +65,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--adapters", nargs=2, default=["L3_design", "L2_code"], help="the warming adapter, another one")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "prefix_cache.md")
+    p.add_argument("--figure", type=Path, default=ROOT / "docs" / "figures" / "prefix_cache_ttft.png")
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "bench_prefix_cache")
-    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/prefix_cache.md)")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and figure")
     args = p.parse_args()
-    refuse_to_overwrite([args.out], args.force, "--out FILE")
+    refuse_to_overwrite([args.out, args.figure], args.force, "--out FILE / --figure FILE")
     ensure_engines()
     tokenizer = ChatTokenizer.load(EMBEDDED)
     same, other = args.adapters
@@ -90,6 +93,7 @@ def main() -> int:
         finally:
             chat.close()
     text = render(args, times)
+    figure(args.figure, args.lengths, times)
     write_section(args.out, text, SECTION, title="# The encoder's prefix cache")
     print(text)
     return 0
@@ -110,7 +114,28 @@ def render(args: argparse.Namespace, times: dict[tuple[int, str], list[float]]) 
         other = statistics.median(times[(length, "hit, other adapter")])
         lines.append(f"| {length} | {cold * 1e3:.0f} | {same * 1e3:.0f} | {same / cold:.2f}x | {other * 1e3:.0f} | "
                      f"{other / cold:.2f}x |")
+    lines += ["", f"![time to first token, cold vs hit]({figure_link(args.figure, args.out)})"]
     return "\n".join(lines) + "\n"
+
+
+def figure(path: Path, lengths: list[int], times: dict[tuple[int, str], list[float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ("cold", "hit, same adapter", "hit, other adapter")
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar([j + i * width for j in range(len(lengths))],
+               [statistics.median(times[(n, name)]) * 1e3 for n in lengths], width, label=name)
+    ax.set_xticks([j + width for j in range(len(lengths))], [str(n) for n in lengths])
+    ax.set_xlabel("shared prefix, tokens")
+    ax.set_ylabel("time to first token, ms (median)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import DEFAULT_ENGINES, EMBEDDED, ROOT, ensure_engines, refuse_to_overwrite, write_section
+from benchmarks.harness import (
+    DEFAULT_ENGINES,
+    EMBEDDED,
+    ROOT,
+    ensure_engines,
+    figure_link,
+    refuse_to_overwrite,
+    save_figure,
+    write_section,
+)
 from benchmarks.prefix_cache import document
 from ced.model.config import PRESETS, CEDConfig
 from ced.text.tokenizer import ChatTokenizer
@@ -47,9 +56,10 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "prefix_cache.md")
-    p.add_argument("--force", action="store_true", help="overwrite the committed --out file (docs/prefix_cache.md)")
+    p.add_argument("--figure", type=Path, default=ROOT / "docs" / "figures" / "prefix_state_bytes.png")
+    p.add_argument("--force", action="store_true", help="overwrite the committed --out file and figure")
     args = p.parse_args()
-    refuse_to_overwrite([args.out], args.force, "--out FILE")
+    refuse_to_overwrite([args.out, args.figure], args.force, "--out FILE / --figure FILE")
     ensure_engines()
     tokenizer = ChatTokenizer.load(EMBEDDED)
     system = document(tokenizer, args.prompt_tokens, seed=4242)
@@ -71,6 +81,7 @@ def main() -> int:
     if replies["with the cache"] != replies["without the cache"]:
         raise RuntimeError("the sessions answered differently with the cache: the run is void")
     text = render(args, held)
+    figure(args.figure, held)
     write_section(args.out, text, SECTION, title="# The encoder's prefix cache")
     print(text)
     return 0
@@ -97,7 +108,25 @@ def render(args: argparse.Namespace, held: dict[str, tuple[int, int]]) -> str:
         cost = per_token_bytes(PRESETS[name]())
         lines.append(f"| {name} | {cost['stores']:,.0f} | {cost['rows']:,.0f} | "
                      f"{(cost['stores'] + cost['rows']) / 1024:.1f} KiB | {cost['window'] / MiB:.1f} MiB |")
+    lines += ["", f"![encoder state bytes, with and without the cache]({figure_link(args.figure, args.out)})"]
     return "\n".join(lines) + "\n"
+
+
+def figure(path: Path, held: dict[str, tuple[int, int]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(held)
+    sessions = [held[n][0] / MiB for n in names]
+    cache = [held[n][1] / MiB for n in names]
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    ax.bar(names, sessions, label="sessions' own encoder state")
+    ax.bar(names, cache, bottom=sessions, label="prefix cache (the prompt, once)")
+    ax.set_ylabel("MiB, idle sessions")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

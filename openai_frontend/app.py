@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openai_frontend import responses as r
@@ -29,6 +29,7 @@ from openai_frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from openai_frontend.prefix_cache import namespace_of
 from openai_frontend.schemas import ChatRequest, TokenizeRequest, detokenize_request, lora_request
 from openai_frontend.service import Answer, ChatService
+from openai_frontend.streaming import ClosingStreamingResponse as StreamingResponse
 from openai_frontend.tool_calls import stream_deltas
 
 ADAPTER_HEADER = "x-mol2-adapter"

@@ -49,7 +49,9 @@ def _shadow(service: Any, rewrite: Callable[[TurnRequest], TurnRequest]) -> Any:
 
 async def respond(service: Any, chat: ChatRequest, namespace: str, safe: Callable[[Any], Any],
                   headers: Callable[[Any], dict]) -> Any:
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
+
+    from openai_frontend.streaming import ClosingStreamingResponse as StreamingResponse
 
     if chat.tools.rendered:
         raise bad_request("n > 1 is not supported together with tools", "n")

@@ -444,7 +444,9 @@ async def respond(service: Any, raw: bytes, safe: Any, namespace: str = "") -> A
     before the response starts, so an error before it keeps its HTTP status). `safe` turns a lost connection to
     tritonserver into a 503 (app._safe). `namespace`: the API key's, whose partition of the prefix cache the
     prompts use."""
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse
+
+    from openai_frontend.streaming import ClosingStreamingResponse as StreamingResponse
 
     request = dataclasses.replace(CompletionRequest.parse(raw, service.tokenizer), cache_salt=cache_salt_of(namespace))
     totals, cid, created = Totals(), completion_id(), now()

@@ -52,6 +52,9 @@ class TritonStream:
         self._aio = grpc_aio
         self.url = url
         self._client: Any = None
+        # cancels sent for turns whose client left; held here until they finish: the event loop keeps only weak
+        # references to tasks, and the task that started one is itself being cancelled, so nothing else would
+        self._cancels: set[asyncio.Task] = set()
 
     @property
     def client(self) -> Any:
@@ -108,7 +111,11 @@ class TritonStream:
             done.set()
             if not finished:
                 stream.cancel()
-                await asyncio.shield(self._cancel_quietly(request.session_id, issued or request.session_token))
+                token = issued or request.session_token
+                cancel = asyncio.ensure_future(self._cancel_quietly(request.session_id, token))
+                self._cancels.add(cancel)
+                cancel.add_done_callback(self._cancels.discard)
+                await asyncio.shield(cancel)  # the caller's own cancellation (it left) never stops the cancel
 
     async def _cancel_quietly(self, session_id: str, session_token: str | None) -> None:
         try:

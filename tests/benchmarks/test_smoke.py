@@ -53,7 +53,28 @@ def test_serving_runs_small(tmp_path: Path, default_engines: Path) -> None:
 @pytest.mark.slow
 def test_prefix_cache_runs_small(tmp_path: Path, default_engines: Path) -> None:
     out = tmp_path / "prefix_cache.md"
-    run("prefix-cache", "--lengths", "300", "--rounds", "1", "--out", str(out), "--work", str(tmp_path / "work"))
+    run("prefix-cache", "--lengths", "300", "--rounds", "1", "--out", str(out), "--work", str(tmp_path / "work"),
+        "--figure", str(tmp_path / "figures" / "ttft.png"))
     text = out.read_text()
     assert "## Measured: time to first token, cold vs hit (benchmarks/prefix_cache.py)" in text
-    assert "| 300 |" in text
+    assert "| 300 |" in text and (tmp_path / "figures" / "ttft.png").is_file()
+
+
+@pytest.mark.slow
+def test_prefix_state_bytes_runs_small(tmp_path: Path, default_engines: Path) -> None:
+    out = tmp_path / "prefix_cache.md"
+    printed = run("prefix-state-bytes", "--prompt-tokens", "300", "--sessions", "2", "--out", str(out),
+                  "--figure", str(tmp_path / "figures" / "bytes.png"))
+    text = out.read_text()
+    assert "| with the cache |" in text and "| deepseek-v4.1-flash |" in text, printed
+    assert (tmp_path / "figures" / "bytes.png").is_file()
+
+
+@pytest.mark.slow
+def test_chunked_prefill_runs_small(tmp_path: Path, default_engines: Path) -> None:
+    out = tmp_path / "load.md"
+    run("chunked-prefill", "--long-tokens", "600", "--streams", "1", "--stream-tokens", "80", "--rounds", "1",
+        "--out", str(out), "--figure", str(tmp_path / "figures" / "gaps.png"), "--work", str(tmp_path / "work"))
+    text = out.read_text()
+    assert "| whole prefill (before) |" in text and "| chunked between steps |" in text
+    assert (tmp_path / "figures" / "gaps.png").is_file()

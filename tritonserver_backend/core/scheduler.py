@@ -68,7 +68,7 @@ class StepTokens:
 
 
 REPLAY_BATCH = 8  # starting turns per batched replay (up to 8 x 128 rows through the decoder in one call)
-DEFAULT_REPLAY_BUDGET = 256  # replayed positions per iteration while other turns decode (the servers' default)
+DEFAULT_REPLAY_BUDGET = 512  # replayed positions per iteration while other turns decode: about four full windows
 Emit = Callable[[Turn, int, str], bool]  # (turn, token or -1, finish reason or "") -> client still there
 Fail = Callable[[TurnStart | Turn, BaseException], None]
 
