@@ -202,7 +202,10 @@ def test_concurrent_conversations_match_the_reference_network(server) -> None:  
     assert len(adapters) >= 3, f"the conversations visited {sorted(adapters)}"
     delta = {k: after[k] - before.get(k, 0) for k in after}
     assert delta["mol2_decoder_step_rows:decode"] / delta["mol2_decoder_steps:decode"] > 1.5, delta
-    assert delta["mol2_decoder_step_rows:replay"] / delta["mol2_decoder_steps:replay"] > 1.5, delta
+    # replays shared calls (fewer calls than replayed rows), some of mixed lengths: how many share one call depends on
+    # when the turns reach the decoder, which the encoder's prefill queue spreads (a join no longer waits for every
+    # other turn's prefill), so no ratio is asserted
+    assert delta["mol2_decoder_step_rows:replay"] > delta["mol2_decoder_steps:replay"], delta
     assert delta["mol2_replay_padding_positions:replay"] > 0, "no replay of mixed lengths shared a call"
 
 
