@@ -85,10 +85,6 @@ class TurnPrefill:
     chain: list[bytes] = field(default_factory=list)  # the prefix cache's block keys (empty: no cache for it)
     base: PrefixEntry | None = None  # the cached prefix the session will rest on between turns (resting_rows.py)
 
-    @property
-    def remaining(self) -> int:
-        return int(self.ids.size - self.done)
-
 
 class EncoderService:
     def __init__(self, engine: StepEngine, budget_bytes: int = 2 << 30, max_context: int = DEFAULT_MAX_CONTEXT,
@@ -191,11 +187,12 @@ class EncoderService:
             row, ids_all = EncoderRow.empty(self.layout), np.concatenate([prefix, ids])
         else:
             row, ids_all = self._row(session_id).clone(), ids
+        before = self._row(session_id) if existed else None  # woken above already, if it rested
         if row.position + ids_all.size > self.max_context:
             self.counters.add(k.TURNS_REFUSED, k.CONTEXT_LIMIT)
             raise BadRequest(f"session {session_id!r} would reach {row.position + ids_all.size} tokens, more than the "
                              f"{self.max_context}-token context limit")
-        flight = _InFlight(self._row(session_id) if existed else None, self.tokens.digest(session_id),
+        flight = _InFlight(before, self.tokens.digest(session_id),
                            self._h19.get(session_id), self._bases.get(session_id))
         turn = TurnPrefill(session_id, flight, row, ids_all, int(ids.size), row.position, existed, restart,
                            fork_h19=None if source is None else self._h19.get(fork_from or ""))
@@ -219,8 +216,7 @@ class EncoderService:
         are reached exactly. How a prefill is cut changes no bit of its state or rows (the engines give the same bits
         in chunks of any size: tests/build_engines/export/test_onnx_engines.py), so a turn run alone, between decode
         steps, or from a cache hit ends the same."""
-        if self._in_flight.get(turn.session_id) is not turn.flight:
-            raise UnknownSession(f"session {turn.session_id!r} was ended while its turn was being encoded")
+        self._check_in_flight(turn)
         if turn.done < turn.ids.size:
             block = self.prefill_chunk
             end = min(turn.done + (tokens or block), (turn.done // block + 1) * block, turn.ids.size)
@@ -229,8 +225,7 @@ class EncoderService:
             turn.done = end
             stored = len(turn.chain) * self.prefix_cache.block
             if turn.chain and turn.done == stored and stored > turn.cached:  # the longest block-aligned prefix
-                rows = {k: np.concatenate([p[k] for p in turn.parts]) for k in HANDOVER_KEYS + ("h19",)}
-                stored_entry = self.prefix_cache.insert(turn.salt, turn.chain, turn.row.clone(), rows)
+                stored_entry = self.prefix_cache.insert(turn.salt, turn.chain, turn.row.clone(), _joined(turn.parts))
                 if stored_entry is not None:  # the longest prefix this session shares with the cache
                     turn.base = stored_entry
         return turn.done >= turn.ids.size
@@ -239,14 +234,11 @@ class EncoderService:
         """Store the encoded turn and hand it over: H19 pooled over the turn's own tokens, the hand-over rows of every
         position encoded, and the session token when the turn (re)started the session."""
         session_id = turn.session_id
-        if self._in_flight.get(session_id) is not turn.flight:
-            raise UnknownSession(f"session {session_id!r} was ended while its turn was being encoded")
+        self._check_in_flight(turn)
         if turn.existed and not turn.restart and not self.sessions.contains(session_id):
             raise UnknownSession(f"session {session_id!r} was evicted while its turn was being encoded; resend the "
                                  "turn with the conversation's history")
-        parts = turn.parts
-        handover = ({k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)} if parts
-                    else self._empty_rows())
+        handover = _joined(turn.parts) if turn.parts else self._empty_rows()
         handover["positions"] = np.arange(turn.first, turn.row.position, dtype=np.int64)
         self._store(session_id, turn.row)
         self._set_base(session_id, turn.base)
@@ -260,6 +252,10 @@ class EncoderService:
             h19 = turn.fork_h19 if turn.fork_h19 is not None else np.zeros(self.cfg.dim, np.float32)
         self._h19[session_id] = h19
         return EncodedTurn(h19, handover, issued)
+
+    def _check_in_flight(self, turn: "TurnPrefill") -> None:
+        if self._in_flight.get(turn.session_id) is not turn.flight:
+            raise UnknownSession(f"session {turn.session_id!r} was ended while its turn was being encoded")
 
     def abandon_turn(self, turn: "TurnPrefill") -> None:
         """Drop a turn that failed or was cancelled before `finish_turn`: nothing was stored, so the session is as it
@@ -425,7 +421,7 @@ class EncoderService:
             if isinstance(value, EncoderRow):
                 resting = rest(value, base, self.layout)
                 if resting is not None:
-                    self.sessions.put(s, resting)
+                    self._store(s, resting)
         self.flush_counts()
 
     # ------------------------------------------------------------------ turn bookkeeping
@@ -452,6 +448,11 @@ class EncoderService:
         self._h19.pop(session_id, None)
         self.tokens.forget(session_id)
         return self.sessions.end(session_id)
+
+
+def _joined(parts: list[Handover]) -> Handover:
+    """Hand-over rows of consecutive pieces (and their H19 rows) as one."""
+    return {k: np.concatenate([p[k] for p in parts]) for k in HANDOVER_KEYS + ("h19",)}
 
 
 def check_ids(ids: np.ndarray | None, vocab: int, name: str) -> np.ndarray:
