@@ -23,6 +23,8 @@ BENCHMARKS = {
     "parallel-memory": ("parallel_memory", "per-rank memory at TP/EP sizes (docs/parallel.md)"),
     "release-memory": ("release_memory", "bounded build of a release-shaped checkpoint (docs/release_memory.md)"),
     "soak": ("soak", "long mixed load with faults (docs/load.md)"),
+    "faults": ("faults", "model processes killed mid-stream: time to error, not-ready, healed; sessions kept "
+               "(docs/reliability.md)"),
     "quant-accuracy": ("quant_accuracy", "quantized engines: perplexity and speed vs fp32 (docs/quantization.md)"),
     "eval-harness": ("eval_harness", "lm-evaluation-harness through the OpenAI frontend (docs/openai.md)"),
     "replay-quality": ("replay_quality", "bounded replay vs full recompute (docs/replay_quality.md)"),

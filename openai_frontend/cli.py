@@ -30,6 +30,10 @@ def parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <key>' on every route but /health and /metrics; repeat it for "
                         "several keys (one per tenant: each key has its own partition of the conversation cache; "
                         f"default: ${API_KEY_ENV}, a comma-separated list; unset: no authentication)")
+    p.add_argument("--health-url", default=None,
+                   help="the tritonserver supervisor's health address (scripts/tritonserver.py start prints it, e.g. "
+                        "http://127.0.0.1:8003/health): a 503 then names the model whose process died and says the "
+                        "server is healing")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -57,7 +61,8 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     cache = PrefixCache(args.cache_budget_bytes, SessionCost.of_model(args.model_dir))
     tokenizer = ChatTokenizer.load(args.model_dir)
     tokenizer.chat_format  # noqa: B018 - prompts are counted in the directory's chat format: none fails at start, not per request
-    return create_app(ChatService(TritonStream(args.triton_url), tokenizer, cache, args.max_model_len), api_keys(args))
+    stream = TritonStream(args.triton_url, args.health_url)
+    return create_app(ChatService(stream, tokenizer, cache, args.max_model_len), api_keys(args))
 
 
 def main(argv: list[str] | None = None) -> int:

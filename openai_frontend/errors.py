@@ -18,6 +18,7 @@ class APIError(Exception):
     type: str = "invalid_request_error"
     code: str | None = None
     param: str | None = None
+    retry_after: int = 1  # seconds, sent as Retry-After with a 429 or 503
 
     def __str__(self) -> str:
         return self.message
@@ -27,7 +28,7 @@ class APIError(Exception):
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": "1"} if self.status in (429, 503) else {}
+        return {"Retry-After": str(self.retry_after)} if self.status in (429, 503) else {}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -57,6 +58,12 @@ _TRITON_CLASSES: tuple[tuple[str, int, str, str | None], ...] = (
     ("unknown session", 409, "invalid_request_error", "session_lost"),
     ("was evicted", 409, "invalid_request_error", "session_lost"),
     ("was ended", 409, "invalid_request_error", "session_lost"),
+    # a model's process died (Triton: "Stub process '<model>_0_0' is not healthy"): the supervisor restarts the
+    # server, and the journal keeps the sessions, so the turn is retried, not given up (docs/reliability.md)
+    ("is not healthy", 503, "server_error", "model_unavailable"),
+    ("has no available versions", 503, "server_error", "model_unavailable"),  # a restarted server still loading
+    ("socket closed", 503, "server_error", "service_unavailable"),
+    ("connection reset", 503, "server_error", "service_unavailable"),
     ("internal error", 500, "server_error", None),
     ("failed to connect", 503, "server_error", "service_unavailable"),
     ("unavailable", 503, "server_error", "service_unavailable"),
@@ -83,3 +90,26 @@ def session_lost(error: APIError) -> bool:
     """The server no longer holds the session the cache pointed at, or will not open it with the token the frontend
     holds: rebuild it from the messages under a new session id instead."""
     return error.code in ("session_lost", "session_refused")
+
+
+HEALING_RETRY_AFTER_S = 5  # the default's restart takes 11-31 s: clients that honour Retry-After poll a few times
+
+
+def explained_by(error: APIError, health: dict | None) -> APIError:
+    """A 503 with what the server's supervisor says happened (its `/health`: the model whose process died, and
+    whether it is healing): the message names the model and says the turn can be retried, since no session is lost."""
+    if error.status != 503 or not health:
+        return error
+    faults = health.get("faults") or []
+    state = health.get("state", "")
+    if not faults or state not in ("healing", "starting", "ready"):
+        return error
+    fault = faults[-1]
+    if state == "ready" and fault.get("healed_at") is None:
+        return error
+    doing = ("the server is healing: retry the request in a few seconds" if state != "ready"
+             else "the server has healed: retry the request")
+    message = (f"model {fault.get('model')!r} stopped ({fault.get('kind')}); {doing}; every session is kept "
+               f"(the turn that was answering is not in its history). [{error.message}]")
+    return APIError(503, message, "server_error", "model_unavailable",
+                    retry_after=HEALING_RETRY_AFTER_S if state != "ready" else 1)

@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from openai_frontend.errors import APIError, from_triton, unavailable
+import grpc
+
+from openai_frontend.errors import APIError, explained_by, from_triton, unavailable
 from tritonserver_backend import contract as c
 from tritonserver_backend.auth.admin_auth import ADMIN_KEY_HEADER as ADMIN_KEY_PARAMETER
 from tritonserver_backend.clients.client import TurnRequest, infer_inputs, text_output
@@ -46,11 +48,14 @@ def _message(error: Any) -> str:
 
 
 class TritonStream:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, health_url: str | None = None) -> None:
+        """`health_url`: the server supervisor's `/health` (scripts/tritonserver.py start prints it): a 503 then says
+        which model died and that the server is healing (errors.explained_by)."""
         import tritonclient.grpc.aio as grpc_aio
 
         self._aio = grpc_aio
         self.url = url
+        self.health_url = health_url
         self._client: Any = None
         # cancels sent for turns whose client left; held here until they finish: the event loop keeps only weak
         # references to tasks, and the task that started one is itself being cancelled, so nothing else would
@@ -75,7 +80,7 @@ class TritonStream:
         ids: it is not a piece (the first piece stays the first token, so an error before it keeps its HTTP status and
         the adapter is known), but from then on a cancel can name the token; every piece of the turn carries it."""
         done = asyncio.Event()
-        issued = ""  # the token the server issued for this turn (it (re)started the session), else ""
+        seen = {"issued": ""}  # the token the server issued for this turn (it (re)started the session), else ""
         inputs = self._inputs(request.tensors())
         outputs = [self._aio.InferRequestedOutput(s.name) for s in c.ENSEMBLE_OUTPUTS]
 
@@ -86,11 +91,33 @@ class TritonStream:
         stream = self.client.stream_infer(requests())
         finished = False
         try:
+            try:
+                async for piece in self._pieces(stream, request, seen):
+                    finished = bool(piece.finish)
+                    yield piece
+                    if finished:
+                        return
+            except APIError as exc:
+                finished = finished or exc.status != 503  # the server ended the request itself: nothing to cancel
+                raise await self.explain(exc) from None
+        finally:
+            done.set()
+            if not finished:
+                stream.cancel()
+                token = seen["issued"] or request.session_token
+                cancel = asyncio.ensure_future(self._cancel_quietly(request.session_id, token))
+                self._cancels.add(cancel)
+                cancel.add_done_callback(self._cancels.discard)
+                await asyncio.shield(cancel)  # the caller's own cancellation (it left) never stops the cancel
+
+    async def _pieces(self, stream: Any, request: TurnRequest, seen: dict[str, str]) -> AsyncIterator[Piece]:
+        """The stream's pieces until the final one (`seen["issued"]`: the session token issued on the way); Triton's
+        errors as APIErrors."""
+        try:
             async for result, error in stream:
                 if error is not None:
-                    finished = True  # the server ended the request itself: nothing to cancel
                     raise from_triton(_message(error))
-                issued = text_output(result, c.ISSUED_SESSION_TOKEN) or issued
+                seen["issued"] = issued = text_output(result, c.ISSUED_SESSION_TOKEN) or seen["issued"]
                 token_ids = result.as_numpy(c.TOKEN_ID_OUT.name)
                 if token_ids is None:
                     continue
@@ -100,22 +127,24 @@ class TritonStream:
                     continue  # the issued token's own response (see above): nothing to show yet
                 piece = Piece(ids, text_output(result, c.TEXT_OUTPUT), text_output(result, c.ADAPTER_NAME), finish,
                               *(_logprobs(result, len(ids)) if request.logprobs else ((), ())), session_token=issued)
-                finished = bool(piece.finish)
                 yield piece
-                if finished:
+                if piece.finish:
                     return
             raise unavailable("tritonserver closed the stream before the reply ended")
         except self._aio.InferenceServerException as exc:
             raise _transport_error(exc) from None
-        finally:
-            done.set()
-            if not finished:
-                stream.cancel()
-                token = issued or request.session_token
-                cancel = asyncio.ensure_future(self._cancel_quietly(request.session_id, token))
-                self._cancels.add(cancel)
-                cancel.add_done_callback(self._cancels.discard)
-                await asyncio.shield(cancel)  # the caller's own cancellation (it left) never stops the cancel
+        except grpc.RpcError as exc:  # the aio stream passes a lost connection on as grpc's own error
+            raise _rpc_error(exc) from None
+
+    async def explain(self, error: APIError) -> APIError:
+        """A 503 with the supervisor's account of it (which model died, healing or healed), when it can be asked."""
+        if error.status != 503 or not self.health_url:
+            return error
+        try:
+            health = await asyncio.to_thread(_read_health, self.health_url)
+        except Exception:  # noqa: BLE001 - the supervisor is not reachable either: the plain 503 stands
+            return error
+        return explained_by(error, health)
 
     async def _cancel_quietly(self, session_id: str, session_token: str | None) -> None:
         try:
@@ -130,7 +159,7 @@ class TritonStream:
                                              outputs=[self._aio.InferRequestedOutput(output.name)],
                                              parameters=parameters)
         except self._aio.InferenceServerException as exc:
-            raise _transport_error(exc) from None
+            raise await self.explain(_transport_error(exc)) from None
         return result.as_numpy(output.name).reshape(-1)[0].decode("utf-8")
 
     async def adapters(self) -> list[str]:
@@ -176,9 +205,30 @@ class TritonStream:
             await self._client.close()
 
 
+def _rpc_error(exc: Any) -> APIError:
+    """grpc's error as the OpenAI error: a server that cannot be reached (down, restarting) is a 503 to retry."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return unavailable(f"tritonserver is not reachable: {details}")
+    return from_triton(str(details))
+
+
 def _transport_error(exc: Any) -> APIError:
     message = _message(exc)
     status = str(getattr(exc, "status", lambda: "")() or "")
     if "UNAVAILABLE" in status or "failed to connect" in message.lower() or "connection refused" in message.lower():
         return unavailable(f"tritonserver is not reachable: {message}")
     return from_triton(message)
+
+
+def _read_health(url: str) -> dict:
+    import urllib.error
+    import urllib.request
+
+    url = url if url.rstrip("/").endswith("/health") else url.rstrip("/") + "/health"
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:  # 503 while healing still carries the JSON
+        return json.loads(exc.read())

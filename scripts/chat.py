@@ -65,6 +65,9 @@ class TensorChat:
                                on_piece=on_piece)
         if reply.error is None:
             self.first = False
+        elif isinstance(self.chat, GrpcChat):  # a stream that saw an error is over (the server may have restarted):
+            self.chat.close()  # the next turn opens a new one, and the session goes on with the tokens already held
+            self.chat = GrpcChat(self.args.url, self.chat.tokens)
         return reply.error, reply.adapter, len(reply.token_ids), reply.finish_reason
 
     def close(self) -> None:

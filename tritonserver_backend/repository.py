@@ -55,6 +55,13 @@ DEFAULT_PARAMETERS = {
     "session_auth": "true",  # false: no session tokens (a trusted single-tenant deployment only; the log says so)
     # empty: <registry_root>/internal.key (0600, created at the first start): signs calls between the models
     "internal_key_file": "",
+    # the session journal (docs/reliability.md): completed turns on disk, so a dead model process or a server restart
+    # loses no session. Empty: $MOL2_SESSION_DIR, else sessions/ under the server's working directory (the launcher's
+    # work dir); "off": sessions live in memory only. Sessions not written for ttl are dropped at start, and past the
+    # byte budget the least recently written ones lose their journal (whole, each logged by name)
+    "session_dir": "",
+    "session_journal_ttl_s": str(7 * 24 * 3600),
+    "session_journal_bytes": str(1 << 30),
     # adapter_admin (docs/admin.md)
     "admin_enabled": "true",  # false: every action except list is refused
     "admin_key_file": "",  # empty: <registry_root>/admin.key, created 0600 at the first start
@@ -70,7 +77,8 @@ PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
     "encoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",
                 "max_active_turns", "max_queued_turns", "prefill_chunk", "prefill_tokens_per_step",
-                "prefill_between_steps", "prefix_cache_bytes", "session_auth", "internal_key_file"),
+                "prefill_between_steps", "prefix_cache_bytes", "session_auth", "internal_key_file", "session_dir",
+                "session_journal_ttl_s", "session_journal_bytes"),
     "router": ("model_dir", "registry_root", *ENGINE),
     "decoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",
                 "max_active_turns", "decode_lanes", "replay_tokens_per_step", "stream_interval",

@@ -1,5 +1,5 @@
-"""What the deploy tests share: reading the Dockerfile, rendering the Kustomize trees, the launcher's own command line,
-PromQL selectors and Prometheus scrapes.
+"""What the deploy tests share: reading the Dockerfile, the tritonserver command line its entrypoint makes the launcher
+build, rendering the Kustomize trees, PromQL selectors and Prometheus scrapes.
 
 Each check returns a list of problems (empty: fine) instead of asserting, so that a test can run it on the real files
 and again on a broken copy and see it complain: the checks are shown to fail for real, not only to pass.
@@ -7,6 +7,11 @@ and again on a broken copy and see it complain: the checks are shown to fail for
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import functools
+import importlib.util
+import io
 import json
 import re
 import shlex
@@ -14,10 +19,12 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Iterable
 
 import yaml
 
+from deploy import layout
 from tests.tiny import PROJECT_ROOT
 
 DEPLOY = PROJECT_ROOT / "deploy"
@@ -83,30 +90,99 @@ def entrypoint(text: str, stage: str = "triton") -> list[str]:
     return exec_form(found[-1])
 
 
-def launcher_command(model_repository: str = "/repo") -> list[str]:
-    """The command line `tritonserver_backend.launcher.TritonServer` starts (its real build_command, nothing copied)."""
+# What the triton stage's ENTRYPOINT runs: the supervised launcher in the foreground (it must stay PID 1's child, not
+# detach), under tini (PID 1 reaps the stubs a restart orphans), from the image's WORKDIR (the checkout)
+LAUNCHER_ENTRYPOINT = ["tini", "--", "python", "scripts/tritonserver.py", "start", "--foreground"]
+HEALTH_PORT = 8003  # the supervisor's /health/live and /health/ready in a pod (supervise.py's default too)
+SERVER_WORK_DIR = "/var/lib/mol2/server"  # the launcher's work dir in the image: PID files, logs, sessions/
+ALL_INTERFACES = "0.0.0.0"
+IMAGE_TRITONSERVER = Path("/opt/tritonserver/bin/tritonserver")  # NGC's binary, on the image's PATH
+IMAGE_BACKENDS = Path("/opt/tritonserver/backends")  # a system install's backends (launcher/install.py)
+
+# The tritonserver flags a pod needs: those the image passed before the supervisor (model repository, control mode,
+# exit timeout, the mol2-* header forwarding that carries the admin key, GPU metrics on: Triton's default), and what
+# the launcher now builds for the pod: every interface on Triton's default ports, the image's own backends
+POD_TRITON_FLAGS = {
+    "--model-repository": str(layout.MODEL_REPOSITORY),
+    "--backend-directory": str(IMAGE_BACKENDS),
+    "--http-address": ALL_INTERFACES,
+    "--http-port": str(layout.HTTP_PORT),
+    "--grpc-address": ALL_INTERFACES,
+    "--grpc-port": str(layout.GRPC_PORT),
+    "--metrics-address": ALL_INTERFACES,
+    "--metrics-port": str(layout.METRICS_PORT),
+    "--model-control-mode": "none",
+    "--exit-timeout-secs": "10",
+    "--grpc-header-forward-pattern": "mol2-.*",
+    "--http-header-forward-pattern": "mol2-.*",
+    "--allow-gpu-metrics": "true",
+}
+
+
+@functools.cache
+def launcher_cli() -> ModuleType:
+    """scripts/tritonserver.py as a module (a script, not a package): its own parser reads the entrypoint."""
+    path = PROJECT_ROOT / "scripts" / "tritonserver.py"
+    spec = importlib.util.spec_from_file_location("mol2_scripts_tritonserver", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_entrypoint(image: list[str]) -> tuple[argparse.Namespace | None, list[str]]:
+    """The ``start`` flags of an entrypoint that runs LAUNCHER_ENTRYPOINT, parsed by the CLI's own parser; (None,
+    problems) when it runs something else or the parser refuses it."""
+    if image[: len(LAUNCHER_ENTRYPOINT) - 1] != LAUNCHER_ENTRYPOINT[:-1]:
+        return None, [f"the entrypoint does not run {' '.join(LAUNCHER_ENTRYPOINT[:-1])}: {image[:5]}"]
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):
+            args = launcher_cli().build_parser().parse_args(image[len(LAUNCHER_ENTRYPOINT) - 2 :])
+    except SystemExit:
+        return None, [f"scripts/tritonserver.py refuses the entrypoint: {errors.getvalue().strip()}"]
+    return args, []
+
+
+def entrypoint_problems(image: list[str]) -> list[str]:
+    """What is wrong with how the entrypoint runs the launcher in a pod (not Triton's flags: triton_flag_problems)."""
+    args, problems = parse_entrypoint(image)
+    if args is None:
+        return problems
+    wanted = {
+        "foreground": (True, "without it the launcher detaches and the container ends"),
+        "no_supervise": (False, "nothing would restart a dead model process"),
+        "health_address": (ALL_INTERFACES, "the kubelet's probes come from outside the container"),
+        "health_port": (HEALTH_PORT, "the probes' port"),
+        "prefer": ("system", "NGC's tritonserver and its backends, with the linked 3.11 stub"),
+        "work_dir": (SERVER_WORK_DIR, "the default (the checkout's build/) is not writable by uid 1000"),
+        "no_engine_build": (True, "the engines are an init container's read-only mount"),
+    }
+    for name, (value, why) in wanted.items():
+        if getattr(args, name) != value:
+            problems.append(f"--{name.replace('_', '-')}: {getattr(args, name)!r}, want {value!r} ({why})")
+    return problems
+
+
+def image_triton_command(image: list[str]) -> list[str]:
+    """The tritonserver command line the launcher builds from the entrypoint's flags: the CLI's parser, the
+    supervisor's start arguments (supervise.start_kwargs_from_args) and TritonServer.build_command, nothing copied; the
+    install is the image's system one (tests/deploy/test_image.py checks install.py resolves it so)."""
     from tritonserver_backend.launcher.install import TritonInstall
     from tritonserver_backend.launcher.server import TritonServer
+    from tritonserver_backend.launcher.supervise import start_kwargs_from_args
 
-    install = TritonInstall(binary=Path("/usr/bin/tritonserver"), source="system", backend_dir=Path("/backends"))
-    server = TritonServer(install=install, work_dir="/nonexistent")
-    server.http_port, server.grpc_port, server.metrics_port = 8000, 8001, 8002
-    return server.build_command(model_repository, Path("/backends"))
-
-
-# Flags the launcher passes that the image must not: they bind a developer's server to loopback ports and its
-# prepared backends; in a pod Triton listens on its defaults (8000/8001/8002, every interface) and uses the image's
-# /opt/tritonserver/backends, and GPU metrics are wanted on GPU nodes
-LAUNCHER_ONLY = {
-    "--backend-directory": "the image's own /opt/tritonserver/backends (a system install, launcher/install.py)",
-    "--http-address": "loopback in the launcher; every interface in a pod",
-    "--grpc-address": "loopback in the launcher; every interface in a pod",
-    "--metrics-address": "loopback in the launcher; every interface in a pod",
-    "--http-port": "a free port in the launcher; Triton's default 8000 in a pod",
-    "--grpc-port": "a free port in the launcher; Triton's default 8001 in a pod",
-    "--metrics-port": "a free port in the launcher; Triton's default 8002 in a pod",
-    "--allow-gpu-metrics": "off on the CPU machines the launcher runs on; Triton's default (on) in the image",
-}
+    args, problems = parse_entrypoint(image)
+    if args is None:
+        raise ValueError("; ".join(problems))
+    kwargs = start_kwargs_from_args(args)
+    install = TritonInstall(binary=IMAGE_TRITONSERVER, source="system", backend_dir=IMAGE_BACKENDS)
+    server = TritonServer(install=install, work_dir=args.work_dir)
+    server.http_port, server.grpc_port, server.metrics_port = (
+        kwargs["http_port"], kwargs["grpc_port"], kwargs["metrics_port"])
+    return server.build_command(kwargs["model_repository"], IMAGE_BACKENDS, kwargs["extra_args"],
+                                kwargs["model_control_mode"], kwargs["load_models"], kwargs["exit_timeout"],
+                                bind_address=kwargs["bind_address"])
 
 
 def _split_flag(arg: str) -> tuple[str, str | None]:
@@ -114,32 +190,22 @@ def _split_flag(arg: str) -> tuple[str, str | None]:
     return name, (value if sep else None)
 
 
-def entrypoint_flag_problems(image: list[str], launcher: list[str]) -> list[str]:
-    """Differences between the image's entrypoint and the launcher's command line, beyond LAUNCHER_ONLY.
-
-    Both directions: every image flag must be one the launcher passes with the same value (the launcher is the one
-    source), and every launcher flag must be in the image or in LAUNCHER_ONLY with its reason."""
+def triton_flag_problems(command: list[str], expected: dict[str, str] = POD_TRITON_FLAGS) -> list[str]:
+    """Differences between a tritonserver command line and the flags a pod needs, both directions: each expected flag
+    once with its value, and no flag beyond them (a new launcher flag must be added here, with its pod value)."""
     problems = []
-    if not image or Path(image[0]).name != "tritonserver":
-        problems.append(f"the entrypoint does not start tritonserver: {image[:1]}")
-    image_flags = dict(_split_flag(a) for a in image[1:])
-    launcher_flags = dict(_split_flag(a) for a in launcher[1:])
-    if len(image_flags) != len(image) - 1:
-        problems.append("the entrypoint repeats a flag")
-    if "--model-repository" not in image_flags:
-        problems.append("the entrypoint has no --model-repository")
-    for name, value in image_flags.items():
-        if name == "--model-repository":
-            continue
-        if name not in launcher_flags:
-            problems.append(f"{name}: in the image, not passed by the launcher")
-        elif launcher_flags[name] != value:
-            problems.append(f"{name}: image {value!r}, launcher {launcher_flags[name]!r}")
-    for name, value in launcher_flags.items():
-        if name in ("--model-repository", *LAUNCHER_ONLY):
-            continue
-        if name not in image_flags:
-            problems.append(f"{name}={value}: passed by the launcher, missing from the image")
+    if not command or Path(command[0]).name != "tritonserver":
+        problems.append(f"the command does not start tritonserver: {command[:1]}")
+    flags = [_split_flag(a) for a in command[1:]]
+    names = [name for name, _ in flags]
+    problems += [f"{name}: given {names.count(name)} times" for name in sorted(set(names)) if names.count(name) > 1]
+    given = dict(flags)
+    for name, value in expected.items():
+        if name not in given:
+            problems.append(f"{name}={value}: missing")
+        elif given[name] != value:
+            problems.append(f"{name}: {given[name]!r}, want {value!r}")
+    problems += [f"{name}={value}: not a flag the pod expects" for name, value in given.items() if name not in expected]
     return problems
 
 

@@ -23,16 +23,20 @@ from deploy.sizing import gpus_needed, read_record
 from tests.deploy.checks import (
     DOCKERFILE,
     DYNAMO,
+    HEALTH_PORT,
     K8S,
     MONITORING,
     OVERLAYS,
+    SERVER_WORK_DIR,
     by_kind,
     container,
     entrypoint,
+    image_triton_command,
     kubectl,
     kustomize,
     load_yaml_documents,
     one,
+    parse_entrypoint,
     validation_problems,
 )
 from tritonserver_backend.auth.admin_auth import AdminKeyError, read_admin_key
@@ -88,15 +92,23 @@ def test_validation_fails_on_a_misspelt_field_and_a_wrong_type(rendered: dict[st
 
 
 @pytest.mark.parametrize("tree", ["base", *OVERLAYS])
-def test_probes_on_tritons_health_endpoints(rendered: dict[str, list[dict[str, Any]]], tree: str) -> None:
+def test_probes_on_the_supervisors_health_endpoints(rendered: dict[str, list[dict[str, Any]]], tree: str) -> None:
+    """The probes read the supervisor (Triton's /v2/health/ready stays 200 after a model's process died): ready is 503
+    while it heals, live only once it gave up."""
     c = container(_pod(_tree(rendered, tree)), "tritonserver")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": layout.HTTP_PORT, "grpc": layout.GRPC_PORT, "metrics": layout.METRICS_PORT}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
-    # Triton answers HTTP only after every model loaded: without a startup probe, liveness would kill a loading pod
-    assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 300
+    assert ports == {"http": layout.HTTP_PORT, "grpc": layout.GRPC_PORT, "metrics": layout.METRICS_PORT,
+                     "health": HEALTH_PORT}
+    args, problems = parse_entrypoint(entrypoint(DOCKERFILE.read_text()))
+    assert args is not None, problems
+    assert args.health_port == ports["health"] and args.health_address == "0.0.0.0"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "health"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "health"}
+    # Triton is ready only after every model loaded: without a startup probe, liveness would kill a loading pod; and
+    # the kubelet must not give up before the launcher's own readiness deadline (--timeout) has passed
+    assert c["startupProbe"]["httpGet"] == {"path": "/health/ready", "port": "health"}
+    assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= max(300, args.timeout)
+    assert not any("/v2/health" in str(c[probe]) for probe in ("startupProbe", "readinessProbe", "livenessProbe"))
 
 
 @pytest.mark.parametrize("tree", ["base", *OVERLAYS])
@@ -109,7 +121,8 @@ def test_the_entrypoint_rules_and_every_container_runs_the_image(
     images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
     assert len(images) == 1 and images.pop().startswith("mol2-serving:0.1.0")
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == layout.UID
-    exit_timeout = next(int(a.split("=")[1]) for a in entrypoint(DOCKERFILE.read_text()) if "exit-timeout" in a)
+    command = image_triton_command(entrypoint(DOCKERFILE.read_text()))
+    exit_timeout = next(int(a.split("=")[1]) for a in command if a.startswith("--exit-timeout-secs="))
     assert pod["terminationGracePeriodSeconds"] >= exit_timeout + 10  # the launcher's own margin (server.stop)
 
 
@@ -149,6 +162,10 @@ def test_mounts_are_where_the_repository_parameters_point(rendered: dict[str, li
     assert adapters["readOnly"] is True and "persistentVolumeClaim" in _volume(pod, adapters["name"])
     assert main[str(layout.ENGINES)]["readOnly"] is True
     assert not main[str(layout.REGISTRY_ROOT)].get("readOnly", False)
+    # the launcher's work dir (the session journal, sessions/) is writable and outlives a container restart (an
+    # emptyDir lives as long as the pod; the image's own directory would start empty in every new container)
+    work = main[SERVER_WORK_DIR]
+    assert not work.get("readOnly", False) and "emptyDir" in _volume(pod, work["name"])
     repo = main[str(layout.MODEL_REPOSITORY)]
     params = pod_parameters({})
     assert params["admin_key_file"] == str(layout.ADMIN_KEY_FILE)

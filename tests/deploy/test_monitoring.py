@@ -2,10 +2,10 @@
 Prometheus scrape config against the pods it must find.
 
 The slow test serves the pod's model repository (rendered by deploy.render_repository, the ConfigMap's parameters)
-with a real tritonserver started with the image's entrypoint flags, holds a conversation (routed turns, an explicit
-adapter, a burst that gets busy refusals), scrapes the metrics port and checks every metric name, label matcher and
-grouping label the dashboard's Triton panels use. The Dynamo panels are checked the same way against the frontend of
-the graph run on loopback (tests/deploy/test_dynamo_graph.py).
+with a real tritonserver started with the image's entrypoint flags (as the launcher reads them), holds a
+conversation (routed turns, an explicit adapter, a burst that gets busy refusals), scrapes the metrics port and checks
+every metric name, label matcher and grouping label the dashboard's Triton panels use. The Dynamo panels are checked
+the same way against the frontend of the graph run on loopback (tests/deploy/test_dynamo_graph.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from tests.deploy.checks import (
     Query,
     dashboard_queries,
     entrypoint,
-    launcher_command,
     load_yaml_documents,
+    parse_entrypoint,
     parse_promql,
     parse_scrape,
     query_problems,
@@ -40,6 +40,7 @@ from tests.deploy.checks import (
 )
 from tests.tiny import PROJECT_ROOT
 from tritonserver_backend.core.counters import DESCRIPTIONS
+from tritonserver_backend.launcher.supervise import start_kwargs_from_args
 from tritonserver_backend.triton.glue import GAUGE_METRICS, HISTOGRAM_METRICS, ITL_METRIC, TTFT_METRIC
 
 DASH: dict[str, Any] = json.loads(DASHBOARD.read_text())
@@ -156,16 +157,15 @@ def test_every_triton_metric_the_dashboard_queries_is_exposed_after_a_conversati
     remap = {str(layout.STATE): str(state), "/etc/mol2": str(tmp_path / "etc"), str(layout.PROJECT): str(PROJECT_ROOT)}
     repo = render(tmp_path / "repo", {**parameters, "max_active_turns": "1", "max_queued_turns": "0"}, remap)
     (tmp_path / "etc" / "admin").mkdir(parents=True)
-    # the image's entrypoint flags: what the launcher does not add itself goes in as extra arguments (none today)
-    launcher = {a.split("=", 1)[0] for a in launcher_command()}
-    extra = [
-        a
-        for a in entrypoint(DOCKERFILE.read_text())[1:]
-        if a.split("=", 1)[0] not in launcher and not a.startswith("--model-repository")
-    ]
+    # the image's entrypoint flags, through the launcher's own parsing (supervise.start_kwargs_from_args); only what
+    # ties it to the pod stays here: loopback, free ports, this test's repository, PID file and log
+    args, problems = parse_entrypoint(entrypoint(DOCKERFILE.read_text()))
+    assert args is not None, problems
+    image = start_kwargs_from_args(args)
     server = TritonServer(work_dir=tmp_path / "server")
     try:
-        server.start(repo, extra_args=extra)
+        server.start(repo, extra_args=image["extra_args"], model_control_mode=image["model_control_mode"],
+                     load_models=image["load_models"], exit_timeout=image["exit_timeout"])
         server.wait_ready(300)
         chat = GrpcChat(server.grpc_url)
         try:

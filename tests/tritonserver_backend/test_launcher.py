@@ -763,8 +763,8 @@ def test_cli_start_status_stop(tmp_path: Path) -> None:
 
     stubs: list[int] = []
     try:
-        started = cli("start", *common, "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0",
-                      "--metrics-port", "0")
+        started = cli("start", *common, "--no-supervise", "--model-repository", str(repo), "--http-port", "0",
+                      "--grpc-port", "0", "--metrics-port", "0")
         assert started.returncode == 0, started.stdout + started.stderr
         assert "binary: " in started.stdout and "ready after" in started.stdout and "gRPC 127.0.0.1:" in started.stdout
         pid = int(pid_file.read_text())
@@ -788,8 +788,8 @@ def test_cli_start_status_stop(tmp_path: Path) -> None:
         _wait_gone([pid])
         status = cli("status", *common)
         assert status.returncode == 3 and "stale record" in status.stdout, status.stdout + status.stderr
-        restarted = cli("start", *common, "--model-repository", str(repo), "--http-port", "0", "--grpc-port", "0",
-                        "--metrics-port", "0")
+        restarted = cli("start", *common, "--no-supervise", "--model-repository", str(repo), "--http-port", "0",
+                        "--grpc-port", "0", "--metrics-port", "0")
         assert restarted.returncode == 0, restarted.stdout + restarted.stderr
         cleaned_line = f"cleaned up after tritonserver PID {pid}: killed left-over PIDs {stubs[0]}"
         assert cleaned_line in restarted.stdout and cleaned_line in (tmp_path / "work" / "tritonserver.log").read_text()
@@ -821,7 +821,7 @@ def test_cli_foreground_stops_the_server_on_sigterm(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "tritonserver.py"), "start", "--foreground",
            "--work-dir", str(tmp_path / "work"), "--pid-file", str(pid_file),
            "--model-repository", str(make_model_repository(tmp_path)),
-           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
+           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--health-port", "0"]
     cli = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     server_pid = None
     try:

@@ -9,6 +9,11 @@ back), a second turn for it is refused, and the number of turns in flight is the
 
 A starting session takes the longest cached prefix of its tokens from the prefix cache (prefix_cache.py), and between
 its turns rests on it, holding only its own state (resting_rows.py).
+
+With a journal (session_journal.py), every completed turn's tokens are written to disk before the decoder's last step
+call returns, and a session the journal holds but memory does not (the server restarted, a model process died) is
+rebuilt on its next turn: its history is prefilled (from the prefix cache where it can) and the turn goes on, under
+the session token it always had.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import numpy as np
 
 from ced.steps.arena_pool import ArenaPool
 from ced.steps.rows import HANDOVER_KEYS, EncoderRow, absorb_encoder, encoder_inputs
-from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens
+from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens, refusal, token_digest
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.handover import MAX_DECODE_LANES, Handover
 from tritonserver_backend.core.prefix_cache import PrefixCache, PrefixEntry, check_salt
 from tritonserver_backend.core.resting_rows import RestingRow, rest, wake
+from tritonserver_backend.core.session_journal import SessionJournal
 from tritonserver_backend.core.session_store import SessionStore
 from tritonserver_backend.engines import StepEngine
 from tritonserver_backend.errors import BadRequest, ServerBusy, UnknownSession
@@ -84,17 +90,23 @@ class TurnPrefill:
     salt: str = ""
     chain: list[bytes] = field(default_factory=list)  # the prefix cache's block keys (empty: no cache for it)
     base: PrefixEntry | None = None  # the cached prefix the session will rest on between turns (resting_rows.py)
+    resumed_digest: str | None = None  # rebuilt from the journal: the token digest the session keeps
+    resumed: bool = False
+    journal_prefix: np.ndarray | None = None  # a fork's source's history (what the fork's journal starts with)
+    journal_skip: bool = False  # the turn's session cannot be journaled whole (a fork of an unjournaled source)
 
 
 class EncoderService:
     def __init__(self, engine: StepEngine, budget_bytes: int = 2 << 30, max_context: int = DEFAULT_MAX_CONTEXT,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0, counters: Counters | None = None,
-                 session_auth: bool = True, prefix_cache_bytes: int = 0) -> None:
+                 session_auth: bool = True, prefix_cache_bytes: int = 0,
+                 journal: SessionJournal | None = None) -> None:
         """`max_turns` bounds the turns in flight (active + queued at the decoder); 0 = no bound. `counters` count the
         tokens encoded (what shows that a continued conversation encodes only its new turn). `session_auth`: a
         session's later turns need the token issued when it started (session_auth.py); off only for a trusted
         single-tenant deployment. `prefix_cache_bytes`: the prefix cache's budget (prefix_cache.py; 0: off), beside
-        the session budget; its block is the prefill chunk."""
+        the session budget; its block is the prefill chunk. `journal`: where completed turns are written and lost
+        sessions are resumed from (None: sessions live in memory only)."""
         self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
         # opened now, not at the first turn: the token map is a pass over the vocabulary, and a checkpoint without its
         # Engram tables should fail at start-up
@@ -114,6 +126,10 @@ class EncoderService:
         self._drafts: dict[str, _DraftBlock] = {}  # speculative steps waiting for their kept length (encode_step)
         self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, f"{engine.model_dir}:{engine.describe()}",
                                         self.counters, self.cfg.window_size)
+        self.journal = journal
+        # each session's tokens since its last journal record: the turn in flight (and whether it restarts the file)
+        self._unjournaled: dict[str, list[np.ndarray]] = {}
+        self._journal_reset: dict[str, bool] = {}
 
     def flush_counts(self) -> None:
         """Add the step tokens encoded since the last flush to the counters. Called at every turn's end, so the
@@ -169,6 +185,11 @@ class EncoderService:
         elif ids.size == 0:
             raise BadRequest("TOKEN_IDS is empty")
         existed = self.sessions.contains(session_id)
+        resumed = None
+        if not (existed or start or fork_from is not None or prefix.size > 1):
+            resumed = self._resumable(session_id, session_token)
+            if resumed is not None:
+                prefix = resumed.tokens
         restart = start or (not existed and prefix.size > 1)
         if existed:
             self.check_token(session_id, session_token, k.PATH_TURN)
@@ -196,6 +217,13 @@ class EncoderService:
                            self._h19.get(session_id), self._bases.get(session_id))
         turn = TurnPrefill(session_id, flight, row, ids_all, int(ids.size), row.position, existed, restart,
                            fork_h19=None if source is None else self._h19.get(fork_from or ""))
+        if resumed is not None:
+            turn.resumed, turn.resumed_digest = True, resumed.digest
+        if source is not None and self.journal is not None:
+            held = self.journal.history(fork_from or "")
+            # a source without a journal (dropped over budget, or its write failed): the fork has none either
+            turn.journal_prefix = held.tokens if held is not None else np.zeros(0, np.int64)
+            turn.journal_skip = held is None
         if source is not None:
             turn.base = self._bases.get(fork_from or "")
         elif not restart:
@@ -242,7 +270,12 @@ class EncoderService:
         handover["positions"] = np.arange(turn.first, turn.row.position, dtype=np.int64)
         self._store(session_id, turn.row)
         self._set_base(session_id, turn.base)
-        issued = self.tokens.issue(session_id) if turn.restart else ""
+        if turn.resumed:  # the session goes on under the token its owner holds
+            self.tokens.restore(session_id, turn.resumed_digest)
+            issued = ""
+        else:
+            issued = self.tokens.issue(session_id) if turn.restart else ""
+        self._track_turn(turn)
         if turn.ids.size - turn.cached:
             self.counters.add(k.ENCODED_TOKENS, k.TURN, int(turn.ids.size - turn.cached))
         rows_h19 = handover.pop("h19")
@@ -256,6 +289,50 @@ class EncoderService:
     def _check_in_flight(self, turn: "TurnPrefill") -> None:
         if self._in_flight.get(turn.session_id) is not turn.flight:
             raise UnknownSession(f"session {turn.session_id!r} was ended while its turn was being encoded")
+
+    def _resumable(self, session_id: str, session_token: str | None):  # -> JournalEntry | None
+        """The journal's entry for a session memory does not hold, once its token is checked (None: not journaled).
+        A session whose journal was corrupt at start is refused by name: its owner learns it cannot be resumed."""
+        if self.journal is None:
+            return None
+        why = self.journal.refusal(session_id)
+        if why is not None:
+            raise UnknownSession(f"session {session_id!r} cannot be resumed: {why}; start it again with new_session "
+                                 "or resend the conversation with history")
+        entry = self.journal.history(session_id)
+        if entry is None:
+            return None
+        if self.tokens.enabled and entry.digest != token_digest(session_token):
+            self.counters.add(k.TOKEN_REFUSALS, k.PATH_TURN)
+            raise refusal(session_id)
+        return entry
+
+    def _track_turn(self, turn: "TurnPrefill") -> None:
+        """Start collecting the finished prefill's tokens for the journal (its record is written at the turn's end)."""
+        if self.journal is None:
+            return
+        s = turn.session_id
+        if turn.journal_skip:
+            self.journal.drop(s)
+            return
+        if turn.journal_prefix is not None:  # a fork: the source's history, then the fork's own tokens
+            self._unjournaled[s], self._journal_reset[s] = [turn.journal_prefix, turn.ids], True
+        elif turn.resumed:  # the file holds the history already: the rebuild's new turn is appended
+            self._unjournaled[s], self._journal_reset[s] = [turn.ids[-turn.new:] if turn.new else turn.ids[:0]], False
+        else:
+            self._unjournaled[s], self._journal_reset[s] = [turn.ids], turn.restart
+
+    def _journal_tokens(self, session_id: str, tokens: np.ndarray) -> None:
+        pending = self._unjournaled.get(session_id)
+        if pending is not None:
+            pending.append(np.asarray(tokens, np.int64).reshape(-1))
+
+    def _commit_journal(self, session_id: str) -> None:
+        pending = self._unjournaled.pop(session_id, None)
+        reset = self._journal_reset.pop(session_id, False)
+        if self.journal is None or pending is None or not self.sessions.contains(session_id):
+            return
+        self.journal.commit(session_id, np.concatenate(pending), self.tokens.digest(session_id), reset)
 
     def abandon_turn(self, turn: "TurnPrefill") -> None:
         """Drop a turn that failed or was cancelled before `finish_turn`: nothing was stored, so the session is as it
@@ -295,10 +372,16 @@ class EncoderService:
                 raise
 
     def check_token(self, session_id: str, token: str | None, path: str) -> None:
-        """Refuse (the one message, counted under `path`) unless `token` opens this live session."""
-        if not self.tokens.matches(session_id, token):
-            self.counters.add(k.TOKEN_REFUSALS, path)
-            self.tokens.check(session_id, token)
+        """Refuse (the one message, counted under `path`) unless `token` opens this live session, or the journaled
+        session memory does not hold yet (a cancel or an end after a restart, before its next turn)."""
+        if self.tokens.matches(session_id, token):
+            return
+        held = self.journal.history(session_id) if self.journal is not None else None
+        if (held is not None and not self.sessions.contains(session_id)
+                and (not self.tokens.enabled or held.digest == token_digest(token))):
+            return
+        self.counters.add(k.TOKEN_REFUSALS, path)
+        self.tokens.check(session_id, token)
 
     def _prefill(self, row: EncoderRow, ids: np.ndarray) -> Handover:
         out = self.engine.encoder(encoder_inputs(self.layout, [row], ids[None], engram=self.engram))
@@ -338,6 +421,7 @@ class EncoderService:
                 block = self._drafts.pop(s)
                 absorb_encoder(self.layout, [row], block.out, block.tokens.shape[1], block.tokens, keep=[kept])
                 self._uncounted_steps += kept
+                self._journal_tokens(s, block.tokens[0, :kept])
         if tokens.shape[1] == 0:  # a turn that ends with nothing left to encode (a prefill-only or raw turn)
             if turn_done:
                 self._turns_done(session_ids)
@@ -351,6 +435,8 @@ class EncoderService:
                 self._drafts[s] = _DraftBlock({key: v[b:b + 1] for key, v in out.items()}, tokens[b:b + 1])
         else:
             absorb_encoder(self.layout, rows, out, tokens.shape[1], tokens)
+            for s, fed in zip(session_ids, tokens):
+                self._journal_tokens(s, fed)
             # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
             self._uncounted_steps += int(tokens.size)
         if turn_done:
@@ -393,6 +479,9 @@ class EncoderService:
         for evicted in self.sessions.put(session_id, row):
             self.tokens.forget(evicted)
             self._h19.pop(evicted, None)
+            self._unjournaled.pop(evicted, None)
+            if self.journal is not None:  # an evicted session is gone (its owner resends history), on disk too
+                self.journal.drop(evicted)
 
     def _set_base(self, session_id: str, entry: PrefixEntry | None) -> None:
         held = self._bases.get(session_id)
@@ -416,6 +505,7 @@ class EncoderService:
         """These sessions' turns ended: their next user turn is welcome, and each rests on its cached prefix."""
         for s in session_ids:
             self._in_flight.pop(s, None)
+            self._commit_journal(s)
             base = self._bases.get(s)
             value = self.sessions.get(s) if base is not None and self.sessions.contains(s) else None
             if isinstance(value, EncoderRow):
@@ -428,6 +518,8 @@ class EncoderService:
     def rollback(self, session_id: str) -> None:
         """Undo the user turn in flight (the decoder rejected it before absorbing anything)."""
         self._drafts.pop(session_id, None)
+        self._unjournaled.pop(session_id, None)
+        self._journal_reset.pop(session_id, None)
         flight = self._in_flight.pop(session_id, None)
         if flight is None:
             return
@@ -446,7 +538,11 @@ class EncoderService:
         self._drafts.pop(session_id, None)
         self._in_flight.pop(session_id, None)
         self._h19.pop(session_id, None)
+        self._unjournaled.pop(session_id, None)
+        self._journal_reset.pop(session_id, None)
         self.tokens.forget(session_id)
+        if self.journal is not None:
+            self.journal.drop(session_id)
         return self.sessions.end(session_id)
 
 

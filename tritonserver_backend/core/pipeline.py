@@ -20,6 +20,7 @@ from tritonserver_backend.core.encoder_service import EncoderService
 from tritonserver_backend.core.handover import Handover
 from tritonserver_backend.core.router_service import RouterService
 from tritonserver_backend.core.scheduler import TurnScheduler, TurnStart
+from tritonserver_backend.core.session_journal import SessionJournal
 from tritonserver_backend.core.text_service import TextService
 from tritonserver_backend.engines import open_engine
 from tritonserver_backend.sampling.sampler import SamplingParams
@@ -57,18 +58,20 @@ class InProcessPipeline:
     def __init__(self, model_dir: str | Path, registry_root: str | Path, max_context: int = 8192,
                  backend: str = "torch", engine_dir: str | Path | None = None, session_auth: bool = False,
                  drafter: Drafter | None = None, tensor_parallel_size: int = 1, expert_parallel: bool = False,
-                 prefix_cache_bytes: int = 0) -> None:
+                 prefix_cache_bytes: int = 0, session_dir: str | Path | None = None) -> None:
         """`session_auth` off by default: the in-process pipeline has one caller (the server's models default to on).
         `drafter`: speculative decoding with it (None: plain decoding). `tensor_parallel_size` > 1: the encoder and
         the decoder each run on that many ranks (this process leads; `engines.rank_group`). `prefix_cache_bytes`: the
-        encoder's prefix cache budget (0: off)."""
+        encoder's prefix cache budget (0: off). `session_dir`: the session journal's folder (None: no journal); a
+        pipeline opened later on the same folder resumes the sessions written there (session_journal.py)."""
         self.drafter = drafter
         self.counters = Counters()
         self.registry = Registry(registry_root)
         self.engine = open_engine(backend, model_dir, engine_dir, tensor_parallel_size, expert_parallel)
         self.text = TextService(model_dir)
+        self.journal = SessionJournal(session_dir) if session_dir is not None else None
         self.encoder = EncoderService(self.engine, max_context=max_context, session_auth=session_auth,
-                                      prefix_cache_bytes=prefix_cache_bytes)
+                                      prefix_cache_bytes=prefix_cache_bytes, journal=self.journal)
         self.router = RouterService(model_dir, Registry(registry_root), self.counters, self.engine)
         self.decoder = DecoderService(self.engine, Registry(registry_root), self.text.tokenizer, self.counters,
                                       max_context=max_context)

@@ -1,9 +1,14 @@
-"""One ``tritonserver`` subprocess: start it (loopback only), wait until it is ready, stop it leaving nothing behind.
+"""One ``tritonserver`` subprocess: start it (loopback by default), wait until it is ready, stop it leaving nothing
+behind.
 
 The server gets a session (and process group) of its own, so SIGTERM/SIGKILL reach it and its Python-backend stubs
 together. While it runs, the record next to the PID file (:mod:`.record`) says which stubs and shared-memory regions
 it has; :meth:`TritonServer.stop` ends the group and unlinks those regions, and the next :meth:`TritonServer.start`
 with the same PID file cleans up after a server that died without a stop.
+
+``bind_address`` (:meth:`TritonServer.start`) is loopback unless a container asks for every interface (``0.0.0.0``:
+a pod's Service and probes reach it from outside the container). Readiness is always polled on loopback, which reaches
+both, so no other address is accepted: a server bound to one external interface would never be seen ready.
 """
 
 from __future__ import annotations
@@ -33,14 +38,26 @@ from tritonserver_backend.launcher.record import (
 # mol2-* request headers (the adapter_admin key, docs/admin.md) reach the models as request parameters
 _HEADER_FORWARD_FLAGS = ("--grpc-header-forward-pattern", "--http-header-forward-pattern")
 HEADER_FORWARD_PATTERN = "mol2-.*"
+_GPU_METRICS_FLAG = "--allow-gpu-metrics"
+ALL_INTERFACES = "0.0.0.0"  # containers only: the pod network must reach the server
+BIND_ADDRESSES = (HOST, ALL_INTERFACES)  # both answer on loopback, where readiness and the supervisor look
 _ADDRESS_FLAGS = ("--http-address", "--grpc-address", "--metrics-address", "--sagemaker-port", "--vertex-ai-port",
                   "--allow-sagemaker", "--allow-vertex-ai")
 
 log = logging.getLogger(__name__)
 
 
+def check_bind_address(bind_address: str) -> str:
+    """``bind_address`` when it is one the launcher can watch (:data:`BIND_ADDRESSES`), else ValueError saying why."""
+    if bind_address not in BIND_ADDRESSES:
+        raise ValueError(f"bind address {bind_address!r}: use {HOST} (the default) or {ALL_INTERFACES} (containers); "
+                         f"readiness is polled on {HOST}, which a server bound to another address does not answer")
+    return bind_address
+
+
 class TritonServer:
-    """One ``tritonserver`` subprocess in its own process group, listening on loopback only.
+    """One ``tritonserver`` subprocess in its own process group, listening on loopback (or, in a container, on every
+    interface: ``start(..., bind_address="0.0.0.0")``).
 
     ``work_dir`` (default: a new temporary directory) holds the prepared backends, the log and the PID file.
 
@@ -72,6 +89,7 @@ class TritonServer:
         self.started_at: float | None = None
         self.ready_after: float | None = None
         self.exit_timeout = 10
+        self.bind_address = HOST  # what the server listens on; clients here and readiness polls use HOST regardless
         self.record: ServerRecord | None = None
         self.cleaned: Cleanup | None = None  # what start() cleaned up after a dead server named by the PID file
         self.stop_cleanup: Cleanup | None = None  # what stop() found left behind (recorded stubs, regions)
@@ -101,7 +119,11 @@ class TritonServer:
         model_control_mode: str = "none",
         load_models: Iterable[str] = (),
         exit_timeout: int = 10,
+        bind_address: str = HOST,
     ) -> list[str]:
+        """The server's command line; the three listeners bind ``bind_address`` (:func:`check_bind_address`), which
+        ``extra_args`` may not override (no address flags there)."""
+        check_bind_address(bind_address)
         if model_control_mode not in ("none", "explicit"):
             raise ValueError(f"model_control_mode must be 'none' or 'explicit', got {model_control_mode!r}")
         load_models = list(load_models)
@@ -109,24 +131,26 @@ class TritonServer:
             raise ValueError("load_models needs model_control_mode='explicit'")
         for arg in extra_args:
             if arg.split("=", 1)[0] in _ADDRESS_FLAGS:
-                raise ValueError(f"{arg!r}: the server listens on {HOST} only; addresses cannot be overridden")
+                raise ValueError(f"{arg!r}: addresses come from bind_address (default {HOST} only, {ALL_INTERFACES} "
+                                 "in containers), not from extra arguments")
         cmd = [
             str(self.install.binary),
             f"--model-repository={Path(model_repository).resolve()}",
             f"--backend-directory={backend_dir}",
-            f"--http-address={HOST}",
+            f"--http-address={bind_address}",
             f"--http-port={self.http_port}",
-            f"--grpc-address={HOST}",
+            f"--grpc-address={bind_address}",
             f"--grpc-port={self.grpc_port}",
-            f"--metrics-address={HOST}",
+            f"--metrics-address={bind_address}",
             f"--metrics-port={self.metrics_port}",
-            "--allow-gpu-metrics=false",
             f"--model-control-mode={model_control_mode}",
             f"--exit-timeout-secs={exit_timeout}",
         ]
         cmd += [f"--load-model={name}" for name in load_models]
         given = {arg.split("=", 1)[0] for arg in extra_args}
         cmd += [f"{flag}={HEADER_FORWARD_PATTERN}" for flag in _HEADER_FORWARD_FLAGS if flag not in given]
+        if _GPU_METRICS_FLAG not in given:  # off on CPU machines; a GPU node's image passes it on (extra args)
+            cmd.append(f"{_GPU_METRICS_FLAG}=false")
         cmd += list(extra_args)
         return cmd
 
@@ -143,10 +167,11 @@ class TritonServer:
         pid_file: Path | str | None = None,
         numpy_check: bool = True,
         exit_timeout: int = 10,
+        bind_address: str = HOST,
     ) -> "TritonServer":
-        """Start the server (without waiting for it: call :meth:`wait_ready`). Ports default to free loopback ports;
-        stdout and stderr go to ``log_file`` (default ``work_dir/tritonserver.log``); the PID goes to ``pid_file``
-        (default ``work_dir/tritonserver.pid``) and a JSON record next to it (``<pid_file>.json``, see
+        """Start the server (without waiting for it: call :meth:`wait_ready`). Ports default to free ones (free on the
+        bind address); stdout and stderr go to ``log_file`` (default ``work_dir/tritonserver.log``); the PID goes to
+        ``pid_file`` (default ``work_dir/tritonserver.pid``) and a JSON record next to it (``<pid_file>.json``, see
         :mod:`tritonserver_backend.launcher.record`).
 
         When that record names a server that no longer runs (killed, crashed), what it left behind (stubs still in
@@ -156,13 +181,18 @@ class TritonServer:
 
         ``exit_timeout`` is Triton's ``--exit-timeout-secs``: after SIGTERM it waits that long for in-flight requests
         and open client connections (a keep-alive HTTP client counts) before exiting; :meth:`stop` waits that plus
-        10 s before SIGKILL. ``extra_args`` are appended verbatim (e.g. ``--log-verbose=1``)."""
+        10 s before SIGKILL. ``extra_args`` are appended verbatim (e.g. ``--log-verbose=1``).
+
+        ``bind_address`` is where the three listeners bind: loopback, or ``0.0.0.0`` in a container whose ports the
+        pod network must reach (:func:`check_bind_address`); the URLs and the readiness poll stay on loopback."""
         if self.process is not None and self.process.poll() is None:
             raise TritonServerError(f"this TritonServer already runs PID {self.pid}")
         self._start_args = dict(model_repository=model_repository, http_port=http_port, grpc_port=grpc_port,
                                 metrics_port=metrics_port, log_file=log_file, extra_args=extra_args,
                                 model_control_mode=model_control_mode, load_models=load_models,
-                                pid_file=pid_file, numpy_check=numpy_check, exit_timeout=exit_timeout)
+                                pid_file=pid_file, numpy_check=numpy_check, exit_timeout=exit_timeout,
+                                bind_address=bind_address)
+        check_bind_address(bind_address)  # before anything is cleaned up or prepared
         repo = Path(model_repository)
         if not repo.is_dir():
             raise TritonServerError(f"model repository {repo} is not a directory")
@@ -173,17 +203,18 @@ class TritonServer:
         self.pid_file.parent.mkdir(parents=True, exist_ok=True)
         self.cleaned = self.clean_up_stale(self.pid_file)
         backend_dir = prepare_backend_dir(self.install, self.work_dir)
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        self.http_port = http_port or free_port(bind_address)  # free on every interface it will bind
+        self.grpc_port = grpc_port or free_port(bind_address)
+        self.metrics_port = metrics_port or free_port(bind_address)
         if len({self.http_port, self.grpc_port, self.metrics_port}) != 3:
             raise ValueError(f"ports must differ: http {self.http_port}, grpc {self.grpc_port}, "
                              f"metrics {self.metrics_port}")
         self.log_file = Path(log_file) if log_file is not None else self.work_dir / "tritonserver.log"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         self.exit_timeout = exit_timeout
+        self.bind_address = bind_address
         self.command = self.build_command(repo, backend_dir, extra_args, model_control_mode, load_models,
-                                          exit_timeout)
+                                          exit_timeout, bind_address)
         env = server_env(self.install, python_bin_dir=self.python_bin_dir)
         with open(self.log_file, "ab") as log_fh:
             self._log_offset = log_fh.tell()  # the log is appended to: tails and error lines read this run's part only
@@ -233,6 +264,7 @@ class TritonServer:
             "source": self.install.source,
             "pytriton_version": self.install.version,
             "host": HOST,
+            "bind_address": self.bind_address,
             "http_port": self.http_port,
             "grpc_port": self.grpc_port,
             "metrics_port": self.metrics_port,

@@ -24,6 +24,7 @@ from tritonserver_backend.errors import BadRequest, ServingError
 if TYPE_CHECKING:
     from tritonserver_backend.adapters.registry import Registry
     from tritonserver_backend.auth.session_auth import InternalKey
+    from tritonserver_backend.core.session_journal import SessionJournal
     from tritonserver_backend.sampling.params import SamplingParams
 
 LOG = logging.getLogger("mol2")
@@ -198,6 +199,27 @@ def announce_session_auth(model: str, enabled: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- BLS
+def session_journal(args: dict, params: dict[str, str]) -> "SessionJournal | None":
+    """The encoder's session journal as its parameters say (repository.py, `session_dir`); the start-up report (what
+    was resumable, dropped or refused as corrupt, by session) goes to the server log."""
+    from tritonserver_backend.core.session_journal import SessionJournal
+
+    where = (params.get("session_dir") or "").strip() or os.environ.get("MOL2_SESSION_DIR", "").strip()
+    if where.lower() == "off":
+        pb().Logger.log_warn("mol2 encoder: session journal off: sessions live in memory only and do not survive a "
+                             "restart")
+        return None
+    if not where:
+        where = str(Path.cwd() / "sessions")
+    directory = resolve(args, where)
+    journal = SessionJournal(directory, float(params.get("session_journal_ttl_s", 7 * 24 * 3600)),
+                             int(params.get("session_journal_bytes", 1 << 30)))
+    pb().Logger.log_info(f"mol2 encoder: session journal {directory}: {journal.report.summary()}")
+    for session, why in journal.report.corrupt.items():
+        pb().Logger.log_warn(f"mol2 encoder: session {session!r} cannot be resumed: {why}")
+    return journal
+
+
 def bls(model: str, inputs: dict[c.TensorSpec, Any], outputs: list[c.TensorSpec]) -> dict[str, np.ndarray]:
     request = pb().InferenceRequest(model_name=model, inputs=[tensor(s, v) for s, v in inputs.items()],
                                     requested_output_names=[o.name for o in outputs])

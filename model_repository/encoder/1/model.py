@@ -44,7 +44,8 @@ class TritonPythonModel:
                                                            params.get("internal_key_file") or None))
         self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]),
                                       int(params["max_context"]), int(params["prefill_chunk"]), max_turns, counters,
-                                      session_auth, int(params.get("prefix_cache_bytes", "0")))
+                                      session_auth, int(params.get("prefix_cache_bytes", "0")),
+                                      glue.session_journal(args, params))
         self.between_steps = parse_switch(params.get("prefill_between_steps", "true"))
         self.gauges = glue.SessionGauges("encoder", self.service.sessions)
         self.cache_gauges = glue.PrefixCacheGauges(self.service.prefix_cache)
