@@ -51,6 +51,8 @@ SI = "tests/tritonserver_backend/test_source_independence.py"
 TOKENS_UNIT = "tests/tritonserver_backend/test_session_auth.py"
 TOKENS_SERVED = "tests/tritonserver_backend/test_serving_session_tokens.py"
 EX = "tests/tritonserver_backend/test_serving_exactness.py"
+JOURNAL = "tests/tritonserver_backend/test_session_journal.py"
+FAULTS = "tests/tritonserver_backend/test_fault_healing.py"
 MUTATIONS = (
     Mutation("M1", "source independence: a turn is replayed under its own adapter",
              "DecoderService replays a starting turn under the adapter that answered the session's previous turn",
@@ -166,6 +168,25 @@ MUTATIONS = (
              "            if issued_ns <= self._last.get(session_id, 0):",
              "            if issued_ns < self._last.get(session_id, 0):",
              (TOKENS_UNIT, f"{TOKENS_SERVED}::test_direct_calls_to_the_internal_models_cannot_touch_a_session"), True),
+    Mutation("M18", "faults: a resumed session holds every token of its conversation",
+             "the session journal leaves out the tokens the decoder's steps feed (the replies)",
+             "tritonserver_backend/core/encoder_service.py",
+             "            for s, fed in zip(session_ids, tokens):\n                self._journal_tokens(s, fed)",
+             "            for s, fed in zip(session_ids, tokens):\n                pass",
+             (JOURNAL, f"{FAULTS}::test_a_killed_tritonserver_heals_and_keeps_eight_sessions")),
+    Mutation("M19", "faults: a resumed session keeps its own token only",
+             "a session resumed from the journal opens with any token",
+             "tritonserver_backend/core/encoder_service.py",
+             "        if self.tokens.enabled and entry.digest != token_digest(session_token):",
+             "        if False:",
+             (JOURNAL,)),
+    Mutation("M20", "faults: a dead model process is noticed",
+             "the supervisor watches only the server process, not its stubs",
+             "tritonserver_backend/launcher/supervisor.py",
+             "            if not same_process(stub.pid, stub.start_ticks):",
+             "            if False:",
+             ("tests/tritonserver_backend/test_supervisor.py",
+              f"{FAULTS}::test_a_killed_model_process_heals_and_keeps_every_session")),
 )
 
 

@@ -8,25 +8,15 @@ import os
 import re
 import signal
 import time
-import urllib.error
 import urllib.request
 
 import openai
 import pytest
 
+from benchmarks.fault_drill import probe_status
 from tests.conftest import EMBEDDED
 
 pytestmark = pytest.mark.slow
-
-
-def _status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +63,7 @@ def test_a_turn_during_healing_gets_503_with_retry_after_and_succeeds_after(heal
     stub = next(s for s in sup.server.snapshot().stubs if "/decoder/" in (s.model or ""))
     os.kill(stub.pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while _status(f"{sup.probe.url}/health/ready") != 503:
+    while probe_status(f"{sup.probe.url}/health/ready") != 503:
         assert time.monotonic() < deadline, "the supervisor still says ready 5 s after the decoder died"
         time.sleep(0.05)
 
