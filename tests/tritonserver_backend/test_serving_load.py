@@ -130,9 +130,10 @@ CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / le
                 "Make the header sticky with a shadow.", "git log --oneline shows nothing, why?"]
 
 
-def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_server_continues_each_conversation_exactly(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
     """SIGKILL mid-conversation, start again in the same work dir: nothing of the dead server is left (stubs,
-    shared memory), and each conversation resent with `history` goes on with exactly the undisturbed replies."""
+    shared memory), and each conversation goes on with exactly the undisturbed replies: resumed from the server's
+    session journal under the token it had, or resent with `history` (which rebuilds it from the client's side)."""
     from tritonserver_backend.launcher import group_members, mapped_shm_regions
 
     work = tmp_path / "crash"
@@ -159,12 +160,14 @@ def test_a_killed_server_continues_each_conversation_exactly_from_history(tmp_pa
     try:
         assert not [p for p in group_members(old_pid)], "stubs of the killed server are gone"
         assert not [r for r in old_regions if r.exists()], "its shared-memory regions are gone"
-        for sid, history in sessions.items():
+        for i, (sid, history) in enumerate(sessions.items()):
             chat = GrpcChat(restarted.grpc_url, tokens)
-            lost = chat.turn(TurnRequest(sid, CONVERSATION[2], max_tokens=12))
-            # the restarted server knows neither the session nor its token: the one refusal, and history rebuilds it
-            assert lost.error is not None and f"no live session {sid!r}" in lost.error
-            resumed = chat.turn(TurnRequest(sid, CONVERSATION[2], history=json.dumps(history), max_tokens=12))
+            if i == 0:  # a stranger's token opens nothing, journaled or not
+                refused = chat.turn(TurnRequest(sid, CONVERSATION[2], max_tokens=12, session_token="not-its-token"))
+                assert refused.error is not None and f"no live session {sid!r}" in refused.error
+            sent_history = json.dumps(history) if i == 2 else None
+            resumed = chat.turn(TurnRequest(sid, CONVERSATION[2], history=sent_history, max_tokens=12))
+            assert bool(resumed.session_token) == (i == 2), "a journaled session keeps its token; history issues one"
             for turn, text in enumerate(CONVERSATION[:2]):  # the undisturbed conversation, in process
                 reference.chat(f"ref-{sid}", text, new_session=turn == 0, params=SamplingParams(max_tokens=12))
             want = reference.chat(f"ref-{sid}", CONVERSATION[2], params=SamplingParams(max_tokens=12))

@@ -115,6 +115,8 @@ def test_a_resumed_session_answers_as_the_never_stopped_one(registry_root, tmp_p
     resumed = _pipeline(registry_root, crashed_dir)
     with pytest.raises(SessionRefused):
         resumed.chat("s", "And the sea?", params=params, session_token="not-the-token")
+    with pytest.raises(SessionRefused):  # nor can a stranger take the journaled id over by starting it again
+        resumed.chat("s", "Mine now.", new_session=True, params=params)
     got = resumed.chat("s", "And the sea?", params=params, session_token=token)
     assert got.token_ids == expected.token_ids and got.adapter == expected.adapter
     assert got.session_token == "", "a resumed session keeps its token: none is issued"

@@ -185,11 +185,12 @@ class EncoderService:
         elif ids.size == 0:
             raise BadRequest("TOKEN_IDS is empty")
         existed = self.sessions.contains(session_id)
+        restarting = start or fork_from is not None or prefix.size > 1
         resumed = None
-        if not (existed or start or fork_from is not None or prefix.size > 1):
-            resumed = self._resumable(session_id, session_token)
-            if resumed is not None:
-                prefix = resumed.tokens
+        if not existed:  # a journaled session is as good as live: its id opens with its token only
+            held = self._journaled(session_id, session_token, continuing=not restarting)
+            if held is not None and not restarting:
+                resumed, prefix = held, held.tokens
         restart = start or (not existed and prefix.size > 1)
         if existed:
             self.check_token(session_id, session_token, k.PATH_TURN)
@@ -290,13 +291,14 @@ class EncoderService:
         if self._in_flight.get(turn.session_id) is not turn.flight:
             raise UnknownSession(f"session {turn.session_id!r} was ended while its turn was being encoded")
 
-    def _resumable(self, session_id: str, session_token: str | None):  # -> JournalEntry | None
+    def _journaled(self, session_id: str, session_token: str | None, continuing: bool):  # -> JournalEntry | None
         """The journal's entry for a session memory does not hold, once its token is checked (None: not journaled).
-        A session whose journal was corrupt at start is refused by name: its owner learns it cannot be resumed."""
+        Continuing a session whose journal was corrupt at start is refused by name (its owner learns it cannot be
+        resumed); starting it again is anyone's, as for an id nobody holds (its token cannot be checked)."""
         if self.journal is None:
             return None
         why = self.journal.refusal(session_id)
-        if why is not None:
+        if why is not None and continuing:
             raise UnknownSession(f"session {session_id!r} cannot be resumed: {why}; start it again with new_session "
                                  "or resend the conversation with history")
         entry = self.journal.history(session_id)
