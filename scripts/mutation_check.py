@@ -177,7 +177,7 @@ MUTATIONS = (
     Mutation("M19", "faults: a resumed session keeps its own token only",
              "a session resumed from the journal opens with any token",
              "tritonserver_backend/core/encoder_service.py",
-             "        if self.tokens.enabled and entry.digest != token_digest(session_token):",
+             "        if self.tokens.enabled and not _same_digest(entry.digest, session_token):",
              "        if False:",
              (JOURNAL,)),
     Mutation("M20", "faults: a dead model process is noticed",

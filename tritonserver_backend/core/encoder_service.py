@@ -18,6 +18,7 @@ the session token it always had.
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -304,7 +305,7 @@ class EncoderService:
         entry = self.journal.history(session_id)
         if entry is None:
             return None
-        if self.tokens.enabled and entry.digest != token_digest(session_token):
+        if self.tokens.enabled and not _same_digest(entry.digest, session_token):
             self.counters.add(k.TOKEN_REFUSALS, k.PATH_TURN)
             raise refusal(session_id)
         return entry
@@ -380,7 +381,7 @@ class EncoderService:
             return
         held = self.journal.history(session_id) if self.journal is not None else None
         if (held is not None and not self.sessions.contains(session_id)
-                and (not self.tokens.enabled or held.digest == token_digest(token))):
+                and (not self.tokens.enabled or _same_digest(held.digest, token))):
             return
         self.counters.add(k.TOKEN_REFUSALS, path)
         self.tokens.check(session_id, token)
@@ -546,6 +547,11 @@ class EncoderService:
         if self.journal is not None:
             self.journal.drop(session_id)
         return self.sessions.end(session_id)
+
+
+def _same_digest(digest: str | None, token: str | None) -> bool:
+    """Whether `token` is the one whose digest the journal holds, compared in constant time (session_auth.py)."""
+    return hmac.compare_digest(digest or "", token_digest(token) or "-")
 
 
 def _joined(parts: list[Handover]) -> Handover:
