@@ -17,6 +17,7 @@ from typing import Any
 
 from tritonserver_backend.clients.client import GrpcChat, Reply, SessionTokens, TurnRequest
 from tritonserver_backend.core.pipeline import InProcessPipeline
+from tritonserver_backend.launcher.restart_policy import RestartPolicy
 from tritonserver_backend.launcher.supervisor import Supervisor, model_of
 from tritonserver_backend.sampling.sampler import SamplingParams
 
@@ -74,6 +75,26 @@ class MirroredConversations:
         params = SamplingParams(max_tokens=r.max_tokens or 16, ignore_eos=r.ignore_eos)
         expected = self.reference.chat(r.session_id, r.text, r.adapter, r.new_session, r.history, params)
         return Exchange(reply, expected)
+
+
+def start_supervised(work: Path, params: dict[str, str], policy: RestartPolicy | None = None,
+                     ports: dict[str, int] | None = None) -> Supervisor:
+    """A supervised tritonserver on a repository rendered from `params` into `work/repo` (server in `work/server`,
+    so its session journal is `work/server/sessions`), started in a thread and ready. `ports` (http_port,
+    grpc_port, metrics_port): where a restarted deployment must listen again."""
+    from tritonserver_backend.launcher import TritonServer
+    from tritonserver_backend.repository import build_repository
+
+    repo = build_repository(work / "repo", params)
+    sup = Supervisor(lambda: TritonServer(work_dir=work / "server"), dict(model_repository=repo, **(ports or {})),
+                     policy=policy, state_file=work / "supervisor.json")
+    sup.start_thread()
+    try:
+        sup.wait_state("ready", timeout=300)
+    except BaseException:
+        sup.stop()
+        raise
+    return sup
 
 
 def stub_pid(sup: Supervisor, model: str) -> int:

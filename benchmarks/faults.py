@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.fault_drill import MirroredConversations, kill_mid_stream, stub_pid
+from benchmarks.fault_drill import MirroredConversations, kill_mid_stream, start_supervised, stub_pid
 from benchmarks.harness import (
     DEFAULT_ENGINES,
     EMBEDDED,
@@ -32,7 +32,6 @@ from benchmarks.harness import (
 from tritonserver_backend import contract as c
 from tritonserver_backend.adapters.registry_init import ensure_registry
 from tritonserver_backend.core.pipeline import InProcessPipeline
-from tritonserver_backend.launcher import TritonServer
 from tritonserver_backend.launcher.restart_policy import RestartPolicy
 from tritonserver_backend.launcher.supervisor import Supervisor
 
@@ -57,15 +56,7 @@ def _supervised(work: Path, journal: bool, faults: int) -> Supervisor:
     params = default_params(registry_root=str(work / "registry"), max_context="2048")
     if not journal:
         params["session_dir"] = "off"
-    from tritonserver_backend.repository import build_repository
-
-    repo = build_repository(work / "repo", params)
-    sup = Supervisor(lambda: TritonServer(work_dir=work / "server"), dict(model_repository=repo),
-                     policy=RestartPolicy(max_restarts=faults + 2, delays=(0.0,)),
-                     state_file=work / "supervisor.json")
-    sup.start_thread()
-    sup.wait_state("ready", timeout=300)
-    return sup
+    return start_supervised(work, params, RestartPolicy(max_restarts=faults + 2, delays=(0.0,)))
 
 
 def drill(work: Path, faults: list[str], sessions: int, journal: bool) -> list[FaultRow]:

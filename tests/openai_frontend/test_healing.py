@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from benchmarks.fault_drill import probe_status
+from benchmarks.fault_drill import probe_status, start_supervised
 from tests.conftest import EMBEDDED
 
 pytestmark = pytest.mark.slow
@@ -22,19 +22,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def healing_stack(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
     from openai_frontend.process import FrontendProcess
-    from tritonserver_backend.launcher import TritonServer
-    from tritonserver_backend.launcher.supervisor import Supervisor
-    from tritonserver_backend.repository import build_repository
 
     work = tmp_path_factory.mktemp("openai-healing")
     params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
               "engine_dir": str(default_engines)}
-    repo = build_repository(work / "repo", params)
-    sup = Supervisor(lambda: TritonServer(work_dir=work / "server"), dict(model_repository=repo),
-                     state_file=work / "supervisor.json")
-    sup.start_thread()
+    sup = start_supervised(work, params)
     try:
-        sup.wait_state("ready", timeout=180)
         proc = FrontendProcess(sup.server.grpc_url, EMBEDDED, log_file=work / "frontend.log",
                                extra_args=["--health-url", f"{sup.probe.url}/health"]).start()
         try:

@@ -14,7 +14,13 @@ import time
 
 import pytest
 
-from benchmarks.fault_drill import MirroredConversations, kill_mid_stream, probe_status, stub_pid
+from benchmarks.fault_drill import (
+    MirroredConversations,
+    kill_mid_stream,
+    probe_status,
+    start_supervised,
+    stub_pid,
+)
 from tests.conftest import EMBEDDED
 from tritonserver_backend import contract as c
 from tritonserver_backend.adapters.registry_init import ensure_registry
@@ -44,26 +50,17 @@ def reference(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    from tritonserver_backend.launcher import TritonServer
     from tritonserver_backend.launcher.restart_policy import RestartPolicy
-    from tritonserver_backend.launcher.supervisor import Supervisor
-    from tritonserver_backend.repository import build_repository
 
     work = tmp_path_factory.mktemp("faults")
     params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
               "engine_dir": str(default_engines)}
-    repo = build_repository(work / "repo", params)
-    server_dir = work / "server"
 
-    def start(ports: dict | None = None) -> Supervisor:
-        sup = Supervisor(lambda: TritonServer(work_dir=server_dir), dict(model_repository=repo, **(ports or {})),
-                         policy=RestartPolicy(max_restarts=len(MODELS) + 4, delays=(0.0,)),
-                         state_file=work / "supervisor.json")
-        sup.start_thread()
-        sup.wait_state("ready", timeout=180)
-        return sup
+    def start(ports: dict | None = None):  # type: ignore[no-untyped-def]
+        policy = RestartPolicy(max_restarts=len(MODELS) + 4, delays=(0.0,))
+        return start_supervised(work, params, policy, ports)
 
-    holder = {"sup": start(), "start": start, "journal": server_dir / "sessions"}
+    holder = {"sup": start(), "start": start, "journal": work / "server" / "sessions"}
     yield holder
     holder["sup"].stop()
 
