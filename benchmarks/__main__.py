@@ -32,6 +32,10 @@ BENCHMARKS = {
     "compare-routers": ("compare_routers", "router recipes side by side (docs/routing_routers.md)"),
     "zero-shot-adapter": ("zero_shot_adapter", "a fifth adapter registered zero-shot (docs/routing_zero_shot.md)"),
     "answer-eval": ("answer_eval", "replies that carry the request's key fact (docs/model_card.md)"),
+    "structured": ("structured_eval", "structured replies (JSON, tool calls) on held-out cases through the OpenAI "
+                   "frontend (docs/model_card.md)"),
+    "default-compare": ("default_compare", "the default before and after a rebuild: routing, perplexities, drafter, "
+                        "replay (docs/model_card.md)"),
     "device-check": ("device_check", "the mol2 kernels and the model loop on a GPU (docs/kernels.md)"),
 }
 

@@ -34,6 +34,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the tritonserver supervisor's health address (scripts/tritonserver.py start prints it, e.g. "
                         "http://127.0.0.1:8003/health): a 503 then names the model whose process died and says the "
                         "server is healing")
+    p.add_argument("--auto-tool-grammar", action=argparse.BooleanOptionalAction, default=True,
+                   help="with tool_choice auto, hold a call the model begins to an offered tool and its schema (an "
+                   "xgrammar structural tag; text before it stays free); --no-auto-tool-grammar parses calls as "
+                   "written")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -62,7 +66,7 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     tokenizer = ChatTokenizer.load(args.model_dir)
     tokenizer.chat_format  # noqa: B018 - prompts are counted in the directory's chat format: none fails at start, not per request
     stream = TritonStream(args.triton_url, args.health_url)
-    return create_app(ChatService(stream, tokenizer, cache, args.max_model_len), api_keys(args))
+    return create_app(ChatService(stream, tokenizer, cache, args.max_model_len, args.auto_tool_grammar), api_keys(args))
 
 
 def main(argv: list[str] | None = None) -> int:

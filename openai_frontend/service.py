@@ -137,10 +137,12 @@ def _token(tokenizer: ChatTokenizer, token_id: int, logprob: float) -> dict:
 
 class ChatService:
     def __init__(self, stream: TritonStream, tokenizer: ChatTokenizer, cache: PrefixCache,
-                 max_model_len: int = 8192) -> None:
-        """`max_model_len`: the server's max_context (what /tokenize reports)."""
+                 max_model_len: int = 8192, constrain_auto_calls: bool = True) -> None:
+        """`max_model_len`: the server's max_context (what /tokenize reports). `constrain_auto_calls`: with
+        tool_choice auto, a call the model begins is held to the offered tools' schemas (`Tools.auto_grammar`)."""
         self.stream, self.tokenizer, self.cache = stream, tokenizer, cache
         self.max_model_len = max_model_len
+        self.constrain_auto_calls = constrain_auto_calls
         self._adapters: list[str] = []
         self._adapters_at = 0.0
         self.reused = self.rebuilt = self.started = 0
@@ -178,6 +180,8 @@ class ChatService:
         syntax = tool_calls.syntax_for(self.tokenizer.chat_format) if tools.rendered else None
         if syntax is not None and tools.forced:
             request = dataclasses.replace(request, grammar=tools.grammar(syntax))
+        elif syntax is not None and request.grammar is None and self.constrain_auto_calls:
+            request = dataclasses.replace(request, grammar=tools.auto_grammar(syntax))
         salt = cache_salt_of(namespace)  # the API key's partition of the server's prefix cache
         namespace = tools.namespace(namespace)  # a session holds the tools' text: the cache keys on the tools too
         try:  # counted in the model directory's chat format, the one the server renders the turn in

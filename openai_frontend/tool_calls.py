@@ -74,6 +74,20 @@ class Tools:
             raise bad_request(f"tool_choice {self.choice}: {exc}", "tools") from None
 
 
+    def auto_grammar(self, syntax: ToolSyntax) -> dict | None:
+        """tool_choice auto: the tensor API's grammar spec that keeps the reply free until the model opens a call, and
+        from there admits only a call of an offered tool with arguments valid under its schema (a structural tag,
+        as Dynamo and vLLM constrain auto calls). None when the syntax has none, or a tool's schema is outside what
+        the forced-call grammar enforces (that reply is parsed as written, as before)."""
+        if self.choice != "auto" or not self.rendered:
+            return None
+        try:
+            fmt = syntax.auto_format(list(self.definitions), first_only=not self.parallel)
+        except ToolSchemaError:
+            return None
+        return {"type": "structural_tag", "format": fmt} if fmt is not None else None
+
+
 def _name(tool: dict) -> str:
     return str((tool.get("function") or {}).get("name", ""))
 

@@ -48,17 +48,22 @@ def main() -> None:
         f"- Training: {m['settings']['base_steps']} steps x {m['settings']['batch']} x {m['settings']['seq_len']} "
         f"tokens = {m['settings']['base_steps'] * m['settings']['batch'] * m['settings']['seq_len'] / 1e6:.2f} M "
         f"tokens, AdamW (lr 2e-3, warm-up, cosine), seed {m['settings']['seed']}; {m['settings']['domain_share']:.0%} "
-        "of the mixture from the adapter domains.",
+        "of the mixture from the adapter domains."
+        + _structured_line(m),
         f"- Machine: {m['machine']['device']}, {m['machine']['cpu_count']} threads, {m['machine']['platform']}, torch "
         f"{m['machine']['torch']}.",
         f"- Time: tokenizer {t.get('tokenizer_s', 0):.0f} s, tokenization {t.get('tokenize_s', 0):.0f} s, base "
         f"pre-training {t.get('base_training_s', 0) / 60:.1f} min (torch.compile included), "
+        + (f"structured replies {t['structured_training_s'] / 60:.1f} min, " if "structured_training_s" in t else "")
         + ", ".join(f"{k.removeprefix('adapter_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items()
                     if k.startswith("adapter_"))
         + "".join(f", answers {k.removeprefix('answers_').removesuffix('_s')} {v / 60:.1f} min" for k, v in t.items()
                   if k.startswith("answers_"))
         + f", evaluation {t.get('evaluation_s', 0) / 60:.1f} min; whole build {m['wall_s'] / 60:.1f} min.",
         "",
+    ]
+    lines += _drafter_lines(m)
+    lines += [
         "## Training data (from `python -m build_engines.data.corpora prepare`; registry packages only)",
         "",
         "| source | kind | train docs | train MB | val docs | test docs |",
@@ -117,8 +122,50 @@ def main() -> None:
     print("\n".join(lines))
 
 
+def _structured_line(m: dict) -> str:
+    """The structured-replies stage (build_engines/training/structured_stage.py), when the build ran it."""
+    record = m.get("structured")
+    if not record:
+        return ""
+    tokens = sum(record.get("tokens", {}).values())
+    return (f" Then {record['steps']} steps of continued training of the decoder only (embedding and encoder frozen, "
+            f"so H19 and routing are unchanged), {record['share']:.0%} of each batch from structured data "
+            f"(`structured_data.py`: {tokens / 1e6:.2f} M tokens of JSON records from random schemas, tool-use "
+            "conversations, chit-chat with tools offered, JSON in code and CSS; seed "
+            f"{record['seed']}); each adapter mixes {record['adapters']['share']:.0%} of its batches from the kinds "
+            f"of its domain (the agent adapter {record['adapters']['agent_share']:.0%}, tool use first).")
+
+
+def _drafter_lines(m: dict) -> list[str]:
+    """The DSpark drafter's section from the manifest's drafter record (written by the drafter stage)."""
+    d = m.get("drafter")
+    if not d:
+        return []
+    spec, train, data = d["spec"], d["training"], d["data"]
+    acceptance = d["evaluation"]["acceptance"]
+    trained = [row["trained"] for row in acceptance.values()]
+    ngram = [row["ngram"] for row in acceptance.values()]
+    block = spec["dspark_block_size"]
+    layers = spec["dspark_target_layer_ids"]
+    return [
+        "## DSpark drafter (`drafter/`)",
+        f"- {d['parameters'] / 1e6:.2f} M parameters in bf16 ({d['bytes'] / 1e6:.1f} MB): {spec['n_mtp_layers']} "
+        f"stages, block {block}, target layers {layers[0]}-{layers[-1]}, Markov "
+        f"rank {spec['dspark_markov_rank']}, {spec['dspark_n_routed_experts']} routed experts "
+        f"top-{spec['dspark_n_activated_experts']} (`DSparkSpec.scaled`).",
+        f"- Self-distilled by `{d['command']}` (also the last stage of `build_default`, `--drafter-steps`) from the "
+        f"model's own greedy replies under the base and each adapter: {data['train']['sequences']:,} replies of at "
+        f"most {data['settings']['max_new']} tokens, {train['steps']:,} steps of {train['batch']} anchors; "
+        f"{d['timings_s']['wall_s'] / 60:.1f} min on {d['machine']['cpu_threads']} cores.",
+        f"- Held-out acceptance: {sum(trained) / len(trained):.2f} of {block} drafts per block on average "
+        f"({min(trained):.2f}-{max(trained):.2f} by adapter), against {sum(ngram) / len(ngram):.2f} for prompt "
+        "lookup; details in [speculative.md](speculative.md) and the manifest's `drafter` record.",
+        "",
+    ]
+
+
 # Sections other scripts write into the model card (they measure, this script only formats the manifest).
-KEPT_SECTIONS = ("## Replies to requests",)
+KEPT_SECTIONS = ("## Replies to requests", "## Structured replies", "## Before and after")
 
 
 def _kept_sections(path: Path) -> str:

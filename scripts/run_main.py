@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "embedded" / "mol2-small"
 DEFAULT_BANNER = """\
 What this serves: the embedded default, embedded/mol2-small. It is a 10 M-parameter model with every layer role of
-DeepSeek-V4.1-Flash, trained for about 30 minutes on 2 CPU cores, with four LoRA adapters and a MoL2 router. Replies
-from a model this small look like noise ("-color-color-color"): they show routing, bounded replay and streaming,
-not language ability. To serve another checkpoint: bash scripts/main.sh --model DIR (our format or a release
-directory with its config.json and model.safetensors.index.json; docs/release.md).
+DeepSeek-V4.1-Flash, trained for about 80 minutes on 2 CPU cores, with four LoRA adapters and a MoL2 router. Its
+free-text replies look like noise (JSON fragments, "; } } }"): they show routing, bounded replay and streaming, not
+language ability; JSON-schema replies and forced tool calls do finish (docs/model_card.md). To serve another
+checkpoint: bash scripts/main.sh --model DIR (our format or a release directory with its config.json and
+model.safetensors.index.json; docs/release.md).
 """
 
 

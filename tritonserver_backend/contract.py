@@ -78,7 +78,8 @@ IGNORE_EOS = TensorSpec("ignore_eos", "BOOL", (1,), True,
                         "token id")
 GRAMMAR = TensorSpec("grammar", "BYTES", (1,), True,
                      'structured output, JSON: {"type":"json_object"} | {"type":"json_schema","schema":{...}} | '
-                     '{"type":"regex","pattern":"..."} | {"type":"ebnf","grammar":"root ::= ..."}; the decoder samples '
+                     '{"type":"regex","pattern":"..."} | {"type":"ebnf","grammar":"root ::= ..."} | '
+                     '{"type":"structural_tag","format":{...}} (xgrammar\'s structural tag); the decoder samples '
                      'only tokens the grammar allows (xgrammar) and the reply ends where the grammar completes; one '
                      'that does not compile is refused. Not with ignore_eos or min_tokens')
 SPECULATIVE = TensorSpec("speculative", "BOOL", (1,), True,

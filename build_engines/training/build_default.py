@@ -36,6 +36,12 @@ from build_engines.training.answer_stage import run_answer_stage, settings_from
 from build_engines.training.drafter_stage import DataSettings as DrafterDataSettings
 from build_engines.training.drafter_stage import TrainConfig as DrafterTraining
 from build_engines.training.drafter_stage import run_stage as run_drafter_stage
+from build_engines.training.structured_stage import (
+    StructuredSettings,
+    adapter_mixture,
+    continue_base,
+    structured_streams,
+)
 from build_engines.training.train import (
     TrainSettings,
     perplexity,
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="mol2-small")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--base-steps", type=int, default=1000)
-    parser.add_argument("--adapter-steps", type=int, default=100)
+    parser.add_argument("--adapter-steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--domain-share", type=float, default=0.1,
@@ -101,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the base training step")
+    parser.add_argument("--structured-steps", type=int, default=StructuredSettings().steps,
+                        help="continued training of the base's decoder on JSON records, tool use and JSON in code/CSS "
+                        "(structured_stage; 0: none); the adapters then mix the same data into theirs")
     add_answer_arguments(parser, steps=0)
     parser.add_argument("--drafter-steps", type=int, default=DrafterTraining().steps,
                         help="last stage: self-distil the DSpark drafter into OUT/drafter/ (drafter_stage; skipped "
@@ -137,20 +146,20 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = get_preset(args.preset, vocab_size=tok.vocab_size)
     base_dir = out
+    weights = size_weights(streams["train"], base_sources)
+    total_base = sum(weights.values())
+    domain_all = [s for d in DOMAINS for s in domain_sources[d]]
+    dw = size_weights(streams["train"], domain_all)
+    total_dom = sum(dw.values())
+    share = args.domain_share
+    mixture_weights = ({s: (1 - share) * w / total_base for s, w in weights.items()}
+                       | {s: share * w / total_dom for s, w in dw.items()})
+    mixture = Mixture({s: streams["train"][s] for s in mixture_weights}, mixture_weights)
     if not (out / "model.safetensors").exists():
         torch.manual_seed(args.seed)
         net = CEDNetwork(cfg)
         init_weights(net)
         net.to(device)
-        weights = size_weights(streams["train"], base_sources)
-        total_base = sum(weights.values())
-        domain_all = [s for d in DOMAINS for s in domain_sources[d]]
-        dw = size_weights(streams["train"], domain_all)
-        total_dom = sum(dw.values())
-        share = args.domain_share
-        mixture_weights = ({s: (1 - share) * w / total_base for s, w in weights.items()}
-                           | {s: share * w / total_dom for s, w in dw.items()})
-        mixture = Mixture({s: streams["train"][s] for s in mixture_weights}, mixture_weights)
         settings = TrainSettings(steps=args.base_steps, batch=args.batch, seq_len=args.seq_len, lr=2e-3, warmup=60,
                                  weight_decay=0.1, seed=args.seed, compile=args.compile and device.type == "cpu")
         t = time.perf_counter()
@@ -162,14 +171,40 @@ def main(argv: list[str] | None = None) -> None:
     else:
         net = load_checkpoint(base_dir).to(device)
 
+    # ------------------------------------------------- structured replies: the decoder's continued training
+    structured_settings = StructuredSettings(steps=args.structured_steps)
+    structured = (structured_streams(out, args.data, cache, structured_settings, digest)
+                  if args.structured_steps > 0 else {})
+    recorded = _stage_record(out, "structured") or {}
+    recorded = {k: v for k, v in recorded.items() if k != "adapters"}
+    if args.structured_steps > 0 and {k: v for k, v in recorded.items() if k != "tokens"} \
+            != structured_settings.record():
+        t = time.perf_counter()
+        history = continue_base(net, mixture, structured, structured_settings, args.batch, args.seq_len,
+                                work / "structured", args.seed)
+        timings["structured_training_s"] = time.perf_counter() - t
+        (work / "structured" / "history.json").write_text(json.dumps(history))
+        net = _bf16_round_trip(net.cpu(), base_dir).to(device)
+        _write_stage_record(out, "structured", structured_settings.record()
+                            | {"tokens": {k: int(v.shape[0]) for k, v in structured.items()}})
+        _drop_stale_stages(out, work)
+    if structured and (_stage_record(out, "structured") or {}).get("adapters") != structured_settings.adapter_record():
+        _drop_stale_stages(out, work)  # the adapters' structured share changed: they (and the drafter) are retrained
+        _write_stage_record(out, "structured", (_stage_record(out, "structured") or {})
+                            | {"adapters": structured_settings.adapter_record()})
+
     adapters_dir = out / "adapters"
     for domain, name in DOMAINS.items():
         target = adapters_dir / name
         if (target / "adapter_model.safetensors").exists():
             continue
         adapter = trainable_adapter(net, name, f"adapters/{name}", args.rank, 2.0 * args.rank, True, args.seed + 1)
-        mixture = Mixture({s: streams["train"][s] for s in domain_sources[domain]},
-                          size_weights(streams["train"], domain_sources[domain]))
+        domain_weights = size_weights(streams["train"], domain_sources[domain])
+        if structured:
+            mixture = adapter_mixture(domain, streams["train"], domain_weights, structured,
+                                      structured_settings.adapter_share)
+        else:
+            mixture = Mixture({s: streams["train"][s] for s in domain_sources[domain]}, domain_weights)
         settings = TrainSettings(steps=args.adapter_steps, batch=args.batch, seq_len=args.seq_len, lr=3e-3, warmup=10,
                                  weight_decay=0.0, seed=args.seed + 1, checkpoint_every=40)
         t = time.perf_counter()
@@ -233,6 +268,32 @@ def main(argv: list[str] | None = None) -> None:
                           manifest["command"] + " (drafter stage)")
     print(json.dumps(manifest["perplexity"]["adapter_by_domain_test"], indent=1))
     print(f"embedded default written to {out} ({manifest['total_bytes'] / 1e6:.1f} MB)")
+
+
+def _drop_stale_stages(out: Path, work: Path) -> None:
+    """The base changed under the adapters and the drafter: their files and resumable states are stale."""
+    import shutil
+
+    stale = [out / "adapters" / name for name in DOMAINS.values()] + [out / "drafter"] \
+        + [work / f"adapter_{name}" for name in DOMAINS.values()] + [work / "drafter"]
+    for path in stale:
+        if path.exists():
+            print(f"the base changed: {path} is rebuilt")
+            shutil.rmtree(path)
+
+
+def _stage_record(out: Path, key: str) -> dict | None:
+    """What the manifest in `out` says a stage ran with (None: not run): a stage that rewrites the base in place
+    is skipped by this record, as the others are by their output files."""
+    path = out / MANIFEST
+    return json.loads(path.read_text()).get(key) if path.exists() else None
+
+
+def _write_stage_record(out: Path, key: str, record: dict) -> None:
+    path = out / MANIFEST
+    manifest = json.loads(path.read_text()) if path.exists() else {}
+    manifest[key] = record
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def answers_record(work: Path, adapters_dir: Path) -> dict:

@@ -69,7 +69,7 @@ HELDOUT_RECORDED = 2  # held-out prompts per source kept in the manifest record 
 class DataSettings:
     """What the generated data depends on besides the model (its cache key)."""
 
-    train_per_source: int = 48
+    train_per_source: int = 96
     eval_per_source: int = 6
     max_new: int = 64
     group: int = 16  # prompts of one length decoded together (times the number of adapters: the batch rows)
@@ -78,7 +78,7 @@ class DataSettings:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 1000
+    steps: int = 2000
     batch: int = 64  # anchors per step
     groups: int = 2  # anchors of one window length form a forward; a step averages this many
     lr: float = 1.5e-3

@@ -78,6 +78,13 @@ class ToolSyntax:
         """The calls as this syntax writes them (what `ToolCallStream` parses; the chat format is the spec)."""
         raise NotImplementedError
 
+    def auto_format(self, tools: Sequence[Mapping], first_only: bool) -> dict | None:
+        """For tool_choice auto: a structural tag (xgrammar's ``triggered_tags``) that leaves the reply free until the
+        model writes the calls' opening, and from there admits only a call of one of `tools` with arguments valid
+        under its schema; None where this syntax has none (the reply is then parsed as written). `first_only`: at
+        most one call (parallel_tool_calls false). Raises ToolSchemaError for a tool it cannot constrain."""
+        return None
+
     def grammar(self, tools: Sequence[Mapping]) -> str:
         raise NotImplementedError
 
@@ -140,6 +147,17 @@ class JsonTagSyntax(ToolSyntax):
         return "".join(f'{self.OPEN}{{"name": {json.dumps(c.name, ensure_ascii=False)}, '
                        f'"arguments": {c.arguments}}}{self.CLOSE}'
                        for c in calls)
+
+    def auto_format(self, tools: Sequence[Mapping], first_only: bool) -> dict | None:
+        self.grammar(tools)  # the same schema subset as a forced call: a tool it cannot enforce stays unconstrained
+        tags = [{"type": "tag",
+                 "begin": f'{self.OPEN}{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "arguments": ',
+                 "content": {"type": "json_schema",
+                             "json_schema": fn.get("parameters") or {"type": "object", "properties": {}}},
+                 "end": "}" + self.CLOSE}
+                for fn in _functions(tools)]
+        return {"type": "triggered_tags", "triggers": [self.OPEN], "tags": tags, "at_least_one": False,
+                "stop_after_first": first_only}
 
     def grammar(self, tools: Sequence[Mapping]) -> str:
         g = SchemaGrammar()

@@ -125,7 +125,7 @@ def test_a_forced_call_is_parsed_into_tool_calls_and_the_conversation_continues(
     assert not reply.choices[0].message.tool_calls
     follow = fake.turns[-1]
     assert (not follow.new_session and follow.session_id == sent.session_id and follow.text == ""
-            and follow.grammar is None)
+            and follow.grammar == auto_grammar([WEATHER, CLOCK]))
     assert json.loads(follow.turn_messages) == [{"role": "tool", "content": "sunny, 21 C",
                                                  "tool_call_id": calls[0]["id"]}]
     assert service.reused == 1
@@ -150,7 +150,8 @@ def test_required_auto_and_none(setup) -> None:  # type: ignore[no-untyped-def]
     for parallel, names in ((None, ["now", "get_weather"]), (False, ["now"])):
         extra = {} if parallel is None else {"parallel_tool_calls": parallel}
         reply = client.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER, CLOCK], **extra)
-        assert fake.turns[-1].grammar is None and fake.turns[-1].tools is not None
+        assert fake.turns[-1].grammar == auto_grammar([WEATHER, CLOCK], first_only=parallel is False)
+        assert fake.turns[-1].tools is not None
         assert reply.choices[0].message.content == "Let me look. "
         assert [c.function.name for c in reply.choices[0].message.tool_calls] == names
         content, calls, finish, _ = _stream(client, model="mol2", messages=messages, tools=[WEATHER, CLOCK], **extra)
@@ -170,6 +171,36 @@ def test_required_auto_and_none(setup) -> None:  # type: ignore[no-untyped-def]
     reply = client.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER], tool_choice="none")
     assert fake.turns[-1].tools is None and reply.choices[0].message.content == fake.reply
     assert not reply.choices[0].message.tool_calls
+
+
+def auto_grammar(tools: list[dict], first_only: bool = False) -> dict:
+    return {"type": "structural_tag", "format": JsonTagSyntax().auto_format(tools, first_only)}
+
+
+def test_auto_holds_a_begun_call_to_the_tools_unless_told_otherwise(setup, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice auto sends a structural tag (text free, a begun call held to an offered tool and its schema); a
+    response_format keeps its own grammar; a tool outside the forced-call schema subset leaves auto unconstrained; the
+    frontend's --no-auto-tool-grammar sends none."""
+    client, fake, _ = setup
+    messages = [{"role": "user", "content": "What time is it?"}]
+    client.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER], tool_choice="auto")
+    sent = fake.turns[-1].grammar
+    assert sent["type"] == "structural_tag" and sent["format"]["triggers"] == ["<tool_call>"]
+    assert [t["begin"] for t in sent["format"]["tags"]] == ['<tool_call>{"name": "get_weather", "arguments": ']
+    assert sent["format"]["tags"][0]["content"]["json_schema"] == WEATHER["function"]["parameters"]
+    client.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER],
+                                   response_format={"type": "json_object"})
+    assert fake.turns[-1].grammar == {"type": "json_object"}
+    patterned = {"type": "function", "function": {"name": "find", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "pattern": "^a"}}}}}
+    client.chat.completions.create(model="mol2", messages=messages, tools=[patterned])
+    assert fake.turns[-1].grammar is None
+    plain = ChatService(fake, tokenizer, PrefixCache(10**9, SessionCost(100, 10.0)),  # type: ignore[arg-type]
+                        constrain_auto_calls=False)
+    other = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                          http_client=TestClient(create_app(plain)), max_retries=0)
+    other.chat.completions.create(model="mol2", messages=messages, tools=[WEATHER])
+    assert fake.turns[-1].grammar is None
 
 
 def test_bad_tool_requests_are_400s(setup) -> None:  # type: ignore[no-untyped-def]

@@ -88,8 +88,11 @@ def test_logit_bias_json_and_vocabulary_checks() -> None:
 
 # ------------------------------------------------------------------------------------------------ grammars
 def test_specs_are_checked_and_canonical() -> None:
-    assert (canonical('{"schema": {"b": 1, "a": 2}, "type": "json_schema"}')
-            == canonical('{"type":"json_schema","schema":{"a":2,"b":1}}'))
+    assert (canonical('{"schema": {"type": "object"}, "type": "json_schema"}')
+            == canonical('{"type":"json_schema","schema":{"type":"object"}}'))
+    # a schema's own key order is kept: its properties are written in that order
+    assert (canonical('{"type":"json_schema","schema":{"properties":{"b":{},"a":{}}}}')
+            != canonical('{"type":"json_schema","schema":{"properties":{"a":{},"b":{}}}}'))
     assert canonical("") == ""
     for bad in ('{"type":"xml"}', '{"type":"regex"}', '{"type":"regex","pattern":""}',
                 '{"type":"json_schema","schema":[]}', '{"type":"json_object","schema":{}}', "[]", "not json"):
@@ -118,6 +121,50 @@ def test_the_cache_compiles_once_per_spec_and_forgets_the_oldest(tokenizer: Chat
 def test_a_grammar_that_does_not_compile_is_a_bad_request(tokenizer: ChatTokenizer, spec: str) -> None:
     with pytest.raises(BadRequest, match="does not compile"):
         GrammarCache(tokenizer).compile(canonical(spec))
+
+
+def test_a_schema_writes_its_properties_in_the_order_the_client_gave(tokenizer: ChatTokenizer) -> None:
+    """As OpenAI's structured outputs do: {"zeta", "alpha"} is written zeta first (a sorted cache key once made every
+    reply alphabetical, which no client asked for)."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"type": "integer"}},
+              "required": ["zeta", "alpha"]}
+    cache = GrammarCache(tokenizer)
+
+    def accepts(text: str) -> bool:
+        matcher = cache.matcher(canonical(json.dumps({"type": "json_schema", "schema": schema})))
+        return all(matcher.accept_token(t) for t in tokenizer.encode(text)) and matcher.accept_token(
+            tokenizer.end_of_turn_id)
+
+    assert accepts('{"zeta":"x","alpha":1}')
+    assert not accepts('{"alpha":1,"zeta":"x"}')
+
+
+def test_a_structural_tag_leaves_text_free_and_holds_a_begun_call(tokenizer: ChatTokenizer) -> None:
+    """tool_choice auto's grammar (`JsonTagSyntax.auto_format`): any text, or a call of an offered tool with valid
+    arguments; a call of another name, broken arguments or an unclosed call are refused; first_only admits one call."""
+    from ced.text.tool_parsers import JsonTagSyntax
+
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}}
+    cache = GrammarCache(tokenizer)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>'
+
+    def accepts(text: str, first_only: bool = False) -> bool:
+        spec = canonical(json.dumps({"type": "structural_tag",
+                                     "format": JsonTagSyntax().auto_format([tool], first_only)}))
+        matcher = cache.matcher(spec)
+        return all(matcher.accept_token(t) for t in tokenizer.encode(text)) and matcher.accept_token(
+            tokenizer.end_of_turn_id)
+
+    assert accepts("It is sunny, no call needed.")
+    assert accepts("Let me look. " + call) and accepts(call + call)
+    assert not accepts(call + call, first_only=True)
+    assert not accepts(call.replace("get_weather", "get_news"))
+    assert not accepts(call.replace('"days": 2', '"days": "two"'))
+    assert not accepts(call.removesuffix("</tool_call>"))
+    with pytest.raises(BadRequest, match="structural_tag"):
+        canonical('{"type": "structural_tag", "format": "triggered"}')
 
 
 def test_the_batched_mask_allows_what_each_grammar_allows(tokenizer: ChatTokenizer) -> None:
