@@ -62,6 +62,8 @@ _TRITON_CLASSES: tuple[tuple[str, int, str, str | None], ...] = (
     # server, and the journal keeps the sessions, so the turn is retried, not given up (docs/reliability.md)
     ("is not healthy", 503, "server_error", "model_unavailable"),
     ("has no available versions", 503, "server_error", "model_unavailable"),  # a restarted server still loading
+    # the supervisor is stopping the server to restart it: Triton refuses new requests while it drains
+    ("has stopped accepting new inference requests", 503, "server_error", "model_unavailable"),
     ("socket closed", 503, "server_error", "service_unavailable"),
     ("connection reset", 503, "server_error", "service_unavailable"),
     ("internal error", 500, "server_error", None),

@@ -154,9 +154,13 @@ def test_routed_turn_reports_mol2s_choice(client, triton) -> None:  # type: igno
 
 def test_penalties_reach_the_sampler(client) -> None:  # type: ignore[no-untyped-def]
     messages = [{"role": "user", "content": ".card { display: flex; justify-content: space-between; padding: 1rem; }"}]
-    plain = client.chat.completions.create(model="mol2", messages=messages, max_tokens=24)
+    # ignore_eos: the whole budget is written either way, so the penalties have repeats to act on (a short reply that
+    # ends by itself before any token repeats is the same with or without them)
+    plain = client.chat.completions.create(model="mol2", messages=messages, max_tokens=24,
+                                           extra_body={"ignore_eos": True})
     penalised = client.chat.completions.create(model="mol2", messages=messages, max_tokens=24, presence_penalty=2.0,
-                                               frequency_penalty=2.0, extra_body={"repetition_penalty": 1.5})
+                                               frequency_penalty=2.0,
+                                               extra_body={"repetition_penalty": 1.5, "ignore_eos": True})
     assert plain.choices[0].message.content != penalised.choices[0].message.content
 
 

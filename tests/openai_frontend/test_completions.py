@@ -107,7 +107,7 @@ def _grpc(triton, *requests: TurnRequest) -> list:  # type: ignore[no-untyped-de
 @pytest.mark.parametrize("adapter", ["L2_code", None])
 def test_forced_ids_equal_the_in_process_teacher_forcing_bit_for_bit(triton, reference, tokenizer, adapter) -> None:  # type: ignore[no-untyped-def]
     """A raw session of <|bos|> alone with the prompt as forced_ids: the server emits every prompt token with its
-    log-probability and top-3, then samples 4 more; gRPC streaming and HTTP /generate both equal the in-process
+    log-probability and top-3, then samples up to 4 more; gRPC streaming and HTTP /generate both equal the in-process
     pipeline's teacher forcing exactly (same engine backend, same adapters), and the forced ids come back as sent."""
     from tritonserver_backend.sampling.sampler import SamplingParams
 
@@ -122,11 +122,14 @@ def test_forced_ids_equal_the_in_process_teacher_forcing_bit_for_bit(triton, ref
                          end_session=True)
     for got in (streamed, whole):
         assert got.error is None, got.error
-        assert got.token_ids == ref.token_ids and got.token_ids[:len(ids)] == ids and len(got.token_ids) == len(ids) + 4
+        # then up to 4 sampled tokens: the default may end the turn sooner (it does after this prompt, routed)
+        assert got.token_ids == ref.token_ids and got.token_ids[:len(ids)] == ids
+        assert len(ids) < len(got.token_ids) <= len(ids) + 4
         assert got.logprobs == [e.logprob for e in ref.logprobs], "bit for bit"
         assert got.top_token_ids == [list(e.top_ids) for e in ref.logprobs]
         assert got.top_logprobs == [list(e.top_logprobs) for e in ref.logprobs]
-        assert got.adapter == ref.adapter and got.finish_reason == "length"
+        assert got.adapter == ref.adapter and got.finish_reason == ref.finish_reason
+        assert got.finish_reason == ("length" if len(got.token_ids) == len(ids) + 4 else "end_of_turn")
     assert all(lp <= 0 for lp in streamed.logprobs) and not math.isclose(sum(streamed.logprobs), 0.0)
 
 

@@ -433,8 +433,9 @@ def test_many_concurrent_short_turns_keep_the_server_alive(server) -> None:  # t
                     req = TurnRequest(f"burst{i}-{r}", f"turn {t} from client {i}", new_session=t == 0, max_tokens=4,
                                       end_session=t == 1)
                     reply = chat.turn(req, timeout=300)
-                    if reply.error or len(reply.token_ids) == 0:
-                        errors.append(reply.error or f"{req.session_id}: empty reply")
+                    # an empty reply is right only when the model ended its turn at once (the default may)
+                    if reply.error or (len(reply.token_ids) == 0 and reply.finish_reason != "end_of_turn"):
+                        errors.append(reply.error or f"{req.session_id}: empty reply ({reply.finish_reason})")
         except Exception as exc:  # noqa: BLE001 - a dead stream is exactly what this test looks for
             errors.append(repr(exc))
         finally:
