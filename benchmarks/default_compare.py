@@ -65,9 +65,10 @@ def routing(model: Path, routing_dir: Path, cache: Path) -> dict[str, float]:
         tok = ChatTokenizer.load(model)
         net = load_checkpoint(model)
         encoder = EncoderEngine.from_state_dict(net.cfg, net.state_dict()).eval()
+        digest = model_digest(model)  # reads the whole checkpoint: once, not per benchmark
         out = {}
         for name, rows in items.items():
-            features = extract_h19(encoder, tok, [i["query"] for i in rows], cache, model_digest(model))
+            features = extract_h19(encoder, tok, [i["query"] for i in rows], cache, digest)
             chosen = [registry.name_of(h) for h in router.route(list(features), [None] * len(features))]
             out[name] = sum(c == i["label"] for c, i in zip(chosen, rows)) / len(rows)
     return out

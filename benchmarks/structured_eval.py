@@ -156,7 +156,7 @@ def run(base_url: str, all_cases: list[Case], modes: tuple[str, ...], max_tokens
         return list(tqdm(pool.map(one, jobs), total=len(jobs), desc="structured replies"))
 
 
-def table(rows: list[dict], label: str) -> dict[str, dict[str, float]]:
+def table(rows: list[dict]) -> dict[str, dict[str, float]]:
     """mode -> kind -> share of replies that count."""
     out: dict[str, dict[str, float]] = {}
     for r in rows:
@@ -224,7 +224,7 @@ def main() -> int:
     (work / "results.json").write_text(json.dumps(rows, indent=1))
     store = args.work / "summary.json"
     results = json.loads(store.read_text()) if store.exists() else {}
-    results[args.label] = {"model": str(args.model), "table": table(rows, args.label), "requests": len(rows),
+    results[args.label] = {"model": str(args.model), "table": table(rows), "requests": len(rows),
                            "seconds": seconds}
     store.write_text(json.dumps(results, indent=1))
     text = section(results, args)

@@ -175,10 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     structured_settings = StructuredSettings(steps=args.structured_steps)
     structured = (structured_streams(out, args.data, cache, structured_settings, digest)
                   if args.structured_steps > 0 else {})
-    recorded = _stage_record(out, "structured") or {}
-    recorded = {k: v for k, v in recorded.items() if k != "adapters"}
-    if args.structured_steps > 0 and {k: v for k, v in recorded.items() if k != "tokens"} \
-            != structured_settings.record():
+    recorded = {k: v for k, v in (_stage_record(out, "structured") or {}).items() if k not in ("adapters", "tokens")}
+    if args.structured_steps > 0 and recorded != structured_settings.record():
         t = time.perf_counter()
         history = continue_base(net, mixture, structured, structured_settings, args.batch, args.seq_len,
                                 work / "structured", args.seed)
