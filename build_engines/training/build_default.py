@@ -178,10 +178,11 @@ def main(argv: list[str] | None = None) -> None:
     recorded = {k: v for k, v in (_stage_record(out, "structured") or {}).items() if k not in ("adapters", "tokens")}
     if args.structured_steps > 0 and recorded != structured_settings.record():
         t = time.perf_counter()
+        structured_work = work / f"structured-{structured_settings.work_key()}"
         history = continue_base(net, mixture, structured, structured_settings, args.batch, args.seq_len,
-                                work / "structured", args.seed)
+                                structured_work, args.seed)
         timings["structured_training_s"] = time.perf_counter() - t
-        (work / "structured" / "history.json").write_text(json.dumps(history))
+        (structured_work / "history.json").write_text(json.dumps(history))
         net = _bf16_round_trip(net.cpu(), base_dir).to(device)
         _write_stage_record(out, "structured", structured_settings.record()
                             | {"tokens": {k: int(v.shape[0]) for k, v in structured.items()}})

@@ -65,6 +65,11 @@ class StructuredSettings:
         return {"share": self.adapter_share, "agent_share": self.adapter_share + AGENT_EXTRA_SHARE,
                 "kinds": ADAPTER_KINDS}
 
+    def work_key(self) -> str:
+        """Names the stage's resumable state after its record: a changed recipe starts afresh rather than resuming
+        (or finding finished) the previous recipe's optimizer state."""
+        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:12]
+
 
 def structured_streams(model_dir: Path, data_dir: Path, cache_dir: Path, settings: StructuredSettings,
                        tokenizer_digest: str) -> dict[str, np.ndarray]:

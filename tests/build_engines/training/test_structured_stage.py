@@ -61,3 +61,11 @@ def test_an_adapter_mixes_its_domain_with_its_own_structured_kinds(domain: str) 
     probs = dict(zip(mixture.names, mixture.probs))
     assert probs["domain_text"] == pytest.approx(0.6 if domain == "agent" else 0.7)
     assert {n.removeprefix(STREAM_PREFIX) for n in probs if n != "domain_text"} == set(ADAPTER_KINDS[domain])
+
+
+def test_a_changed_recipe_gets_its_own_resumable_state() -> None:
+    """The stage's work folder is named after its record: a new recipe must not resume (or find finished) the old
+    recipe's optimizer state, while a re-run of the same recipe resumes it."""
+    assert StructuredSettings().work_key() == StructuredSettings().work_key()
+    assert StructuredSettings().work_key() != StructuredSettings(steps=StructuredSettings().steps + 1).work_key()
+    assert StructuredSettings().work_key() == StructuredSettings(adapter_share=0.3).work_key()  # adapters only
