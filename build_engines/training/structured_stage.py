@@ -68,15 +68,19 @@ class StructuredSettings:
     def work_key(self) -> str:
         """Names the stage's resumable state after its record: a changed recipe starts afresh rather than resuming
         (or finding finished) the previous recipe's optimizer state."""
-        return hashlib.sha256(json.dumps(self.record(), sort_keys=True).encode()).hexdigest()[:12]
+        return _short_digest(self.record())
+
+
+def _short_digest(value: object) -> str:
+    """12 hex digits naming a JSON-able value (key order ignored): the names of cached streams and work folders."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def structured_streams(model_dir: Path, data_dir: Path, cache_dir: Path, settings: StructuredSettings,
                        tokenizer_digest: str) -> dict[str, np.ndarray]:
     """One int32 stream per kind: conversations rendered by the model's chat format (tools where offered),
     documents as <|bos|> text <|eos|>; cached."""
-    key = hashlib.sha256(json.dumps([tokenizer_digest, settings.seed, settings.counts, GENERATOR_VERSION],
-                                    sort_keys=True).encode()).hexdigest()[:12]
+    key = _short_digest([tokenizer_digest, settings.seed, settings.counts, GENERATOR_VERSION])
     paths = {kind: cache_dir / f"{STREAM_PREFIX}{kind}.{key}.npy" for kind in KINDS}
     if all(p.exists() for p in paths.values()):
         return {f"{STREAM_PREFIX}{k}": np.load(p) for k, p in paths.items()}
