@@ -18,6 +18,8 @@ BENCHMARKS = {
     "engines": ("engines", "torch vs onnx engines side by side (docs/engines.md)"),
     "serving": ("serving", "concurrent sessions through tritonserver (docs/load.md)"),
     "speculative": ("speculative", "DSpark and prompt lookup vs plain decoding (docs/speculative.md)"),
+    "speculative-dynamo": ("speculative_dynamo", "DSpark and prompt lookup vs plain decoding through a Dynamo "
+                           "deployment, single rank and TP (docs/speculative.md)"),
     "openai": ("openai_load", "the OpenAI frontend under load (docs/openai.md)"),
     "parallel-serving": ("parallel_serving", "tensor/expert-parallel serving vs one rank (docs/parallel.md)"),
     "parallel-memory": ("parallel_memory", "per-rank memory at TP/EP sizes (docs/parallel.md)"),

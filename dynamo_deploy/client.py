@@ -24,10 +24,17 @@ class Conversation:
     messages: list[dict[str, str]] = field(default_factory=list)
     model: str = MODEL_NAME
     session_token: str | None = None  # issued on the turn that started the session; a later issue replaces it
+    annotations: list[str] = field(default_factory=list)  # more nvext.annotations for every turn (mol2-speculative:off)
 
     def _headers(self) -> dict[str, str]:
         return {"content-type": "application/json",
                 **({"x-dynamo-session-id": self.session_id} if self.session_id else {})}
+
+    def _nvext(self) -> dict[str, Any]:
+        nvext = client_nvext(self.session_token)
+        if self.annotations:
+            nvext["annotations"] = [*nvext.get("annotations", []), *self.annotations]
+        return nvext
 
     def _take_token(self, nvext: dict[str, Any] | None) -> None:
         token = issued_token(nvext)
@@ -38,7 +45,7 @@ class Conversation:
         """One turn: the reply's message and finish reason (the reply joins the history for the next turn)."""
         self.messages.append({"role": "user", "content": text})
         body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0,
-                "nvext": client_nvext(self.session_token), **sampling}
+                "nvext": self._nvext(), **sampling}
         req = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
                                      headers=self._headers())
         try:
@@ -59,7 +66,7 @@ class Conversation:
         keeps the partial reply it generated, which may be longer than what reached the client)."""
         self.messages.append({"role": "user", "content": text})
         body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0,
-                "stream": True, "nvext": client_nvext(self.session_token)}
+                "stream": True, "nvext": self._nvext()}
         url = urllib.parse.urlparse(self.url)
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout_s)
         conn.request("POST", "/v1/chat/completions", json.dumps(body), self._headers())

@@ -41,6 +41,7 @@ from tritonserver_backend.auth.session_auth import GrantLedger, SessionRefused, 
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.decoder_service import DecoderService, Turn
+from tritonserver_backend.core.drafting import make_drafter
 from tritonserver_backend.core.scheduler import DEFAULT_REPLAY_BUDGET, TurnScheduler, TurnStart
 from tritonserver_backend.engines import open_engine
 
@@ -74,8 +75,12 @@ class DecoderWorker:
         self.ledger = GrantLedger()
         self.port = RemoteEncoderPort(step_client, control_client, loop, self.stats, CallAuth(self.key))
         self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
-        self.scheduler = TurnScheduler(self.decoder, self.port, self._emit, self._fail,
-                                       replay_budget=DEFAULT_REPLAY_BUDGET)
+        # the Triton path's drafting (docs/speculative.md): each speculative step's kept length rides to the session's
+        # encoder worker on its next step call, which absorbs only that much (remote_encoder.py)
+        self.drafter = make_drafter(settings.speculative, settings.speculative_block, engine,
+                                    settings.speculative_confidence)
+        self.scheduler = TurnScheduler(self.decoder, self.port, self._emit, self._fail, drafter=self.drafter,
+                                       draft_batch=settings.speculative_batch, replay_budget=DEFAULT_REPLAY_BUDGET)
         self.inbox: queue.SimpleQueue[TurnStart] = queue.SimpleQueue()
         self.wake = threading.Event()
         threading.Thread(target=self._loop, name="decoder-scheduler", daemon=True).start()
@@ -96,8 +101,7 @@ class DecoderWorker:
 
     def _emit(self, turn: Turn, token: int, reason: str) -> bool:
         sink: Sink = turn.context  # type: ignore[assignment]
-        logprob = turn.logprobs[-1].logprob if token >= 0 and turn.params.logprobs else None
-        sink.put(("token", token, reason, logprob))
+        sink.put(("token", token, reason, turn.logprobs[-1] if token >= 0 and turn.params.logprobs else None))
         return not sink.closed
 
     def _fail(self, request: TurnStart | Turn, exc: BaseException) -> None:
@@ -146,7 +150,11 @@ class DecoderWorker:
                     return
                 if a >= 0:
                     generated += 1
-                    yield {"token": int(a)} if logprob is None else {"token": int(a), "logprob": logprob}
+                    if logprob is None:
+                        yield {"token": int(a)}
+                    else:
+                        yield {"token": int(a), "logprob": logprob.logprob,
+                               "top": [[i, v] for i, v in zip(logprob.top_ids, logprob.top_logprobs)]}
                 if b:
                     self.stats.add(turns=1, generated_tokens=generated)
                     self.stats.flush()

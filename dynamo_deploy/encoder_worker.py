@@ -35,6 +35,7 @@ from typing import Any, AsyncIterator, Callable
 import numpy as np
 
 from ced.text.tokenizer import ChatTokenizer
+from ced.text.tool_parsers import syntax_of
 from dynamo_deploy.conversation import SessionRecord, continuation, fingerprint, is_chat_prompt, reply_ids, split_turn
 from dynamo_deploy.model_ids import explicit_adapter, explicit_ids
 from dynamo_deploy.requests import openai_finish, params_to_json, sampling_params
@@ -50,6 +51,7 @@ from dynamo_deploy.session_guard import (
     presented_token,
     wants_engine_data,
 )
+from dynamo_deploy.tool_choice import STRUCTURAL_TAG_POLICY, parser_for
 from dynamo_deploy.transfer import HandoverChannel
 from dynamo_deploy.wire import nbytes, pack
 from dynamo_deploy.worker_common import (
@@ -74,6 +76,9 @@ from tritonserver_backend.errors import BadRequest, ServingError, UnknownSession
 
 LOG = logging.getLogger("mol2.encoder")
 MAX_RECORDS = 10_000
+NOT_A_CHAT_TURN = ("the Dynamo workers serve chat turns only: the prompt must end with the assistant prompt (a raw "
+                   "/v1/completions prompt, or a partial reply resent by request migration, is not served here; the "
+                   "project's OpenAI frontend serves /v1/completions with echo and logprobs, docs/openai.md)")
 SETTLE_TIMEOUT_S = 120.0  # a cancelled turn's decoder has this long to end it; else the session is rebuilt next turn
 # where a record is kept: (anonymous, key); key = the x-dynamo-session-id, or anonymous_key(history)
 Slot = tuple[bool, str]
@@ -98,6 +103,21 @@ def for_client(exc: ServingError) -> Exception:
     return InvalidArgument(str(exc))
 
 
+def lost_mid_reply(decoder: int, exc: BaseException) -> Exception:
+    """The decoder worker streaming a turn was lost after its first token. The client gets HTTP 503 (streamed: an
+    error event `service_unavailable`, code 503) and should resend the turn: the session was marked for a rebuild, so
+    the resent conversation (without the cut reply) is served from a rebuilt state on a live decoder, with the tokens
+    an undisturbed session would have got. Dynamo's frontend gives a worker's message only with HTTP 400
+    (`InvalidArgument`), which would tell the client its request was wrong; the reason goes to the worker's log."""
+    LOG.warning("decoder instance %s was lost mid-reply (%r); the client is told 503 and its session rebuilds on "
+                "the next turn", decoder, exc)
+    try:
+        from dynamo.llm.exceptions import HttpError
+    except ImportError:  # outside the Dynamo venv (unit tests)
+        return RuntimeError(f"decoder instance {decoder} was lost mid-reply")
+    return HttpError(503, f"decoder instance {decoder} was lost mid-reply; resend the turn")
+
+
 class EncoderWorker:
     def __init__(self, settings: WorkerSettings, decoders: Any) -> None:
         self.settings, self.decoders = settings, decoders
@@ -115,10 +135,12 @@ class EncoderWorker:
         self.calls = CallAuth(self.key)
         self.router = RouterService(settings.model_dir, Registry(settings.registry_root), self.counters, engine)
         self.tokenizer = ChatTokenizer.load(settings.model_dir)
+        self.tool_syntax = syntax_of(self.tokenizer.chat_format)  # how the model writes calls (tool_choice.py)
         self.channel = HandoverChannel(settings.nixl_threshold, self.stats)
         self.records: OrderedDict[Slot, SessionRecord] = OrderedDict()
         self.dead: set[int] = set()
         self.absorbed: dict[str, list[int]] = {}  # internal session id -> the tokens its turn in flight fed back here
+        self.drafted: dict[str, list[int]] = {}  # internal session id -> its speculative step's tokens, not kept yet
         # internal session id -> its turn's end: the reply it kept, or None
         self.settling: dict[str, asyncio.Future] = {}
         self._settles: set[asyncio.Task] = set()
@@ -146,11 +168,11 @@ class EncoderWorker:
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         prompt = [int(t) for t in request["token_ids"]]
         if not is_chat_prompt(self.tokenizer, prompt):
-            # e.g. a request Dynamo migrated mid-reply (prompt + partial reply): continuing it would encode the partial
-            # reply as a user turn, silently wrong; the client retries the turn instead
-            raise ValueError("the prompt must end with the assistant prompt (a chat request, not a partial reply)")
+            # a raw /v1/completions prompt, or a request Dynamo migrated mid-reply (prompt + partial reply): continuing
+            # it would encode the text as a user turn, silently wrong
+            raise for_client(BadRequest(NOT_A_CHAT_TURN))
         try:  # a bad or unservable sampling option is refused before any session is touched
-            params = sampling_params(request)
+            params = sampling_params(request, self.tool_syntax)
         except ServingError as exc:
             raise for_client(exc) from None
         session_id = (request.get("agent_context") or {}).get("session_id")
@@ -165,6 +187,7 @@ class EncoderWorker:
         else:
             key = anonymous_key(split_turn(self.tokenizer, prompt)[0])
             slot, issued = (True, key), ""
+        to_client = params.logprobs  # the client asked for them (output_options.logprobs)
         if self.settings.record_logprobs:
             params = dataclasses.replace(params, logprobs=True)
         explicit = explicit_adapter(request.get("model"))  # an explicit adapter always wins over routing
@@ -173,7 +196,7 @@ class EncoderWorker:
             for _ in range(1 + len(self.decoders.instance_ids())):
                 try:
                     async with contextlib.aclosing(self._turn(slot, key, prompt, params, explicit, context,
-                                                              issued)) as turn:
+                                                              issued, to_client)) as turn:
                         async for chunk in turn:  # a client that leaves closes this generator, and so the turn's
                             handed.append(True)
                             yield chunk
@@ -238,7 +261,7 @@ class EncoderWorker:
             held.expected = []
 
     async def _turn(self, slot: Slot, key: str, prompt: list[int], params: Any, explicit: str | None, context: Any,
-                    issued: str) -> AsyncIterator[dict[str, Any]]:
+                    issued: str, logprobs_to_client: bool = False) -> AsyncIterator[dict[str, Any]]:
         record = self.records.get(slot)
         new = continuation(record, prompt)
         live = [i for i in self.decoders.instance_ids() if i not in self.dead]
@@ -306,6 +329,8 @@ class EncoderWorker:
                     if "logprob" in data:
                         logprobs.append(float(data["logprob"]))
                     chunk, token_data = {"token_ids": [int(data["token"])], "index": 0, **token_data}, {}
+                    if logprobs_to_client and "logprob" in data:
+                        chunk.update(self._logprobs_chunk(data))
                     yield chunk
                 if "finish" in data:
                     self.settling.pop(sid, None)
@@ -335,8 +360,8 @@ class EncoderWorker:
             raise
         except Exception as exc:  # noqa: BLE001 - a transport failure
             self._spoil(slot, record)
-            if started:
-                raise
+            if started:  # the reply is cut: the client retries the turn, which rebuilds the session elsewhere
+                raise lost_mid_reply(target, exc) from exc
             self.dead.add(target)
             if held is not None:
                 held.cancel()  # nobody will read the buffer: release it now
@@ -346,7 +371,15 @@ class EncoderWorker:
             left.cancel()
             if not settle_later:
                 self.absorbed.pop(sid, None)
+                self.drafted.pop(sid, None)
                 self.settling.pop(sid, None)
+
+    def _logprobs_chunk(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A token's log-probability and its position's most likely alternatives, in the fields of Dynamo's
+        `LLMEngineOutput` the frontend turns into `choices[].logprobs` (one entry per token of the chunk)."""
+        top = [{"rank": r + 1, "token_id": int(i), "token": self.tokenizer.decode([int(i)], skip_special=False),
+                "logprob": float(v)} for r, (i, v) in enumerate(data.get("top") or ())]
+        return {"log_probs": [float(data["logprob"])], "top_logprobs": [top]}
 
     @staticmethod
     def _downstream_context() -> Any:
@@ -396,25 +429,35 @@ class EncoderWorker:
             yield {"error": str(exc)}
             return
         t0 = time.perf_counter()
+        sessions, turn_done = list(request["sessions"]), bool(request["turn_done"])
+        keep, draft = request.get("keep"), bool(request.get("draft", False))
         try:
-            rows = await self.run(self.encoder.encode_step, list(request["sessions"]),
-                                  np.asarray(request["tokens"], np.int64), bool(request["turn_done"]))
+            rows = await self.run(self.encoder.encode_step, sessions, np.asarray(request["tokens"], np.int64),
+                                  turn_done, None if keep is None else np.asarray(keep, np.int64), draft)
         except ServingError as exc:
             yield {"error": str(exc)}
             return
         compute = time.perf_counter() - t0
-        self._absorbed(list(request["sessions"]), request["tokens"], bool(request["turn_done"]))
+        self._absorbed(sessions, request["tokens"], turn_done, keep, draft)
         packed = [pack(r) for r in rows]
         self.stats.add(step_calls=1, step_rows=sum(int(r["positions"].size) for r in rows),
                        step_bytes=sum(nbytes(r) for r in rows), step_compute_s=compute)
         yield {"rows": packed, "compute_s": compute}
 
-    def _absorbed(self, sessions: list[str], tokens: list[list[int]], turn_done: bool) -> None:
-        """Track what each turn in flight fed back; at its end (trailing tokens + end-of-turn) that is the reply the
-        session keeps, which settles a cancelled turn."""
-        for sid, row in zip(sessions, tokens):
+    def _absorbed(self, sessions: list[str], tokens: list[list[int]], turn_done: bool, keep: list[int] | None = None,
+                  draft: bool = False) -> None:
+        """Track what each turn in flight fed back, as the encoder service absorbed it: a speculative step's tokens
+        wait until the session's next call keeps a prefix of them (`keep`); at the turn's end (trailing tokens +
+        end-of-turn) that is the reply the session keeps, which settles a cancelled turn."""
+        for b, (sid, row) in enumerate(zip(sessions, tokens)):
             if sid in self.absorbed:
-                self.absorbed[sid].extend(int(t) for t in row)
+                waiting = self.drafted.pop(sid, [])
+                if keep is not None and keep[b] >= 0:
+                    self.absorbed[sid].extend(waiting[:keep[b]])
+                if draft:
+                    self.drafted[sid] = [int(t) for t in row]
+                else:
+                    self.absorbed[sid].extend(int(t) for t in row)
             if turn_done:
                 kept = self.absorbed.pop(sid, [])[:-1]  # without the end-of-turn
                 future = self.settling.get(sid)
@@ -423,6 +466,7 @@ class EncoderWorker:
 
     def _dropped(self, sid: str) -> None:
         self.absorbed.pop(sid, None)
+        self.drafted.pop(sid, None)
         future = self.settling.get(sid)
         if future is not None and not future.done():
             future.set_result(None)
@@ -445,7 +489,7 @@ class EncoderWorker:
 
 
 async def serve(settings: WorkerSettings) -> None:
-    from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+    from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
     loop = asyncio.get_running_loop()
     runtime = make_runtime(loop)
@@ -458,12 +502,19 @@ async def serve(settings: WorkerSettings) -> None:
     worker.stats.instance_id = step.connection_id()
     worker.stats.flush()
     model_path = str(settings.run_dir / "model")
+    # every card (the LoRA ones too: each carries its own) tells the frontend how to read tool calls out of a reply
+    # and to send tool_choice as a structural tag, which the worker enforces in the model's own syntax (tool_choice.py)
+    card = ModelRuntimeConfig()
+    card.tool_call_parser = parser_for(worker.tool_syntax)
+    if card.tool_call_parser is not None:
+        card.set_structural_tag(STRUCTURAL_TAG_POLICY)
     await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, generate,
-                         model_path, MODEL_NAME, worker_type=WorkerType.Aggregated, kv_cache_block_size=16)
+                         model_path, MODEL_NAME, worker_type=WorkerType.Aggregated, kv_cache_block_size=16,
+                         runtime_config=card)
     for name in explicit_ids(Registry(settings.registry_root)):  # one LoRA card per explicit choice (model_ids.py)
         await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, generate, model_path,
                              worker_type=WorkerType.Aggregated, kv_cache_block_size=16, lora_name=name,
-                             base_model_path=model_path)
+                             base_model_path=model_path, runtime_config=card)
     LOG.warning("%s serving (instance %s)", settings.name, worker.stats.instance_id)
     await asyncio.gather(generate.serve_endpoint(worker.generate), step.serve_endpoint(worker.step),
                          control.serve_endpoint(worker.control),

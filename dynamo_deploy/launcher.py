@@ -22,6 +22,7 @@ from dynamo_deploy.tokenizer_files import write_model_folder
 from dynamo_deploy.worker_common import MODEL_NAME, discovery_env
 from tritonserver_backend.adapters.registry_init import ensure_registry
 from tritonserver_backend.auth.session_auth import INTERNAL_KEY_FILE, InternalKey
+from tritonserver_backend.core.drafting import DRAFT_BATCH
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DYNAMO_PYTHON = PROJECT_ROOT / ".venv-dynamo" / "bin" / "python"
@@ -43,6 +44,11 @@ class Deployment:
     session_auth: bool = True  # session tokens (session_guard.py); off only for a trusted single-tenant deployment
     tensor_parallel_size: int = 1  # each worker leads a group of this many ranks (torch backend; docs/parallel.md)
     expert_parallel: bool = False
+    # the decoder workers' drafting (docs/speculative.md): auto = DSpark where the engines hold a drafter
+    speculative: str = "auto"
+    speculative_block: int = 5
+    speculative_confidence: float = 0.0
+    speculative_batch: int = DRAFT_BATCH
     python: Path = field(default_factory=lambda: Path(os.environ.get("MOL2_DYNAMO_PYTHON", DYNAMO_PYTHON)))
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
@@ -81,7 +87,10 @@ class Deployment:
             *(["--record-logprobs"] if self.record_logprobs else []),
             *([] if self.session_auth else ["--no-session-auth"]),
             *(["--tensor-parallel-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1 else []),
-            *(["--enable-expert-parallel"] if self.expert_parallel else [])])
+            *(["--enable-expert-parallel"] if self.expert_parallel else []),
+            *(["--speculative", self.speculative, "--speculative-block", str(self.speculative_block),
+               "--speculative-confidence", repr(self.speculative_confidence),
+               "--speculative-batch", str(self.speculative_batch)] if role == "decoder" else [])])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
@@ -150,6 +159,16 @@ def stop_process(p: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 def read_stats(run_dir: Path) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("*.json"))}
+
+
+def counter_totals(workers: list[dict], counters: tuple[str, ...]) -> dict[str, float]:
+    """Each counter summed over these workers' stats (read_stats values) and over its labels (adapters, paths)."""
+    totals = dict.fromkeys(counters, 0.0)
+    for w in workers:
+        for key, v in w["counters"].items():
+            if key.split("/")[0] in totals:
+                totals[key.split("/")[0]] += v
+    return totals
 
 
 def read_turns(run_dir: Path) -> list[dict]:

@@ -32,14 +32,16 @@ class RemoteEncoderPort:
 
     def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
              draft: bool = False) -> list[Handover]:
-        if draft or keep is not None:  # the Dynamo decode worker runs its scheduler without a drafter
-            raise ServingError("speculative steps are not served through Dynamo workers yet")
+        """`keep` (each session's kept length of its previous speculative step, -1: none) and `draft` (this step's
+        rows are not absorbed until the next call says how many to keep) travel with the step, so the accepted
+        length costs no round trip of its own (encoder_service.encode_step)."""
         groups: dict[int, list[int]] = {}
         for b, sid in enumerate(session_ids):
             groups.setdefault(self._encoder(sid), []).append(b)
 
         async def all_groups() -> list[list[Handover]]:
-            return await asyncio.gather(*[self._step(inst, [session_ids[b] for b in rows], tokens[rows], turn_done)
+            return await asyncio.gather(*[self._step(inst, [session_ids[b] for b in rows], tokens[rows], turn_done,
+                                                     None if keep is None else np.asarray(keep)[rows], draft)
                                           for inst, rows in groups.items()])
 
         results = asyncio.run_coroutine_threadsafe(all_groups(), self.loop).result(CALL_TIMEOUT_S)
@@ -49,9 +51,12 @@ class RemoteEncoderPort:
                 out[b] = h
         return out  # type: ignore[return-value]
 
-    async def _step(self, instance: int, sessions: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
+    async def _step(self, instance: int, sessions: list[str], tokens: np.ndarray, turn_done: bool,
+                    keep: np.ndarray | None, draft: bool) -> list[Handover]:
         t0 = time.perf_counter()
-        body = {"sessions": sessions, "tokens": tokens.tolist(), "turn_done": turn_done}
+        body: dict[str, Any] = {"sessions": sessions, "tokens": tokens.tolist(), "turn_done": turn_done}
+        if keep is not None or draft:
+            body.update(keep=None if keep is None else [int(v) for v in keep], draft=draft)
         stream = await self.step_client.direct(self.calls.sign(ENCODER_STEP, body), instance)
         data: dict[str, Any] | None = None
         async for chunk in stream:

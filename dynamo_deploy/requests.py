@@ -2,10 +2,12 @@
 our finish reasons -> the frontend's.
 
 Dynamo's frontend turns the OpenAI request into `sampling_options` (temperature, top_p, top_k, min_p, penalties, seed,
-logit_bias, n, and `guided_decoding` from response_format / vLLM's guided_*) and `stop_conditions` (max_tokens, stop,
-stop_token_ids, min_tokens, ignore_eos; `stop_token_ids_hidden` are the model's own end tokens, which end a turn here
-anyway). Each is honoured as the single-server path honours it; what this path cannot do (n > 1, a structural tag,
-two constraints at once) is refused with the reason, never dropped.
+logit_bias, n, and `guided_decoding` from response_format / vLLM's guided_* / tool_choice), `stop_conditions`
+(max_tokens, stop, stop_token_ids, min_tokens, ignore_eos; `stop_token_ids_hidden` are the model's own end tokens,
+which end a turn here anyway) and `output_options` (`logprobs`: the top_logprobs count when the client asked for
+logprobs; `prompt_logprobs`: completions' echo). Each is honoured as the single-server path honours it, and the
+annotation `mol2-speculative:off` as its per-request `speculative` false; what this path cannot do (n > 1, prompt
+logprobs, two constraints at once) is refused with the reason, never dropped.
 """
 
 from __future__ import annotations
@@ -14,14 +16,22 @@ import dataclasses
 import json
 from typing import Any
 
+from ced.text.tool_parsers import ToolSyntax
+from dynamo_deploy.tool_choice import native_constraint, tool_call_tag
 from tritonserver_backend.core.decoder_service import FINISH_LENGTH
 from tritonserver_backend.errors import BadRequest
 from tritonserver_backend.sampling.grammar import canonical
 from tritonserver_backend.sampling.sampler import DEFAULT_MAX_TOKENS, SamplingParams
 
+# an `nvext.annotations` entry: this turn is never drafted (the Triton path's per-request `speculative` false), what a
+# client uses to compare drafting with plain decoding on one deployment
+SPECULATIVE_ANNOTATION = "mol2-speculative:"
+SPECULATIVE_OFF = SPECULATIVE_ANNOTATION + "off"
 
-def sampling_params(request: dict[str, Any]) -> SamplingParams:
-    """Unset fields take the project's defaults (greedy, seed 0), as the Triton path does."""
+
+def sampling_params(request: dict[str, Any], tool_syntax: ToolSyntax | None = None) -> SamplingParams:
+    """Unset fields take the project's defaults (greedy, seed 0), as the Triton path does. `tool_syntax`: how the
+    model writes tool calls (a tool_choice's structural tag is enforced in it, tool_choice.py)."""
     stop = request.get("stop_conditions") or {}
     opts = request.get("sampling_options") or {}
 
@@ -29,6 +39,15 @@ def sampling_params(request: dict[str, Any]) -> SamplingParams:
         value = opts.get(name)
         return default if value is None else float(value)
 
+    notes = [n for n in request.get("annotations") or () if isinstance(n, str) and n.startswith(SPECULATIVE_ANNOTATION)]
+    if any(n != SPECULATIVE_OFF for n in notes):
+        raise BadRequest(f"the only {SPECULATIVE_ANNOTATION} annotation is {SPECULATIVE_OFF!r} (this turn is never "
+                         f"drafted); got {notes}")
+    out = request.get("output_options") or {}
+    if out.get("prompt_logprobs") is not None:
+        raise BadRequest("prompt log-probabilities (echo) are not served by the Dynamo workers; the project's OpenAI "
+                         "frontend serves /v1/completions with echo and logprobs (docs/openai.md)")
+    top = out.get("logprobs")
     if int(opts.get("n") or 1) != 1:
         raise BadRequest("n > 1 is not served by the Dynamo workers; send n choices as n requests (the tensor API and "
                          "the project's OpenAI frontend fork one prefill for them)")
@@ -41,16 +60,18 @@ def sampling_params(request: dict[str, Any]) -> SamplingParams:
         logit_bias=tuple((int(k), float(v)) for k, v in (opts.get("logit_bias") or {}).items()),
         stop_token_ids=tuple(int(t) for t in stop.get("stop_token_ids") or ()),
         min_tokens=int(stop.get("min_tokens") or 0), ignore_eos=bool(stop.get("ignore_eos") or False),
-        grammar=grammar_of(opts.get("guided_decoding")))
+        grammar=grammar_of(opts.get("guided_decoding"), tool_syntax), speculative=not notes,
+        logprobs=top is not None, top_logprobs=int(top or 0))
 
 
-def grammar_of(guided: dict[str, Any] | None) -> str:
-    """Dynamo's `guided_decoding` (json / regex / choice / grammar) as our grammar spec ("" for none)."""
+def grammar_of(guided: dict[str, Any] | None, tool_syntax: ToolSyntax | None = None) -> str:
+    """Dynamo's `guided_decoding` (json / regex / choice / grammar / structural_tag) as our grammar spec ("" for
+    none). The structural tag the frontend makes of a tool_choice is enforced in the model's own call syntax
+    (tool_choice.py); any other structural tag as sent."""
     if not guided:
         return ""
-    if guided.get("structural_tag") is not None:
-        raise BadRequest("a structural_tag constraint is not served; use a JSON schema, a regex or an EBNF grammar")
-    given = {k: guided[k] for k in ("json", "regex", "choice", "grammar") if guided.get(k) is not None}
+    kinds = ("json", "regex", "choice", "grammar", "structural_tag")
+    given = {k: guided[k] for k in kinds if guided.get(k) is not None}
     if len(given) > 1:
         raise BadRequest(f"one structured-output constraint at a time, got {', '.join(sorted(given))}")
     if not given:
@@ -63,6 +84,15 @@ def grammar_of(guided: dict[str, Any] | None) -> str:
         import re
 
         spec = {"type": "regex", "pattern": "(" + "|".join(re.escape(str(c)) for c in value) + ")"}
+    elif kind == "structural_tag":
+        tag = json.loads(value) if isinstance(value, str) else value
+        tool_tag = tool_call_tag(tag)
+        if tool_tag is not None:
+            native = native_constraint(*tool_tag, tool_syntax)
+            return canonical(json.dumps(native)) if native is not None else ""
+        if not isinstance(tag, dict) or not isinstance(tag.get("format"), dict):
+            raise BadRequest('a structural_tag constraint needs "format": an xgrammar structural tag format object')
+        spec = {"type": "structural_tag", "format": tag["format"]}
     elif kind == "regex":
         spec = {"type": "regex", "pattern": value}
     else:

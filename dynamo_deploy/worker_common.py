@@ -20,6 +20,7 @@ from typing import Any
 
 from tritonserver_backend.auth.session_auth import INTERNAL_KEY_FILE
 from tritonserver_backend.core.counters import Counters
+from tritonserver_backend.core.drafting import DRAFT_BATCH, DRAFTERS
 
 NAMESPACE = "mol2"
 MODEL_NAME = "mol2-small"
@@ -44,6 +45,11 @@ class WorkerSettings:
     internal_key_file: Path | None = None  # the workers' shared secret; default <run_dir>/internal.key
     tensor_parallel_size: int = 1  # the worker leads a group of this many ranks (torch backend; docs/parallel.md)
     expert_parallel: bool = False  # routed experts placed whole over those ranks
+    # speculative decoding in the decoder workers: the Triton path's switches (docs/speculative.md), same defaults
+    speculative: str = "auto"
+    speculative_block: int = 5
+    speculative_confidence: float = 0.0
+    speculative_batch: int = DRAFT_BATCH
 
     @property
     def internal_key_path(self) -> Path:
@@ -76,14 +82,28 @@ class WorkerSettings:
                        help="run this worker's role on N ranks, which the worker starts and leads (torch backend)")
         p.add_argument("--enable-expert-parallel", action="store_true",
                        help="place routed experts whole over the ranks")
+        add_speculative_arguments(p)
         a = p.parse_args(argv)
         return cls(role, a.index, a.run_dir, a.model_dir, a.engine_dir, a.registry_root, a.backend, a.max_context,
                    a.nixl_threshold_bytes, a.record_logprobs, a.session_auth, a.internal_key_file,
-                   a.tensor_parallel_size, a.enable_expert_parallel)
+                   a.tensor_parallel_size, a.enable_expert_parallel, a.speculative, a.speculative_block,
+                   a.speculative_confidence, a.speculative_batch)
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """The decoder workers' drafting switches (the Triton path's `speculative*` parameters, docs/speculative.md), for
+    the worker and for `scripts/dynamo_up.py`."""
+    p.add_argument("--speculative", default="auto", choices=DRAFTERS,
+                   help="the decoder's drafter: auto runs the engines' DSpark drafter where they hold one, else none")
+    p.add_argument("--speculative-block", type=int, default=5, help="most drafts per step (1..7)")
+    p.add_argument("--speculative-confidence", type=float, default=0.0,
+                   help="a DSpark block ends at its first draft below this confidence (0: never cut)")
+    p.add_argument("--speculative-batch", type=int, default=DRAFT_BATCH,
+                   help="a decoder step drafts only while at most this many turns are going")
 
 
 # what Dynamo's DistributedRuntime accepts for each transport (its own documentation of the constructor)

@@ -6,7 +6,7 @@
             "nvext": {"extra_fields": ["engine_data"]}}'
        # -> nvext.engine_data.mol2_session_token: later turns of s1 send "annotations": ["mol2-session-token:<token>"]
        #    in nvext
-  .venv/bin/python scripts/dynamo_up.py status      # routing counters, transfers, refused session checks per worker
+  .venv/bin/python scripts/dynamo_up.py status      # routing counters, transfers, refused session checks, drafting per worker
   .venv/bin/python scripts/dynamo_up.py stop
 
 Discovery is Dynamo's file backend under --run-dir (no etcd, no NATS); the workers run in .venv-dynamo
@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from dynamo_deploy.launcher import Deployment, read_stats, stop_recorded
-from tritonserver_backend.core.counters import TOKEN_REFUSALS
+from dynamo_deploy.launcher import Deployment, counter_totals, read_stats, stop_recorded
+from dynamo_deploy.worker_common import add_speculative_arguments
+from tritonserver_backend.core.counters import DRAFTED, DRAFTS_ACCEPTED, SPECULATIVE_BLOCKS, TOKEN_REFUSALS
 from tritonserver_backend.repository import parallel_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-session-auth", dest="session_auth", action="store_false",
                    help="no session tokens: any client that sends a session id continues that conversation (a trusted "
                         "single-tenant deployment only; the workers' calls to each other stay signed)")
+    add_speculative_arguments(p)
     a = p.parse_args(argv)
     try:
         a.backend = parallel_backend(a.backend, a.tensor_parallel_size, a.enable_expert_parallel)
@@ -61,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         d = Deployment(a.run_dir, a.model_dir, a.engine_dir, a.encoders, a.decoders, a.port, a.backend, a.max_context,
                        nixl_threshold_bytes=a.nixl_threshold_bytes, session_auth=a.session_auth,
-                       tensor_parallel_size=a.tensor_parallel_size, expert_parallel=a.enable_expert_parallel)
+                       tensor_parallel_size=a.tensor_parallel_size, expert_parallel=a.enable_expert_parallel,
+                       speculative=a.speculative, speculative_block=a.speculative_block,
+                       speculative_confidence=a.speculative_confidence, speculative_batch=a.speculative_batch)
         t0 = time.monotonic()
         print(f"starting {a.encoders} encoder + {a.decoders} decoder workers and the frontend (logs in "
               f"{a.run_dir / 'logs'}) ...", flush=True)
@@ -82,12 +86,15 @@ def main(argv: list[str] | None = None) -> int:
                     show[k.split("/")[0].replace("routing_decisions_", "")] += v
             f = w["figures"]
             refused = {k.split("/", 1)[1]: v for k, v in sorted(c.items()) if k.startswith(TOKEN_REFUSALS + "/")}
+            totals = counter_totals([w], (SPECULATIVE_BLOCKS, DRAFTED, DRAFTS_ACCEPTED))
+            drafted = dict(zip(("blocks", "drafted", "accepted"), map(int, totals.values())))
             print(f"{name:10s} instance {w['instance_id']} pid {w['pid']}: turns {int(f.get('turns', 0))}, routing "
                   f"{show}, hand-over {int(f.get('handover_turn_bytes', 0))} B in {int(f.get('handover_turns', 0))} "
                   f"turns (inline {int(f.get('sent_inline_bytes', 0) + f.get('received_inline_bytes', 0))} B, NIXL "
                   f"{int(f.get('sent_nixl_bytes', 0) + f.get('received_nixl_bytes', 0))} B), steps "
                   f"{int(f.get('step_calls', 0))} ({int(f.get('step_bytes', 0))} B), rebuilds "
-                  f"{int(f.get('rebuilds', 0))}, refused session checks {refused}")
+                  f"{int(f.get('rebuilds', 0))}, refused session checks {refused}"
+                  + (f", speculative {drafted}" if w["role"] == "decoder" else ""))
         return 0
     stopped = stop_recorded(a.run_dir)
     print(f"stopped {', '.join(stopped) if stopped else 'nothing (no deployment recorded)'}")

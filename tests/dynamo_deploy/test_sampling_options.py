@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import socket
+import urllib.error
+import urllib.request
 
 import jsonschema
 import pytest
 
 from dynamo_deploy.client import Conversation
 from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment
-from dynamo_deploy.requests import params_from_json, params_to_json, sampling_params
+from dynamo_deploy.requests import SPECULATIVE_OFF, params_from_json, params_to_json, sampling_params
 from tests.conftest import EMBEDDED
 from tritonserver_backend.errors import BadRequest
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -51,6 +54,44 @@ def test_what_cannot_be_served_is_refused_by_name(options: dict, message: str) -
         sampling_params({"sampling_options": options})
 
 
+def test_a_turn_opts_out_of_drafting_with_one_annotation_and_others_are_refused_by_name() -> None:
+    assert sampling_params({}).speculative is True
+    assert sampling_params({"annotations": [SPECULATIVE_OFF]}).speculative is False
+    assert sampling_params({"annotations": ["mol2-session-token:x"]}).speculative is True
+    with pytest.raises(BadRequest, match="mol2-speculative:off"):
+        sampling_params({"annotations": ["mol2-speculative:on"]})
+
+
+def _hermes_tag(names: list[str], at_least_one: bool) -> dict:
+    """What Dynamo 1.6.1's frontend sends for a tool_choice with the hermes parser and its structural-tag policy on
+    (recorded from a real frontend: tests/dynamo_deploy/test_tools.py runs it)."""
+    return {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": at_least_one, "stop_after_first": False,
+        "tags": [{"type": "tag", "begin": f'<tool_call>\n{{"name": "{n}", "arguments": ',
+                  "content": {"type": "json_schema", "json_schema": SCHEMA, "style": "json"}, "end": "}\n</tool_call>"}
+                 for n in names]}}
+
+
+def test_a_tool_choice_tag_is_enforced_in_the_models_own_call_syntax() -> None:
+    from ced.text.tokenizer import ChatTokenizer
+    from ced.text.tool_parsers import syntax_of
+
+    syntax = syntax_of(ChatTokenizer.load(EMBEDDED).chat_format)
+    tools = [{"name": "plan", "parameters": SCHEMA}, {"name": "book", "parameters": SCHEMA}]
+    forced = sampling_params({"sampling_options": {"guided_decoding": {"structural_tag": _hermes_tag(
+        ["plan", "book"], True)}}}, syntax)
+    assert json.loads(forced.grammar) == {"type": "ebnf", "grammar": syntax.grammar(tools)}
+    auto = sampling_params({"sampling_options": {"guided_decoding": {"structural_tag": _hermes_tag(
+        ["plan"], False)}}}, syntax)
+    assert json.loads(auto.grammar) == {"type": "structural_tag", "format": syntax.auto_format(tools[:1], False)}
+    assert "\\n" not in auto.grammar  # the default's syntax, not hermes's newlines (escaped in the JSON spec)
+    own = {"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}  # a client's own tag: as sent
+    passed = sampling_params({"sampling_options": {"guided_decoding": {"structural_tag": own}}})
+    assert json.loads(passed.grammar) == own
+    with pytest.raises(BadRequest, match="cannot take tool_choice"):  # a model with no call syntax
+        sampling_params({"sampling_options": {"guided_decoding": {"structural_tag": _hermes_tag(["plan"], True)}}})
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,3 +122,43 @@ def test_response_format_gives_schema_valid_json_and_refusals_are_400s(deploymen
     assert top1["text"] == greedy["text"], "top_k=1 is greedy"
     with pytest.raises(RuntimeError, match="HTTP 400.*n > 1 is not served"):
         Conversation(deployment.url, "many").say("Hello.", max_tokens=4, n=2, temperature=0.7)
+
+
+@pytest.mark.slow
+def test_chat_logprobs_come_back_as_the_single_server_computes_them(deployment, reference) -> None:  # type: ignore[no-untyped-def]
+    """logprobs / top_logprobs through the frontend: the decoder's log-softmax of the raw logits (the single-server
+    path's), which the frontend serializes as float32."""
+    body = {"model": "mol2-small", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
+            "temperature": 0.0, "logprobs": True, "top_logprobs": 3}
+    req = urllib.request.Request(f"{deployment.url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        content = json.load(r)["choices"][0]["logprobs"]["content"]
+    expected = reference.chat("ref-logprobs", "Name a colour.", new_session=True,
+                              params=SamplingParams(max_tokens=6, logprobs=True, top_logprobs=3))
+    assert [e["token_id"] for e in content] == expected.token_ids
+    for entry, lp in zip(content, expected.logprobs):
+        assert entry["logprob"] == pytest.approx(lp.logprob, abs=1e-6)
+        tokenizer = reference.text.tokenizer
+        assert [t["token"] for t in entry["top_logprobs"]] == [tokenizer.decode([i], skip_special=False)
+                                                               for i in lp.top_ids]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(list(lp.top_logprobs), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_completions_prompt_is_refused_with_a_message_that_names_it(deployment) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "mol2-small", "prompt": "Hello", "max_tokens": 2, "echo": True, "logprobs": 1}
+    req = urllib.request.Request(f"{deployment.url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=300)
+    assert refused.value.code == 400
+    assert "/v1/completions" in refused.value.read().decode()
+
+
+def test_prompt_logprobs_are_refused_by_name() -> None:
+    with pytest.raises(BadRequest, match="prompt log-probabilities"):
+        sampling_params({"output_options": {"prompt_logprobs": 1}})
+    p = sampling_params({"output_options": {"logprobs": 3}})
+    assert (p.logprobs, p.top_logprobs) == (True, 3)
+    assert not sampling_params({"output_options": {"logprobs": None}}).logprobs

@@ -80,12 +80,13 @@ class InProcessPipeline:
              history: str | None = None, params: SamplingParams | None = None, end_session: bool = False,
              session_token: str | None = None,
              fork_from: str | None = None, fork_token: str | None = None,
-             cache_salt: str | None = None) -> TurnResult:
+             cache_salt: str | None = None, tools: str | None = None) -> TurnResult:
         """`params.raw` / `params.forced_ids`, `fork_from` / `fork_token`: the completions inputs (contract.RAW,
-        ...)."""
+        ...); `tools`: the offered tools' JSON, rendered by the chat format (the tensor API's `tools`)."""
         params = params or SamplingParams()
         self.registry.check_explicit(adapter)  # fail before anything is encoded
-        ids, prefix, start = self.text.render(text, new_session, history, params.raw, fork_from is not None)
+        ids, prefix, start = self.text.render(text, new_session, history, params.raw, fork_from is not None,
+                                              tools_json=tools)
         encoded = self.encoder.encode_turn(session_id, ids, prefix, start, session_token, fork_from, fork_token,
                                            cache_salt)
         routed = self.router.route([encoded.h19], [adapter])[0]
