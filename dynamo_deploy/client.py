@@ -17,6 +17,19 @@ from dynamo_deploy.session_guard import client_nvext, issued_token
 from dynamo_deploy.worker_common import MODEL_NAME
 
 
+def post_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+              timeout_s: float = 300.0) -> dict[str, Any]:
+    """One non-streamed chat completion request -> the response; an HTTP error is a RuntimeError with its code and
+    message."""
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return json.load(r)
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+
+
 @dataclass
 class Conversation:
     url: str
@@ -46,14 +59,11 @@ class Conversation:
         self.messages.append({"role": "user", "content": text})
         body = {"model": self.model, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0.0,
                 "nvext": self._nvext(), **sampling}
-        req = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
-                                     headers=self._headers())
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                out = json.load(r)
-        except urllib.error.HTTPError as exc:
+            out = post_chat(self.url, body, self._headers(), timeout_s)
+        except RuntimeError:
             self.messages.pop()
-            raise RuntimeError(f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+            raise
         self._take_token(out.get("nvext"))
         choice = out["choices"][0]
         self.messages.append({"role": "assistant", "content": choice["message"]["content"] or ""})

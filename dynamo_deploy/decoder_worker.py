@@ -37,7 +37,7 @@ from dynamo_deploy.worker_common import (
     make_runtime,
 )
 from tritonserver_backend.adapters.registry import Registry
-from tritonserver_backend.auth.session_auth import GrantLedger, SessionRefused, refusal
+from tritonserver_backend.auth.session_auth import GrantLedger, SessionRefused, first_position, grant_subject, refusal
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.decoder_service import DecoderService, Turn
@@ -110,11 +110,13 @@ class DecoderWorker:
 
     def _admit(self, sid: str, request: dict[str, Any]) -> int:
         """The hand-over's first position, when the request carries this deployment's grant for it (taken now, once);
-        else SessionRefused, counted, before anything is read or changed."""
+        else SessionRefused, counted, before anything is read or changed. A fork's grant also names its source
+        (`grant_subject`), so a grant for one fork cannot copy another session's decoder state."""
         try:
             first = int(request["first_position"])
             grant = request.get("grant")
-            self.ledger.take(sid, self.key.verify(grant if isinstance(grant, str) else None, sid, first))
+            subject = grant_subject(sid, str(request["fork_from"]) if request.get("fork_from") else None)
+            self.ledger.take(sid, self.key.verify(grant if isinstance(grant, str) else None, subject, first))
             return first
         except (SessionRefused, KeyError, TypeError, ValueError):
             self.counters.add(k.TOKEN_REFUSALS, PATH_HANDOVER)  # what was presented is never logged
@@ -129,7 +131,8 @@ class DecoderWorker:
             yield {"error": str(exc)}
             return
         rows, _ = await self.channel.take(request["handover"])  # NIXL: read in full before the turn is admitted
-        if not rows["positions"].size or int(rows["positions"][0]) != first:
+        fork_from = str(request.get("fork_from") or "")
+        if (not rows["positions"].size and not fork_from) or first_position(rows["positions"]) != first:
             yield {"error": f"the hand-over of session {sid!r} does not start at its granted position {first}"}
             return
         self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(rows),
@@ -137,8 +140,9 @@ class DecoderWorker:
                        handover_turn_transfer_s=time.time() - float(request["sent_at"]))
         self.port.encoder_of[sid] = int(request["encoder"])
         sink = Sink(asyncio.get_running_loop())
-        self.inbox.put(TurnStart(sid, rows, int(request["adapter_hash"]), params_from_json(request["params"]), False,
-                                   sink))
+        # a fork (n > 1 choices) starts as a copy of its source's decoder state and ends with its turn
+        self.inbox.put(TurnStart(sid, rows, int(request["adapter_hash"]), params_from_json(request["params"]),
+                                 bool(request.get("end_session", False)), sink, fork_from))
         self.wake.set()
         generated = 0
         watcher = asyncio.ensure_future(self._stop_when_told(context, sink))

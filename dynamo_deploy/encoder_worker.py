@@ -38,7 +38,7 @@ from ced.text.tokenizer import ChatTokenizer
 from ced.text.tool_parsers import syntax_of
 from dynamo_deploy.conversation import SessionRecord, continuation, fingerprint, is_chat_prompt, reply_ids, split_turn
 from dynamo_deploy.model_ids import explicit_adapter, explicit_ids
-from dynamo_deploy.requests import openai_finish, params_to_json, sampling_params
+from dynamo_deploy.requests import choices_of, openai_finish, params_to_json, sampling_params
 from dynamo_deploy.session_guard import (
     ENGINE_DATA_FIELD,
     ENGINE_DATA_KEY,
@@ -65,7 +65,7 @@ from dynamo_deploy.worker_common import (
     make_runtime,
 )
 from tritonserver_backend.adapters.registry import Registry
-from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens, refusal
+from tritonserver_backend.auth.session_auth import SessionRefused, SessionTokens, first_position, grant_subject, refusal
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.encoder_service import DEFAULT_PREFILL_STEP, EncodedTurn, EncoderService
@@ -175,6 +175,13 @@ class EncoderWorker:
             params = sampling_params(request, self.tool_syntax)
         except ServingError as exc:
             raise for_client(exc) from None
+        n = choices_of(request)
+        if n > 1:  # n choices of this prompt, forked from one prefill; nothing is kept as a session afterwards
+            choices = self._choices(prompt, params, explicit_adapter(request.get("model")), n, context)
+            async with contextlib.aclosing(choices) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+            return
         session_id = (request.get("agent_context") or {}).get("session_id")
         if session_id:
             key = str(session_id)
@@ -380,6 +387,85 @@ class EncoderWorker:
         top = [{"rank": r + 1, "token_id": int(i), "token": self.tokenizer.decode([int(i)], skip_special=False),
                 "logprob": float(v)} for r, (i, v) in enumerate(data.get("top") or ())]
         return {"log_probs": [float(data["logprob"])], "top_logprobs": [top]}
+
+    # ------------------------------------------------------------------ n > 1: choices forked from one prefill
+    async def _choices(self, prompt: list[int], params: Any, explicit: str | None, n: int,
+                       context: Any) -> AsyncIterator[dict[str, Any]]:
+        """`n` choices of one prompt, as the project's OpenAI frontend makes them (openai_frontend/chat_choices.py):
+        the prompt is encoded once, in a session of its own whose decoder side is a prefill-only turn (nothing
+        sampled); each choice is a session forked from it on both sides (the encoder copies its state, the decoder
+        its global-KV mirror and replay window: nothing is re-encoded), sampled with seed + i and ended with its
+        turn. Dynamo's frontend passes `n` once and reads each choice's chunks by their `index`. Choices run one
+        after another (a fork needs its source idle). Like the single server's n > 1, no choice is continued as a
+        session: a later turn that resends one of them rebuilds (or continues its own session id's record)."""
+        live = [i for i in self.decoders.instance_ids() if i not in self.dead]
+        if not live:
+            raise RuntimeError("no decoder worker is registered")
+        target = live[next(self._next) % len(live)]
+        holder = f"choices#{self.stats.instance_id}.{next(self._serial)}"
+        history, turn = split_turn(self.tokenizer, prompt)
+        encoded = await self.encode_turn(holder, np.asarray(turn, np.int64), np.asarray(history, np.int64), True)
+        forks: list[str] = []
+        left = asyncio.ensure_future(self._client_left(context))
+        try:
+            routed = (await self.run(self.router.route, [encoded.h19], [explicit]))[0]
+            if isinstance(routed, Exception):
+                raise routed
+            async for _ in self._decode(holder, target, int(routed), dataclasses.replace(params, max_tokens=0),
+                                        encoded.handover, left):
+                pass
+            replies: list[list[int]] = []
+            for j in range(n):
+                sid = f"{holder}.{j}"
+                forks.append(sid)
+                fork = await self.encode_turn(sid, np.zeros(0, np.int64), None, True, None, holder)
+                reply: list[int] = []
+                seeded = dataclasses.replace(params, seed=params.seed + j)
+                async for data in self._decode(sid, target, int(routed), seeded, fork.handover, left,
+                                               fork_from=holder):
+                    if "token" in data:
+                        reply.append(int(data["token"]))
+                        yield {"token_ids": [int(data["token"])], "index": j,
+                               **(self._logprobs_chunk(data) if params.logprobs and "logprob" in data else {})}
+                    if "finish" in data:
+                        if j == n - 1:  # recorded before the last chunk: the client may look right after it
+                            self.stats.add(turns=1, choice_turns=n)
+                            self.stats.log_turn(session=holder, internal_session=holder, decoder=target,
+                                                rebuilt=False, prompt_tokens=len(prompt),
+                                                new_tokens=int(encoded.handover["positions"].size),
+                                                adapter_hash=int(routed), explicit=explicit, choices=n,
+                                                tokens=[*replies, reply])
+                            self.stats.flush()
+                        yield {"token_ids": [], "index": j, "finish_reason": openai_finish(data["finish"])}
+                replies.append(reply)
+        finally:
+            left.cancel()
+            for sid in [holder, *forks]:  # a choice's decoder ends it with its turn; a failed one may be left here
+                await self.run(self.encoder.end, sid)
+
+    async def _decode(self, sid: str, target: int, adapter_hash: int, params: Any, handover: dict[str, Any],
+                      left: asyncio.Future, fork_from: str = "") -> AsyncIterator[dict[str, Any]]:
+        """One decoder turn of a choice (or of its prompt): the decoder's chunks up to the finish. A fork's turn ends
+        its session on the decoder (and, through the decoder's clean-up call, here)."""
+        wire, _ = await self.channel.offer(handover)
+        first = first_position(handover["positions"])
+        payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": adapter_hash,
+                   "params": params_to_json(params), "handover": wire, "sent_at": time.time(),
+                   "first_position": first, "grant": self.key.grant(grant_subject(sid, fork_from or None), first),
+                   "fork_from": fork_from, "end_session": bool(fork_from)}
+        downstream = self._downstream_context()
+        stream = await self.decoders.direct(payload, target, context=downstream)
+        async for chunk in stream:
+            if left.done():
+                downstream.stop_generating()
+                raise ClientLeft()
+            data = chunk.data()
+            if "error" in data:
+                raise ServingError(data["error"])
+            yield data
+            if "finish" in data:
+                return
+        raise ServingError(f"decoder {target} ended the turn's stream without a finish")
 
     @staticmethod
     def _downstream_context() -> Any:

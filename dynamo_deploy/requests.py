@@ -6,7 +6,7 @@ logit_bias, n, and `guided_decoding` from response_format / vLLM's guided_* / to
 (max_tokens, stop, stop_token_ids, min_tokens, ignore_eos; `stop_token_ids_hidden` are the model's own end tokens,
 which end a turn here anyway) and `output_options` (`logprobs`: the top_logprobs count when the client asked for
 logprobs; `prompt_logprobs`: completions' echo). Each is honoured as the single-server path honours it, and the
-annotation `mol2-speculative:off` as its per-request `speculative` false; what this path cannot do (n > 1, prompt
+annotation `mol2-speculative:off` as its per-request `speculative` false; what this path cannot do (best_of, prompt
 logprobs, two constraints at once) is refused with the reason, never dropped.
 """
 
@@ -27,6 +27,7 @@ from tritonserver_backend.sampling.sampler import DEFAULT_MAX_TOKENS, SamplingPa
 # client uses to compare drafting with plain decoding on one deployment
 SPECULATIVE_ANNOTATION = "mol2-speculative:"
 SPECULATIVE_OFF = SPECULATIVE_ANNOTATION + "off"
+MAX_CHOICES = 16  # n per request, as the project's OpenAI frontend allows
 
 
 def sampling_params(request: dict[str, Any], tool_syntax: ToolSyntax | None = None) -> SamplingParams:
@@ -48,9 +49,7 @@ def sampling_params(request: dict[str, Any], tool_syntax: ToolSyntax | None = No
         raise BadRequest("prompt log-probabilities (echo) are not served by the Dynamo workers; the project's OpenAI "
                          "frontend serves /v1/completions with echo and logprobs (docs/openai.md)")
     top = out.get("logprobs")
-    if int(opts.get("n") or 1) != 1:
-        raise BadRequest("n > 1 is not served by the Dynamo workers; send n choices as n requests (the tensor API and "
-                         "the project's OpenAI frontend fork one prefill for them)")
+    choices_of(request)  # n is checked here, served by the encoder worker (forks of one prefill)
     return SamplingParams(
         max_tokens=int(stop.get("max_tokens") or DEFAULT_MAX_TOKENS),
         temperature=pick("temperature", 0.0), top_p=pick("top_p", 1.0), seed=int(opts.get("seed") or 0),
@@ -62,6 +61,17 @@ def sampling_params(request: dict[str, Any], tool_syntax: ToolSyntax | None = No
         min_tokens=int(stop.get("min_tokens") or 0), ignore_eos=bool(stop.get("ignore_eos") or False),
         grammar=grammar_of(opts.get("guided_decoding"), tool_syntax), speculative=not notes,
         logprobs=top is not None, top_logprobs=int(top or 0))
+
+
+def choices_of(request: dict[str, Any]) -> int:
+    """The request's `n` (Dynamo passes it once and expects each choice's chunks tagged with its `index`)."""
+    opts = request.get("sampling_options") or {}
+    n = int(opts.get("n") or 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must lie in 1..{MAX_CHOICES}, got {n}")
+    if (opts.get("best_of") or n) != n:
+        raise BadRequest("best_of is not served (each of the n choices is returned)")
+    return n
 
 
 def grammar_of(guided: dict[str, Any] | None, tool_syntax: ToolSyntax | None = None) -> str:

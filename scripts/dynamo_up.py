@@ -6,7 +6,7 @@
             "nvext": {"extra_fields": ["engine_data"]}}'
        # -> nvext.engine_data.mol2_session_token: later turns of s1 send "annotations": ["mol2-session-token:<token>"]
        #    in nvext
-  .venv/bin/python scripts/dynamo_up.py status      # routing counters, transfers, refused session checks, drafting per worker
+  .venv/bin/python scripts/dynamo_up.py status      # per worker: routing, transfers, refused session checks, drafting
   .venv/bin/python scripts/dynamo_up.py stop
 
 Discovery is Dynamo's file backend under --run-dir (no etcd, no NATS); the workers run in .venv-dynamo

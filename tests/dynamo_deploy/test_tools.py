@@ -15,6 +15,7 @@ import urllib.request
 import jsonschema
 import pytest
 
+from dynamo_deploy.client import post_chat
 from dynamo_deploy.launcher import read_turns
 from tests.dynamo_deploy.test_deployment import _deploy
 from tritonserver_backend.sampling.grammar import canonical
@@ -41,20 +42,10 @@ def deployment(tmp_path_factory, default_engines):  # type: ignore[no-untyped-de
     d.stop()
 
 
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return json.load(r)
-    except urllib.error.HTTPError as exc:
-        raise AssertionError(f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:400]}") from None
-
-
 def _ask(deployment, tool_choice, **extra) -> tuple[dict, list[int]]:  # type: ignore[no-untyped-def]
     """One request offering TOOLS -> (the response's first choice, the tokens the decoder served for it)."""
     before = len(read_turns(deployment.run_dir))
-    out = _post(deployment.url, {"model": "mol2-small", "messages": [{"role": "user", "content": ASK}],
+    out = post_chat(deployment.url, {"model": "mol2-small", "messages": [{"role": "user", "content": ASK}],
                                  "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": MAX_TOKENS,
                                  "temperature": 0, **extra})
     turns = read_turns(deployment.run_dir)
