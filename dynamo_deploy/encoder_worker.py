@@ -4,7 +4,8 @@ Endpoints (namespace `mol2`, component `encoder`):
 - `generate`: registered with Dynamo's OpenAI frontend (token ids in, token ids out). Finds the conversation's
   session, encodes the new user turn (or rebuilds the session from the whole prompt), routes it, and streams the
   turn from the decoder worker that holds the session (`Client.direct` to that instance), sending the hand-over
-  rows and the ADAPTER_HASH with the request.
+  rows and the ADAPTER_HASH with the request. A completions prompt (raw ids, no template) and a request for `n` > 1
+  choices are served as turns kept as no session (`_detached`: one prefill, choices forked from it).
 - `step`: the decoder's per-token call: each active session's newest tokens -> their hand-over rows.
 - `control`: rollback / end of a session's turn (the decoder's clean-up calls).
 Frontend -> encoder affinity is Dynamo's (`--router-session-affinity-ttl-secs` with `x-dynamo-session-id`, which
@@ -76,9 +77,8 @@ from tritonserver_backend.errors import BadRequest, ServingError, UnknownSession
 
 LOG = logging.getLogger("mol2.encoder")
 MAX_RECORDS = 10_000
-NOT_A_CHAT_TURN = ("the Dynamo workers serve chat turns only: the prompt must end with the assistant prompt (a raw "
-                   "/v1/completions prompt, or a partial reply resent by request migration, is not served here; the "
-                   "project's OpenAI frontend serves /v1/completions with echo and logprobs, docs/openai.md)")
+NOT_A_CHAT_TURN = ("a chat prompt must end with the assistant prompt (a partial reply resent by request migration is "
+                   "not continued: resend the turn)")
 SETTLE_TIMEOUT_S = 120.0  # a cancelled turn's decoder has this long to end it; else the session is rebuilt next turn
 # where a record is kept: (anonymous, key); key = the x-dynamo-session-id, or anonymous_key(history)
 Slot = tuple[bool, str]
@@ -167,18 +167,24 @@ class EncoderWorker:
     # ------------------------------------------------------------------ the frontend's endpoint
     async def generate(self, request: dict[str, Any], context: Any) -> AsyncIterator[dict[str, Any]]:
         prompt = [int(t) for t in request["token_ids"]]
-        if not is_chat_prompt(self.tokenizer, prompt):
-            # a raw /v1/completions prompt, or a request Dynamo migrated mid-reply (prompt + partial reply): continuing
-            # it would encode the text as a user turn, silently wrong
+        # a /v1/completions prompt is the text's ids as they are (no template, so no <|bos|>): a raw turn
+        raw = bool(prompt) and prompt[0] != self.tokenizer.bos_id
+        if not raw and not is_chat_prompt(self.tokenizer, prompt):
+            # e.g. a request Dynamo migrated mid-reply (prompt + partial reply): continuing it would encode the
+            # partial reply as a user turn, silently wrong
             raise for_client(BadRequest(NOT_A_CHAT_TURN))
         try:  # a bad or unservable sampling option is refused before any session is touched
             params = sampling_params(request, self.tool_syntax)
         except ServingError as exc:
             raise for_client(exc) from None
         n = choices_of(request)
-        if n > 1:  # n choices of this prompt, forked from one prefill; nothing is kept as a session afterwards
-            choices = self._choices(prompt, params, explicit_adapter(request.get("model")), n, context)
-            async with contextlib.aclosing(choices) as chunks:
+        explicit = explicit_adapter(request.get("model"))  # an explicit adapter always wins over routing
+        if raw or n > 1:  # kept as no session: a completions prompt, or n choices forked from one prefill
+            history, turn = ([self.tokenizer.bos_id], prompt) if raw else split_turn(self.tokenizer, prompt)
+            if raw:
+                params = dataclasses.replace(params, raw=True)
+            detached = self._detached(turn, history, params, explicit, n, context, "raw" if raw else "choices")
+            async with contextlib.aclosing(detached) as chunks:
                 async for chunk in chunks:
                     yield chunk
             return
@@ -197,7 +203,6 @@ class EncoderWorker:
         to_client = params.logprobs  # the client asked for them (output_options.logprobs)
         if self.settings.record_logprobs:
             params = dataclasses.replace(params, logprobs=True)
-        explicit = explicit_adapter(request.get("model"))  # an explicit adapter always wins over routing
         handed: list[bool] = []  # set once a chunk (the first carries an issued token) went to the frontend
         try:
             for _ in range(1 + len(self.decoders.instance_ids())):
@@ -388,53 +393,59 @@ class EncoderWorker:
                 "logprob": float(v)} for r, (i, v) in enumerate(data.get("top") or ())]
         return {"log_probs": [float(data["logprob"])], "top_logprobs": [top]}
 
-    # ------------------------------------------------------------------ n > 1: choices forked from one prefill
-    async def _choices(self, prompt: list[int], params: Any, explicit: str | None, n: int,
-                       context: Any) -> AsyncIterator[dict[str, Any]]:
-        """`n` choices of one prompt, as the project's OpenAI frontend makes them (openai_frontend/chat_choices.py):
-        the prompt is encoded once, in a session of its own whose decoder side is a prefill-only turn (nothing
-        sampled); each choice is a session forked from it on both sides (the encoder copies its state, the decoder
-        its global-KV mirror and replay window: nothing is re-encoded), sampled with seed + i and ended with its
-        turn. Dynamo's frontend passes `n` once and reads each choice's chunks by their `index`. Choices run one
-        after another (a fork needs its source idle). Like the single server's n > 1, no choice is continued as a
-        session: a later turn that resends one of them rebuilds (or continues its own session id's record)."""
+    # ------------------------------------------------------------------ turns kept as no session: n > 1, completions
+    async def _detached(self, turn_ids: list[int], prefix_ids: list[int], params: Any, explicit: str | None, n: int,
+                        context: Any, kind: str) -> AsyncIterator[dict[str, Any]]:
+        """A request whose turns are kept as no session: `n` > 1 chat choices, and raw completions prompts.
+
+        The prompt is encoded once, in a session of its own. One choice is decoded in that session, which ends with
+        its turn. `n` > 1 choices are made as the project's OpenAI frontend makes them (openai_frontend/
+        chat_choices.py, completions.py): the prompt's decoder side is a prefill-only turn (nothing sampled) and each
+        choice is a session forked from it on both sides (the encoder copies its state, the decoder its global-KV
+        mirror and replay window: nothing is re-encoded), sampled with seed + i and ended with its turn; they run one
+        after another (a fork needs its source idle). Dynamo's frontend passes `n` once and reads each choice's chunks
+        by their `index`. Like the single server's, such turns are not continued as sessions: a later chat turn that
+        resends a choice rebuilds (or continues its own session id's record)."""
         live = [i for i in self.decoders.instance_ids() if i not in self.dead]
         if not live:
             raise RuntimeError("no decoder worker is registered")
         target = live[next(self._next) % len(live)]
-        holder = f"choices#{self.stats.instance_id}.{next(self._serial)}"
-        history, turn = split_turn(self.tokenizer, prompt)
-        encoded = await self.encode_turn(holder, np.asarray(turn, np.int64), np.asarray(history, np.int64), True)
+        holder = f"{kind}#{self.stats.instance_id}.{next(self._serial)}"
+        encoded = await self.encode_turn(holder, np.asarray(turn_ids, np.int64), np.asarray(prefix_ids, np.int64),
+                                         True)
         forks: list[str] = []
         left = asyncio.ensure_future(self._client_left(context))
         try:
             routed = (await self.run(self.router.route, [encoded.h19], [explicit]))[0]
             if isinstance(routed, Exception):
                 raise routed
-            async for _ in self._decode(holder, target, int(routed), dataclasses.replace(params, max_tokens=0),
-                                        encoded.handover, left):
-                pass
+            if n > 1:
+                async for _ in self._decode(holder, target, int(routed), dataclasses.replace(params, max_tokens=0),
+                                            encoded.handover, left):
+                    pass
             replies: list[list[int]] = []
             for j in range(n):
-                sid = f"{holder}.{j}"
-                forks.append(sid)
-                fork = await self.encode_turn(sid, np.zeros(0, np.int64), None, True, None, holder)
+                sid, handover, source = holder, encoded.handover, ""
+                if n > 1:
+                    sid, source = f"{holder}.{j}", holder
+                    forks.append(sid)
+                    handover = (await self.encode_turn(sid, np.zeros(0, np.int64), None, True, None, holder)).handover
                 reply: list[int] = []
                 seeded = dataclasses.replace(params, seed=params.seed + j)
-                async for data in self._decode(sid, target, int(routed), seeded, fork.handover, left,
-                                               fork_from=holder):
+                async for data in self._decode(sid, target, int(routed), seeded, handover, left, fork_from=source,
+                                               end_session=True):
                     if "token" in data:
                         reply.append(int(data["token"]))
                         yield {"token_ids": [int(data["token"])], "index": j,
                                **(self._logprobs_chunk(data) if params.logprobs and "logprob" in data else {})}
                     if "finish" in data:
                         if j == n - 1:  # recorded before the last chunk: the client may look right after it
-                            self.stats.add(turns=1, choice_turns=n)
+                            self.stats.add(turns=1, **({"choice_turns": n} if n > 1 else {}))
                             self.stats.log_turn(session=holder, internal_session=holder, decoder=target,
-                                                rebuilt=False, prompt_tokens=len(prompt),
+                                                rebuilt=False, prompt_tokens=len(prefix_ids) + len(turn_ids),
                                                 new_tokens=int(encoded.handover["positions"].size),
                                                 adapter_hash=int(routed), explicit=explicit, choices=n,
-                                                tokens=[*replies, reply])
+                                                tokens=[*replies, reply] if n > 1 else reply)
                             self.stats.flush()
                         yield {"token_ids": [], "index": j, "finish_reason": openai_finish(data["finish"])}
                 replies.append(reply)
@@ -444,15 +455,16 @@ class EncoderWorker:
                 await self.run(self.encoder.end, sid)
 
     async def _decode(self, sid: str, target: int, adapter_hash: int, params: Any, handover: dict[str, Any],
-                      left: asyncio.Future, fork_from: str = "") -> AsyncIterator[dict[str, Any]]:
-        """One decoder turn of a choice (or of its prompt): the decoder's chunks up to the finish. A fork's turn ends
+                      left: asyncio.Future, fork_from: str = "", end_session: bool = False,
+                      ) -> AsyncIterator[dict[str, Any]]:
+        """One decoder turn of a detached request: the decoder's chunks up to the finish. `end_session`: the turn ends
         its session on the decoder (and, through the decoder's clean-up call, here)."""
         wire, _ = await self.channel.offer(handover)
         first = first_position(handover["positions"])
         payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": adapter_hash,
                    "params": params_to_json(params), "handover": wire, "sent_at": time.time(),
                    "first_position": first, "grant": self.key.grant(grant_subject(sid, fork_from or None), first),
-                   "fork_from": fork_from, "end_session": bool(fork_from)}
+                   "fork_from": fork_from, "end_session": end_session}
         downstream = self._downstream_context()
         stream = await self.decoders.direct(payload, target, context=downstream)
         async for chunk in stream:

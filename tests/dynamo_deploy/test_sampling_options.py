@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import urllib.error
 import urllib.request
 
 import jsonschema
@@ -143,17 +142,6 @@ def test_chat_logprobs_come_back_as_the_single_server_computes_them(deployment, 
         assert [t["token"] for t in entry["top_logprobs"]] == [tokenizer.decode([i], skip_special=False)
                                                                for i in lp.top_ids]
         assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(list(lp.top_logprobs), abs=1e-6)
-
-
-@pytest.mark.slow
-def test_a_completions_prompt_is_refused_with_a_message_that_names_it(deployment) -> None:  # type: ignore[no-untyped-def]
-    body = {"model": "mol2-small", "prompt": "Hello", "max_tokens": 2, "echo": True, "logprobs": 1}
-    req = urllib.request.Request(f"{deployment.url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(req, timeout=300)
-    assert refused.value.code == 400
-    assert "/v1/completions" in refused.value.read().decode()
 
 
 def test_prompt_logprobs_are_refused_by_name() -> None:

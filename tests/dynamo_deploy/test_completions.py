@@ -1,0 +1,72 @@
+"""`/v1/completions` through Dynamo's frontend (issue 51): a prompt given as text or as token ids is a raw turn (the
+text's ids as they are after <|bos|>, no template, no end-of-turn), as on the single-server path; logprobs come back
+per token; n > 1 forks one prefill. Echo cannot: Dynamo 1.6.1's completions route never puts the prompt into the
+choices, so a request with echo is refused with a message that names it."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from dynamo_deploy.launcher import read_turns
+from tests.dynamo_deploy.test_deployment import _deploy
+from tritonserver_backend.sampling.sampler import SamplingParams
+
+pytestmark = pytest.mark.slow
+PROMPT = "def mean(xs):\n    return"
+TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
+    d = _deploy(tmp_path_factory.mktemp("dynamo-completions"), default_engines, encoders=1, decoders=1)
+    yield d
+    d.stop()
+
+
+def _complete(url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
+def _raw(reference, session: str, adapter: str | None = None, **params):  # type: ignore[no-untyped-def]
+    return reference.chat(session, PROMPT, adapter=adapter, new_session=True, end_session=True,
+                          params=SamplingParams(max_tokens=TOKENS, raw=True, **params))
+
+
+@pytest.mark.parametrize("adapter", [None, "L2_code"])
+def test_a_text_or_token_id_prompt_completes_as_the_single_server_does(deployment, reference, adapter) -> None:  # type: ignore[no-untyped-def]
+    model = "mol2-small" if adapter is None else f"mol2-small:{adapter}"
+    expected = _raw(reference, f"ref-raw-{adapter}", adapter)
+    out = _complete(deployment.url, {"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
+    assert read_turns(deployment.run_dir)[-1]["tokens"] == expected.token_ids
+    assert out["choices"][0]["text"] == expected.text
+    ids = reference.text.tokenizer.encode(PROMPT)
+    by_ids = _complete(deployment.url, {"model": model, "prompt": ids, "max_tokens": TOKENS, "temperature": 0})
+    assert by_ids["choices"][0]["text"] == expected.text and by_ids["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_logprobs_and_n_choices(deployment, reference) -> None:  # type: ignore[no-untyped-def]
+    out = _complete(deployment.url, {"model": "mol2-small", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0,
+                                     "logprobs": 2})
+    expected = _raw(reference, "ref-raw-logprobs", logprobs=True, top_logprobs=2)
+    assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx([lp.logprob for lp in expected.logprobs],
+                                                                            abs=1e-6)
+    sampled = {"model": "mol2-small", "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0.9}
+    many = _complete(deployment.url, {**sampled, "seed": 3, "n": 2})
+    texts = [c["text"] for c in sorted(many["choices"], key=lambda c: c["index"])]
+    assert texts == [_complete(deployment.url, {**sampled, "seed": 3 + i})["choices"][0]["text"] for i in range(2)]
+
+
+def test_echo_is_refused_with_a_message_that_names_it(deployment) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "mol2-small", "prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1}
+    req = urllib.request.Request(f"{deployment.url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=300)
+    assert refused.value.code == 400 and "echo" in refused.value.read().decode()
