@@ -39,7 +39,7 @@ from ced.text.tokenizer import ChatTokenizer
 from ced.text.tool_parsers import syntax_of
 from dynamo_deploy.conversation import SessionRecord, continuation, fingerprint, is_chat_prompt, reply_ids, split_turn
 from dynamo_deploy.model_ids import explicit_adapter, explicit_ids
-from dynamo_deploy.requests import choices_of, openai_finish, params_to_json, sampling_params
+from dynamo_deploy.requests import choices_of, echoes, openai_finish, params_to_json, sampling_params
 from dynamo_deploy.session_guard import (
     ENGINE_DATA_FIELD,
     ENGINE_DATA_KEY,
@@ -175,6 +175,8 @@ class EncoderWorker:
             raise for_client(BadRequest(NOT_A_CHAT_TURN))
         try:  # a bad or unservable sampling option is refused before any session is touched
             params = sampling_params(request, self.tool_syntax)
+            if echoes(request) and not raw:
+                raise BadRequest("prompt log-probabilities (echo) are served for completions prompts only")
         except ServingError as exc:
             raise for_client(exc) from None
         n = choices_of(request)
@@ -183,6 +185,12 @@ class EncoderWorker:
             history, turn = ([self.tokenizer.bos_id], prompt) if raw else split_turn(self.tokenizer, prompt)
             if raw:
                 params = dataclasses.replace(params, raw=True)
+            if raw and echoes(request):
+                # echo: the session starts from <|bos|> alone and the decoder emits the prompt itself by teacher
+                # forcing, each prompt token with its log-probability, then samples max_tokens more (the single-server
+                # path's echo, openai_frontend/completions.py); Dynamo's frontend then returns prompt + completion
+                history, turn = [], [self.tokenizer.bos_id]
+                params = dataclasses.replace(params, forced_ids=tuple(prompt))
             detached = self._detached(turn, history, params, explicit, n, context, "raw" if raw else "choices")
             async with contextlib.aclosing(detached) as chunks:
                 async for chunk in chunks:

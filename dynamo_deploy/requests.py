@@ -5,9 +5,9 @@ Dynamo's frontend turns the OpenAI request into `sampling_options` (temperature,
 logit_bias, n, and `guided_decoding` from response_format / vLLM's guided_* / tool_choice), `stop_conditions`
 (max_tokens, stop, stop_token_ids, min_tokens, ignore_eos; `stop_token_ids_hidden` are the model's own end tokens,
 which end a turn here anyway) and `output_options` (`logprobs`: the top_logprobs count when the client asked for
-logprobs; `prompt_logprobs`: completions' echo). Each is honoured as the single-server path honours it, and the
-annotation `mol2-speculative:off` as its per-request `speculative` false; what this path cannot do (best_of, prompt
-logprobs, two constraints at once) is refused with the reason, never dropped.
+logprobs; `prompt_logprobs`: completions' echo, served by the encoder worker). Each is honoured as the single-server
+path honours it, and the annotation `mol2-speculative:off` as its per-request `speculative` false; what this path
+cannot do (best_of, echo with n > 1, two constraints at once) is refused with the reason, never dropped.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def sampling_params(request: dict[str, Any], tool_syntax: ToolSyntax | None = No
         raise BadRequest(f"the only {SPECULATIVE_ANNOTATION} annotation is {SPECULATIVE_OFF!r} (this turn is never "
                          f"drafted); got {notes}")
     out = request.get("output_options") or {}
-    if out.get("prompt_logprobs") is not None:
-        raise BadRequest("prompt log-probabilities (echo) are not served by the Dynamo workers; the project's OpenAI "
-                         "frontend serves /v1/completions with echo and logprobs (docs/openai.md)")
+    if echoes(request) and int(opts.get("n") or 1) > 1:
+        raise BadRequest("echo with n > 1 is not served by the Dynamo workers; send one request per choice, or use "
+                         "the project's OpenAI frontend (docs/openai.md)")
     top = out.get("logprobs")
     choices_of(request)  # n is checked here, served by the encoder worker (forks of one prefill)
     return SamplingParams(
@@ -61,6 +61,11 @@ def sampling_params(request: dict[str, Any], tool_syntax: ToolSyntax | None = No
         min_tokens=int(stop.get("min_tokens") or 0), ignore_eos=bool(stop.get("ignore_eos") or False),
         grammar=grammar_of(opts.get("guided_decoding"), tool_syntax), speculative=not notes,
         logprobs=top is not None, top_logprobs=int(top or 0))
+
+
+def echoes(request: dict[str, Any]) -> bool:
+    """Whether a completions request asks for its prompt back (`echo`: Dynamo's frontend sets prompt_logprobs)."""
+    return (request.get("output_options") or {}).get("prompt_logprobs") is not None
 
 
 def choices_of(request: dict[str, Any]) -> int:

@@ -1,7 +1,6 @@
 """`/v1/completions` through Dynamo's frontend (issue 51): a prompt given as text or as token ids is a raw turn (the
 text's ids as they are after <|bos|>, no template, no end-of-turn), as on the single-server path; logprobs come back
-per token; n > 1 forks one prefill. Echo cannot: Dynamo 1.6.1's completions route never puts the prompt into the
-choices, so a request with echo is refused with a message that names it."""
+per token; n > 1 forks one prefill; echo is teacher forcing, as on the single-server path."""
 
 from __future__ import annotations
 
@@ -63,10 +62,24 @@ def test_logprobs_and_n_choices(deployment, reference) -> None:  # type: ignore[
     assert texts == [_complete(deployment.url, {**sampled, "seed": 3 + i})["choices"][0]["text"] for i in range(2)]
 
 
-def test_echo_is_refused_with_a_message_that_names_it(deployment) -> None:  # type: ignore[no-untyped-def]
-    body = {"model": "mol2-small", "prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1}
+def test_echo_returns_the_prompt_with_its_logprobs_by_teacher_forcing(deployment, reference) -> None:  # type: ignore[no-untyped-def]
+    """The single-server path's echo: the session starts from <|bos|> alone and the decoder emits the prompt by
+    teacher forcing, each token with its log-probability, then samples; Dynamo's frontend returns it all as the
+    choice's text and logprobs. The first prompt token's value is P(token | <|bos|>), where the project's OpenAI
+    frontend shows null as OpenAI does."""
+    ids = reference.text.tokenizer.encode(PROMPT)
+    out = _complete(deployment.url, {"model": "mol2-small", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                     "echo": True, "logprobs": 1})
+    expected = reference.chat("ref-echo", "", new_session=True, end_session=True,
+                              params=SamplingParams(max_tokens=4, raw=True, forced_ids=tuple(ids), logprobs=True,
+                                                    top_logprobs=1))
+    assert expected.token_ids[:len(ids)] == ids
+    choice = out["choices"][0]
+    assert choice["text"] == reference.text.decode(expected.token_ids) and choice["text"].startswith(PROMPT)
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-6)
+    body = {"model": "mol2-small", "prompt": PROMPT, "max_tokens": 2, "echo": True, "n": 2, "temperature": 0.9}
     req = urllib.request.Request(f"{deployment.url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"content-type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(req, timeout=300)
-    assert refused.value.code == 400 and "echo" in refused.value.read().decode()
+    assert refused.value.code == 400 and "echo with n > 1" in refused.value.read().decode()
