@@ -19,8 +19,6 @@ tokens drafted and accepted. Writes its section of `--out` (the rest of the file
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import socket
 import statistics
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 
 from benchmarks.harness import ROOT, ensure_engines, write_section
 from benchmarks.serving import PROMPTS
+from dynamo_deploy.client import stream_chat
 from dynamo_deploy.launcher import Deployment, counter_totals, read_turns
 from dynamo_deploy.model_ids import model_id
 from dynamo_deploy.requests import SPECULATIVE_OFF
@@ -47,25 +46,15 @@ def free_port() -> int:
 def streamed_turn(url: str, model: str, messages: list[dict], tokens: int, speculative: bool,
                   ) -> tuple[str, list[float]]:
     """One streamed greedy chat turn -> (its text, the arrival time of each content chunk)."""
-    host, port = url.removeprefix("http://").split(":")
-    body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+    body = {"model": model, "messages": messages, "max_tokens": tokens, "temperature": 0.0,
             "nvext": {"annotations": [] if speculative else [SPECULATIVE_OFF]}}
-    conn = http.client.HTTPConnection(host, int(port), timeout=600)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
-    response = conn.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {response.read().decode(errors='replace')[:300]}")
     text, stamps = [], []
-    for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data:") or line == "data: [DONE]":
-            continue
-        for choice in json.loads(line[5:]).get("choices", []):
+    for event in stream_chat(url, body, timeout_s=600):
+        for choice in event.get("choices", []):
             piece = (choice.get("delta") or {}).get("content")
             if piece:
                 text.append(piece)
                 stamps.append(time.perf_counter())
-    conn.close()
     return "".join(text), stamps
 
 
@@ -123,8 +112,9 @@ def run_setup(work: Path, drafter: str, tp: int, tokens: int, rounds: int) -> di
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--setups", nargs="+", default=["dspark:1", "ngram:1", "ngram:2"],
-                   help="DRAFTER:TP, one deployment each (DSpark runs on a single-rank decoder only)")
+    p.add_argument("--setups", nargs="+", default=["dspark:1", "ngram:1", "dspark:2", "ngram:2"],
+                   help="DRAFTER:TP, one deployment each (TP > 1: the decoder's ranks return DSpark's rows, its "
+                        "leader drafts)")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--work", type=Path, default=ROOT / "build" / "bench_speculative_dynamo")

@@ -11,7 +11,7 @@ import socket
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from dynamo_deploy.session_guard import client_nvext, issued_token
 from dynamo_deploy.worker_common import MODEL_NAME
@@ -28,6 +28,29 @@ def post_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = N
             return json.load(r)
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}") from None
+
+
+def stream_chat(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                timeout_s: float = 300.0) -> Iterator[dict[str, Any]]:
+    """One streamed chat completion request -> its server-sent events, parsed, in arrival order (`[DONE]` ends the
+    iteration; an `error` event is yielded like any other). A response other than 200 is a RuntimeError with its code
+    and message. Read lazily: a caller may act between events (time them, kill a worker mid-stream)."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        connection.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                           {"content-type": "application/json", **(headers or {})})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read().decode(errors='replace')[:500]}")
+        for raw in response:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                return
+            if line.startswith("data:"):
+                yield json.loads(line[5:])
+    finally:
+        connection.close()
 
 
 @dataclass

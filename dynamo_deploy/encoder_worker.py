@@ -311,14 +311,8 @@ class EncoderWorker:
         record = SessionRecord(sid, decoder_instance=target, turns=(record.turns if record else 0))
         if not slot[0]:  # an anonymous record is kept once its turn ends (_commit)
             self._remember(slot, record)
-        sent_at = time.time()
         t0 = time.perf_counter()
-        wire, held = await self.channel.offer(handover)
-        first = int(handover["positions"][0])
-        payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": int(routed),
-                   "params": params_to_json(params), "handover": wire, "sent_at": sent_at,
-                   # the decoder takes rows under a grant only
-                   "first_position": first, "grant": self.key.grant(sid, first)}
+        payload, held = await self._decoder_request(sid, int(routed), params, handover)
         token_data = {"engine_data": {ENGINE_DATA_KEY: issued}} if issued else {}  # rides on the first chunk
         self.stats.add(handover_turns=1, handover_turn_bytes=nbytes(handover),
                        handover_turn_rows=int(handover["positions"].size),
@@ -329,7 +323,7 @@ class EncoderWorker:
         log = dict(session=key, internal_session=sid, fingerprint=fingerprint(prompt, self.tokenizer.end_of_turn_id),
                    decoder=target, rebuilt=rebuilt, prompt_tokens=len(prompt),
                    new_tokens=int(handover["positions"].size), adapter_hash=int(routed),
-                   explicit=explicit, transport=next(iter(wire)), handover_bytes=nbytes(handover))
+                   explicit=explicit, transport=next(iter(payload["handover"])), handover_bytes=nbytes(handover))
         self.absorbed[sid] = []
         self.settling[sid] = asyncio.get_running_loop().create_future()
         downstream = self._downstream_context()
@@ -467,12 +461,7 @@ class EncoderWorker:
                       ) -> AsyncIterator[dict[str, Any]]:
         """One decoder turn of a detached request: the decoder's chunks up to the finish. `end_session`: the turn ends
         its session on the decoder (and, through the decoder's clean-up call, here)."""
-        wire, _ = await self.channel.offer(handover)
-        first = first_position(handover["positions"])
-        payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": adapter_hash,
-                   "params": params_to_json(params), "handover": wire, "sent_at": time.time(),
-                   "first_position": first, "grant": self.key.grant(grant_subject(sid, fork_from or None), first),
-                   "fork_from": fork_from, "end_session": end_session}
+        payload, _ = await self._decoder_request(sid, adapter_hash, params, handover, fork_from, end_session)
         downstream = self._downstream_context()
         stream = await self.decoders.direct(payload, target, context=downstream)
         async for chunk in stream:
@@ -486,6 +475,21 @@ class EncoderWorker:
             if "finish" in data:
                 return
         raise ServingError(f"decoder {target} ended the turn's stream without a finish")
+
+    async def _decoder_request(self, sid: str, adapter_hash: int, params: Any, handover: dict[str, Any],
+                               fork_from: str = "", end_session: bool = False) -> tuple[dict[str, Any], Any]:
+        """The decoder's `generate` request for one turn, and the transport's hold on the offered hand-over (None
+        when it travels inline). The decoder takes rows under a grant only: it signs the session (a fork's names its
+        source) and the hand-over's first position."""
+        sent_at = time.time()
+        wire, held = await self.channel.offer(handover)
+        first = first_position(handover["positions"])
+        payload = {"session_id": sid, "encoder": self.stats.instance_id, "adapter_hash": adapter_hash,
+                   "params": params_to_json(params), "handover": wire, "sent_at": sent_at,
+                   "first_position": first, "grant": self.key.grant(grant_subject(sid, fork_from or None), first)}
+        if fork_from or end_session:
+            payload.update(fork_from=fork_from, end_session=end_session)
+        return payload, held
 
     @staticmethod
     def _downstream_context() -> Any:

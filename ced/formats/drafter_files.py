@@ -148,3 +148,50 @@ def load_dspark(directory: str | Path, dtype: torch.dtype = torch.float32,
         raise CheckpointError("; ".join(problems))
     drafter = fill_from_files(drafter.to_empty(device=device).to(dtype), files, dtype)
     return drafter.eval()
+
+
+#: The drafter tensors a decoder rank reads for `draft_main`: stage 0's projection of the target layers' means.
+PROJECTION_TENSORS = ("mtp.0.main_proj.weight", "mtp.0.main_norm.weight")
+
+
+def load_drafter_projection(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> DSpark | None:
+    """The drafter `model_dir` ships with only stage 0's `main_proj` and `main_norm` read (the rest of it stays on the
+    meta device, holding no memory); None without a drafter.
+
+    Why: a tensor-parallel decoder rank computes each position's `draft_main` row (`ced.steps.draft_step.DraftMain`)
+    and needs nothing else of the drafter; the release's drafter blocks are whole MoE layers, which every rank would
+    otherwise read and hold for nothing. The drafter graph itself runs on the leader, with the whole drafter."""
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    sidecar = _sidecar_spec(model_dir, cfg)
+    spec = sidecar if sidecar is not None else _release_spec(model_dir)
+    if spec is None:
+        return None
+    with torch.device("meta"):
+        drafter = DSpark(cfg, spec)
+    if sidecar is not None:
+        path = model_dir / DRAFTER_DIR / WEIGHTS_FILE
+        if not path.exists():
+            raise CheckpointError(f"{path} is missing (its {CONFIG_FILE} describes a drafter)")
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            absent = [n for n in PROJECTION_TENSORS if n not in f.keys()]
+            if absent:
+                raise CheckpointError(f"{path}: missing DSpark tensors {absent}")
+            stored = {name: f.get_tensor(name).to(dtype) for name in PROJECTION_TENSORS}
+    else:
+        files = CheckpointFiles(model_dir)
+        absent = [n for n in PROJECTION_TENSORS if n not in files]
+        if absent:
+            raise CheckpointError(f"{model_dir}: missing DSpark tensors {absent}")
+        stored = {name: files.read_float(name, dtype) for name in PROJECTION_TENSORS}
+    first = drafter.mtp[0]
+    for module, name in ((first.main_proj, PROJECTION_TENSORS[0]), (first.main_norm, PROJECTION_TENSORS[1])):
+        module.to_empty(device="cpu").to(dtype)
+        if tuple(module.weight.shape) != tuple(stored[name].shape):
+            raise CheckpointError(f"{model_dir}: {name} is {tuple(stored[name].shape)}, the drafter's config needs "
+                                  f"{tuple(module.weight.shape)}")
+        with torch.no_grad():
+            module.weight.copy_(stored[name])
+    return drafter.eval()

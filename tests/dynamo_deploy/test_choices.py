@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from dynamo_deploy.client import post_chat
+from dynamo_deploy.client import post_chat, stream_chat
 from tests.dynamo_deploy.test_deployment import _deploy
 from tritonserver_backend.core import counters as k
 
@@ -51,19 +51,13 @@ def test_n_choices_come_from_one_prefill_and_equal_single_requests(deployment, a
 def test_streamed_choices_are_tagged_by_index(deployment) -> None:  # type: ignore[no-untyped-def]
     body = {"model": "mol2-small", "messages": PROMPT, "max_tokens": 6, "temperature": 0.9, "seed": 5, "n": 2,
             "stream": True}
-    req = urllib.request.Request(f"{deployment.url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
     text: dict[int, str] = {}
     finish: dict[int, str] = {}
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            for c in json.loads(line[5:])["choices"]:
-                text[c["index"]] = text.get(c["index"], "") + ((c.get("delta") or {}).get("content") or "")
-                if c.get("finish_reason"):
-                    finish[c["index"]] = c["finish_reason"]
+    for event in stream_chat(deployment.url, body):
+        for c in event["choices"]:
+            text[c["index"]] = text.get(c["index"], "") + ((c.get("delta") or {}).get("content") or "")
+            if c.get("finish_reason"):
+                finish[c["index"]] = c["finish_reason"]
     whole = post_chat(deployment.url, {**body, "stream": False})
     assert text == {c["index"]: c["message"]["content"] for c in whole["choices"]}
     assert set(finish) == {0, 1}

@@ -33,7 +33,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _deploy(tmp: Path, engines: Path, encoders: int, decoders: int, **options: int) -> Deployment:
+def _deploy(tmp: Path, engines: Path, encoders: int, decoders: int, **options: int | str) -> Deployment:
     if not DYNAMO_PYTHON.exists():
         pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
     d = Deployment(tmp, EMBEDDED, engines, encoders=encoders, decoders=decoders, http_port=_port(), **options)

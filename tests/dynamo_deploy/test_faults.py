@@ -5,13 +5,11 @@ prints the time from the kill to the resent turn's reply (docs/scale_out.md reco
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
 
 import pytest
 
-from dynamo_deploy.client import Conversation
+from dynamo_deploy.client import Conversation, stream_chat
 from tests.dynamo_deploy.test_deployment import CONVERSATION, MAX_TOKENS, _deploy, _reference_turns, _served
 
 pytestmark = pytest.mark.slow
@@ -22,18 +20,9 @@ def _stream_and_kill(conv: Conversation, text: str, after_chunks: int, kill) -> 
     """Stream a long turn of `conv`, call `kill()` after `after_chunks` content chunks and read the stream to its end:
     -> (content chunks, the error events, the finish reason if the turn finished)."""
     body = {"model": conv.model, "messages": [*conv.messages, {"role": "user", "content": text}], "max_tokens": LONG,
-            "temperature": 0.0, "stream": True, "ignore_eos": True, "nvext": conv._nvext()}
-    host, port = conv.url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=120)
-    connection.request("POST", "/v1/chat/completions", json.dumps(body), conv._headers())
-    response = connection.getresponse()
-    assert response.status == 200
+            "temperature": 0.0, "ignore_eos": True, "nvext": conv._nvext()}
     chunks, errors, finish = 0, [], None
-    for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data:") or line == "data: [DONE]":
-            continue
-        event = json.loads(line[5:])
+    for event in stream_chat(conv.url, body, conv._headers(), timeout_s=120):
         if "error" in event:
             errors.append(event["error"])
             continue
@@ -42,7 +31,6 @@ def _stream_and_kill(conv: Conversation, text: str, after_chunks: int, kill) -> 
             finish = choice.get("finish_reason") or finish
         if chunks == after_chunks:
             kill()
-    connection.close()
     return chunks, errors, finish
 
 

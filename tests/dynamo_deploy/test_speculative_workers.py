@@ -1,9 +1,10 @@
 """Speculative decoding in the Dynamo decoder workers (issue 51): drafts verified in one decoder step, each step's kept
 length carried to the session's encoder worker with the next step call, the Triton path's switches and counters.
 
-Through Dynamo's frontend, on one deployment per drafter: a routed conversation with adapter switches and an explicit
-adapter gives the single-server path's tokens (greedy), the decoders count the blocks they verified, a turn that opts
-out (`mol2-speculative:off`) drafts nothing, and a seeded sampled turn gives the plain draw.
+Through Dynamo's frontend, on one deployment per drafter (and DSpark on a decoder of two tensor-parallel ranks,
+whose leader runs the drafter graph: `engines/parallel_engine.py`): a routed conversation with adapter switches and
+an explicit adapter gives the single-server path's tokens (greedy), the decoders count the blocks they verified, a
+turn that opts out (`mol2-speculative:off`) drafts nothing, and a seeded sampled turn gives the plain draw.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ def _reference(pipe: InProcessPipeline, session: str, adapters: list[str | None]
             for i, (text, adapter) in enumerate(zip(CONVERSATION, adapters))]
 
 
-@pytest.mark.parametrize("drafter", ["dspark", "ngram"])
-def test_drafting_decoders_serve_the_single_server_tokens(drafter, tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
-    d = _deploy(tmp_path / f"dynamo-{drafter}", default_engines, encoders=1, decoders=1, speculative=drafter)
+@pytest.mark.parametrize("drafter, tp", [("dspark", 1), ("ngram", 1), ("dspark", 2)],
+                         ids=["dspark", "ngram", "dspark-tp2"])
+def test_drafting_decoders_serve_the_single_server_tokens(drafter, tp, tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
+    parallel = {"backend": "torch", "tensor_parallel_size": tp} if tp > 1 else {}
+    d = _deploy(tmp_path / f"dynamo-{drafter}", default_engines, encoders=1, decoders=1, speculative=drafter,
+                **parallel)
     try:
         adapters = [None, None, EXPLICIT, None, None]
         conv = Conversation(d.url, f"spec-{drafter}")

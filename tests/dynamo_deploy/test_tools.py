@@ -9,13 +9,11 @@ come back as `tool_calls` whose arguments validate against the tool's schema.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import jsonschema
 import pytest
 
-from dynamo_deploy.client import post_chat
+from dynamo_deploy.client import post_chat, stream_chat
 from dynamo_deploy.launcher import read_turns
 from tests.dynamo_deploy.test_deployment import _deploy
 from tritonserver_backend.sampling.grammar import canonical
@@ -100,16 +98,10 @@ def test_a_streamed_named_call_arrives_whole_in_a_delta(deployment) -> None:  # 
     body = {"model": "mol2-small", "messages": [{"role": "user", "content": ASK}], "tools": TOOLS, "stream": True,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "max_tokens": MAX_TOKENS,
             "temperature": 0}
-    req = urllib.request.Request(f"{deployment.url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
     calls, finish = [], None
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for line in r:
-            line = line.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[5:])["choices"]:
-                calls += choice.get("delta", {}).get("tool_calls") or []
-                finish = choice.get("finish_reason") or finish
+    for event in stream_chat(deployment.url, body):
+        for choice in event["choices"]:
+            calls += choice.get("delta", {}).get("tool_calls") or []
+            finish = choice.get("finish_reason") or finish
     assert [c["function"]["name"] for c in calls] == ["get_weather"] and finish == "tool_calls"
     jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), WEATHER)

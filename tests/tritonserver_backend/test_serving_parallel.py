@@ -6,6 +6,8 @@ attention heads, vocabulary and expert slices (or half of the experts), with the
 between. The scripted multi-adapter conversation of the main job (`scripts/run_main.py`: routed turns, then an
 explicit adapter), with one more switch, must come back with exactly the tokens of the single-rank torch engine in
 process, and the decoder's LoRA must be applied from each rank's cut of the bank (a routed turn and the explicit one).
+The repository's default `speculative auto` drafts with DSpark there: the ranks return the `draft_main` rows, the
+leader drafts (its accepted-token counter must grow).
 Source independence holds bit for bit at N ranks: after the same history, the next turn's log-probabilities do not
 depend on the adapter the previous turn used.
 
@@ -25,6 +27,7 @@ import pytest
 
 from tests.tritonserver_backend.streams import reference_reply, start_server
 from tests.tritonserver_backend.test_serving_exactness import FIRST, SECOND, SOURCES, TARGET, assert_same, probe
+from tests.tritonserver_backend.test_serving_speculative import counter
 from tritonserver_backend.adapters.registry_init import ensure_registry
 from tritonserver_backend.clients.client import GrpcChat, TurnRequest
 from tritonserver_backend.clients.scripted import CONVERSATION
@@ -130,6 +133,10 @@ def test_the_scripted_conversation_gets_the_single_rank_tokens(server, single_ra
     assert {r.adapter for r in got} - {"base"}, "adapters applied on the ranks (not only the base model)"
     assert [r.token_ids for r in got] == [r.token_ids for r in single_rank_turns]
     assert len(rank_workers(server.pid, "encoder")) == 1 and len(rank_workers(server.pid, "decoder")) == 1
+    # the repository's default `speculative auto` drafts with DSpark on the ranks (the leader runs the drafter graph);
+    # the single-rank reference decodes plainly, so the equal tokens above are drafting's
+    accepted = counter(server, "speculative_accepted_tokens")
+    assert sum(accepted.values()) > 0, accepted
 
 
 def test_source_independence_holds_bit_for_bit_on_the_ranks(server) -> None:  # type: ignore[no-untyped-def]

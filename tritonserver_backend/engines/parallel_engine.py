@@ -2,14 +2,22 @@
 
 A role's group starts on the first step of that role, so the encoder model's process starts only encoder ranks and
 the decoder model's only decoder ranks (`rank_group.py`). The pointer head (the router's, milliseconds on a pooled
-H19 row) stays in one process. DSpark drafting is not offered on a parallel decoder yet: the drafter graph reads the
-whole embedding and head, which a rank does not hold (docs/parallel.md), so `--speculative auto` decodes plainly.
+H19 row) stays in one process.
+
+DSpark on a parallel decoder: the ranks return each position's `draft_main` row with their step (computed alike on
+every rank from the replicated streams, `shard_steps.py`), and the drafter graph runs on the leader alone, in this
+process, with the whole drafter and the target's embedding and head (`torch_engine.target_embed_and_head`). Why on
+the leader and not sharded: a draft block is a few small rows through the drafter's blocks and one head product; a
+sharded drafter would add a collective per drafter layer to every step for that, and the leader already holds the
+only copy of each turn's draft ring. What it costs: the leader holds the embedding and head whole (at the release's
+width 2 x 129280 x 4096 in their stored dtype widened to fp32, about 4.2 GB) beside its shard (docs/parallel.md).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ced.formats.drafter_files import drafter_spec
 from ced.parallel.layout import ParallelLayout, ParallelLayoutError
 from tritonserver_backend.engines.interface import Arrays, EngineUnavailable, StepEngine
 from tritonserver_backend.engines.rank_group import RankGroup
@@ -31,7 +39,8 @@ class ParallelTorchEngine(StepEngine):
         self.rank_files = rank_build_in(engine_dir, self.model_dir, tensor_parallel_size, expert_parallel)
         self.groups = {role: RankGroup(self.model_dir, role, tensor_parallel_size, expert_parallel, threads,
                                        rank_files=self.rank_files) for role in ("encoder", "decoder")}
-        self._pointer: StepEngine | None = None
+        self._leader: StepEngine | None = None  # the pointer head and the drafter graph, run in this process
+        self.layout.drafter = drafter_spec(self.model_dir)
 
     def encoder(self, feed: Arrays) -> Arrays:
         return self.groups["encoder"].step(feed)
@@ -44,11 +53,21 @@ class ParallelTorchEngine(StepEngine):
         self.groups["decoder"].set_bank(bank)
 
     def pointer(self, feed: Arrays) -> Arrays:
-        if self._pointer is None:
+        return self._leader_engine().pointer(feed)
+
+    def drafter(self, feed: Arrays) -> Arrays:
+        if not self.has_drafter:
+            return super().drafter(feed)
+        return self._leader_engine().drafter(feed)
+
+    def _leader_engine(self) -> StepEngine:
+        """The single-process torch engine for the graphs the leader runs alone; each graph loads only what it reads
+        (the pointer head; the drafter with the target's embedding and head), never the layers."""
+        if self._leader is None:
             from tritonserver_backend.engines.torch_engine import TorchEngine
 
-            self._pointer = TorchEngine(self.model_dir)
-        return self._pointer.pointer(feed)
+            self._leader = TorchEngine(self.model_dir)
+        return self._leader
 
     def close(self) -> None:
         for group in self.groups.values():

@@ -5,6 +5,10 @@ Every rank of a group builds one of these and runs the same calls in the same or
 a time as in the single-process torch engine (`torch_engine.run_encoder_rows` / `run_decoder_rows`), so every rank
 issues the same sequence of collectives whatever the batch.
 
+DSpark: a decoder rank also returns each position's `draft_main` row. The streams entering the target layers are
+replicated after each all-reduce, so every rank computes the same rows from stage 0's projection, the only drafter
+tensors it reads (`load_drafter_projection`); the drafter graph runs on the leader (`parallel_engine.py`).
+
 Why the torch engine and not rank-local ONNX graphs: onnxruntime has no collective op, so a rank-local graph would
 have to stop at each of a step's ~2 * n_layers collectives and hand its tensors to Python (docs/parallel.md, "Why
 the torch engine"); on GPUs the same split runs as TensorRT engines with NCCL plugin nodes, which cannot be built here.
@@ -17,10 +21,12 @@ from pathlib import Path
 import torch
 
 from ced.formats.config_file import load_config
+from ced.formats.drafter_files import load_drafter_projection
 from ced.parallel.comm import Comm
 from ced.parallel.layout import ParallelLayout
 from ced.parallel.network import load_parallel_component
 from ced.steps.decoder_step import DecoderStep
+from ced.steps.draft_step import DraftMain
 from ced.steps.encoder_step import EncoderStep
 from ced.steps.layout import StepLayout
 from ced.steps.lora_shards import LoraShards
@@ -45,12 +51,15 @@ class ShardSteps:
         self.bank: Arrays = {}
         component = load_parallel_component(role, model_dir, comm, expert_parallel, rank_files=rank_files)
         self.held_bytes = sum(t.numel() * t.element_size() for t in component.state_dict().values())
-        layout = StepLayout(cfg)
         step: torch.nn.Module
         if role == "encoder":
+            layout = StepLayout(cfg)
             step, specs = EncoderStep(component), (layout.encoder_inputs(), layout.encoder_outputs())
-        else:
-            step, specs = DecoderStep(component), (layout.decoder_inputs(), layout.decoder_outputs())
+        else:  # with a drafter, every rank computes `draft_main` on the replicated streams; the leader's is used
+            drafter = load_drafter_projection(model_dir)
+            layout = StepLayout(cfg, None if drafter is None else drafter.spec)
+            step = DecoderStep(component, None if drafter is None else DraftMain(drafter))
+            specs = layout.decoder_inputs(), layout.decoder_outputs()
         self._run = torch_runner(step.eval(), *specs)
 
     def set_bank(self, bank: Arrays) -> None:

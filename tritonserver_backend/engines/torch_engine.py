@@ -7,9 +7,11 @@ from typing import Callable
 
 import numpy as np
 import torch
+from torch import nn
 
-from ced.formats.checkpoint import load_checkpoint
+from ced.formats.checkpoint import CheckpointFiles, load_checkpoint
 from ced.formats.drafter_files import drafter_spec, load_drafter
+from ced.model.config import CEDConfig
 from ced.model.dspark import DSpark
 from ced.model.network import DecoderEngine, EncoderEngine
 from ced.routing.pointer_head import load_router_head
@@ -43,15 +45,16 @@ class TorchEngine(StepEngine):
                 self._runners[graph] = torch_runner(PointerStep(head).eval(),
                                                     layout.pointer_inputs(self.cfg.dim, head.cfg.width),
                                                     layout.pointer_outputs())
+            elif graph == "drafter":
+                embed, head = target_embed_and_head(self.model_dir, self.cfg)
+                self._runners[graph] = torch_runner(DraftStep(self._drafter(), embed, head).eval(),
+                                                    layout.drafter_inputs(), layout.drafter_outputs())
             else:
                 net = load_checkpoint(self.model_dir)
                 state = net.state_dict()
                 if graph == "encoder":
                     step: torch.nn.Module = EncoderStep(EncoderEngine.from_state_dict(self.cfg, state).eval())
                     specs = layout.encoder_inputs(), layout.encoder_outputs()
-                elif graph == "drafter":
-                    step = DraftStep(self._drafter(), net.embed, net.head)
-                    specs = layout.drafter_inputs(), layout.drafter_outputs()
                 else:
                     step = DecoderStep(DecoderEngine.from_state_dict(self.cfg, state).eval(),
                                        DraftMain(self._drafter()) if self.has_drafter else None)
@@ -90,6 +93,18 @@ def run_decoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, bank: Arrays
     slots, steps = row_slots(feed), feed["streams"].shape[1]
     return _by_row(run, {**feed, **bank}, batch_inputs=set(PER_ROW["decoder"]),
                    row_inputs=lambda b: lora_grid([int(slots[b])], steps))
+
+
+def target_embed_and_head(model_dir: Path, cfg: CEDConfig) -> tuple[nn.Embedding, nn.Linear]:
+    """The target's embedding and head alone, read from the checkpoint: all the drafter graph needs of the target.
+    Why not the whole network: a process that drafts without running the target's layers (the leader of a
+    tensor-parallel decoder, whose ranks hold the layers) would otherwise read and hold every layer for nothing."""
+    files = CheckpointFiles(model_dir)
+    with torch.no_grad():
+        embed = nn.Embedding.from_pretrained(files.read_float("embed.weight"), freeze=True)
+        head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        head.weight = nn.Parameter(files.read_float("head.weight"), requires_grad=False)
+    return embed.eval(), head.eval()
 
 
 def _by_row(run, feed: Arrays, batch_inputs: set[str], row_inputs: Callable[[int], Arrays] | None = None) -> Arrays:  # type: ignore[no-untyped-def]

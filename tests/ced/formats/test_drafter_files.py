@@ -15,10 +15,12 @@ from ced.formats.checkpoint import save_checkpoint
 from ced.formats.config_file import CheckpointError
 from ced.formats.drafter_files import (
     DRAFTER_DIR,
+    PROJECTION_TENSORS,
     WEIGHTS_FILE,
     drafter_spec,
     dspark_spec_of,
     load_drafter,
+    load_drafter_projection,
     save_drafter,
 )
 from ced.model.dspark import DSpark, DSparkSpec
@@ -89,7 +91,7 @@ def test_a_sidecar_config_that_does_not_fit_the_backbone_is_refused(tmp_path: Pa
 
 def test_a_model_without_a_drafter_has_none(tmp_path: Path) -> None:
     model = _model_dir(tmp_path)
-    assert drafter_spec(model) is None and load_drafter(model) is None
+    assert drafter_spec(model) is None and load_drafter(model) is None and load_drafter_projection(model) is None
     # a stray mtp.* tensor without a config that describes a drafter is not a drafter either
     tensors = load_file(str(model / "model.safetensors"))
     tensors["mtp.0.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
@@ -106,3 +108,31 @@ def test_a_release_directory_gives_its_own_drafter(tmp_path: Path) -> None:
     assert spec is not None and spec == dspark_spec_of(release)[1]
     drafter = load_drafter(release)
     assert drafter is not None and drafter.spec == spec and not drafter.training
+
+
+def _assert_projection_alone(projection: DSpark | None, whole: DSpark | None) -> None:
+    """Stage 0's main_proj / main_norm equal the whole drafter's; every other drafter tensor holds no memory."""
+    assert projection is not None and whole is not None and projection.spec == whole.spec
+    state, want = projection.state_dict(), whole.state_dict()
+    for name, tensor in state.items():
+        if name in PROJECTION_TENSORS:
+            assert tensor.device.type == "cpu" and torch.equal(tensor, want[name]), name
+        else:
+            assert tensor.is_meta, f"{name} was read: a decoder rank needs only {PROJECTION_TENSORS}"
+
+
+def test_a_decoder_rank_reads_only_the_drafter_projection_from_a_sidecar(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path)
+    folder = save_drafter(_drafter(), model)
+    _assert_projection_alone(load_drafter_projection(model), load_drafter(model))
+    _damage(folder, lambda t: t.pop("mtp.0.main_norm.weight"))
+    with pytest.raises(CheckpointError, match=r"missing DSpark tensors \['mtp.0.main_norm.weight'\]"):
+        load_drafter_projection(model)
+
+
+def test_a_decoder_rank_reads_only_the_drafter_projection_from_a_release(tmp_path: Path) -> None:
+    from build_engines.formats.release_writer import ReleaseShape, write_release_shaped
+
+    shape = ReleaseShape(dim=64, experts=8, inter=32, dspark_experts=4, engram_vocab=200, shards=2)
+    release = write_release_shaped(tmp_path / "release", shape, force=True)
+    _assert_projection_alone(load_drafter_projection(release), load_drafter(release))
