@@ -87,9 +87,17 @@ class DecoderWorker:
 
     def _loop(self) -> None:
         """The scheduler's only thread: admit queued turns, one token for every active turn per iteration."""
+        stored = -1
         while True:
             while not self.inbox.empty():
                 self.scheduler.submit(self.inbox.get())
+            if len(self.decoder.sessions) != stored:  # the sessions this worker holds, for `status` and the tests
+                stored = len(self.decoder.sessions)
+                self.stats.set(stored_sessions=stored)
+                try:
+                    self.stats.flush()
+                except OSError:  # a full or vanished run folder must not stop the scheduler
+                    LOG.exception("decoder: writing the stats failed")
             if self.scheduler.idle:
                 self.wake.wait(0.05)
                 self.wake.clear()
@@ -142,7 +150,8 @@ class DecoderWorker:
         sink = Sink(asyncio.get_running_loop())
         # a fork (n > 1 choices) starts as a copy of its source's decoder state and ends with its turn
         self.inbox.put(TurnStart(sid, rows, int(request["adapter_hash"]), params_from_json(request["params"]),
-                                 bool(request.get("end_session", False)), sink, fork_from))
+                                 bool(request.get("end_session", False)), sink, fork_from,
+                                 end_source=bool(fork_from and request.get("end_source", False))))
         self.wake.set()
         generated = 0
         watcher = asyncio.ensure_future(self._stop_when_told(context, sink))

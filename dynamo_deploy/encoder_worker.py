@@ -434,8 +434,9 @@ class EncoderWorker:
                     handover = (await self.encode_turn(sid, np.zeros(0, np.int64), None, True, None, holder)).handover
                 reply: list[int] = []
                 seeded = dataclasses.replace(params, seed=params.seed + j)
+                # the last choice's fork also ends the prompt's session on the decoder, once copied
                 async for data in self._decode(sid, target, int(routed), seeded, handover, left, fork_from=source,
-                                               end_session=True):
+                                               end_session=True, end_source=n > 1 and j == n - 1):
                     if "token" in data:
                         reply.append(int(data["token"]))
                         yield {"token_ids": [int(data["token"])], "index": j,
@@ -458,10 +459,13 @@ class EncoderWorker:
 
     async def _decode(self, sid: str, target: int, adapter_hash: int, params: Any, handover: dict[str, Any],
                       left: asyncio.Future, fork_from: str = "", end_session: bool = False,
-                      ) -> AsyncIterator[dict[str, Any]]:
+                      end_source: bool = False) -> AsyncIterator[dict[str, Any]]:
         """One decoder turn of a detached request: the decoder's chunks up to the finish. `end_session`: the turn ends
-        its session on the decoder (and, through the decoder's clean-up call, here)."""
+        its session on the decoder (and, through the decoder's clean-up call, here); `end_source`: a fork that also
+        ends its source there once copied (scheduler.TurnStart)."""
         payload, _ = await self._decoder_request(sid, adapter_hash, params, handover, fork_from, end_session)
+        if end_source:
+            payload["end_source"] = True
         downstream = self._downstream_context()
         stream = await self.decoders.direct(payload, target, context=downstream)
         async for chunk in stream:

@@ -146,8 +146,10 @@ class WorkerStats:
         self.settings = settings
         self.counts: Counter[str] = Counter()  # "counter/adapter" -> n
         self.figures: Counter[str] = Counter()  # bytes, seconds, calls
+        self.gauges: dict[str, float] = {}  # values now (sessions held), not totals
         self.instance_id: int | None = None
         self._lock = threading.Lock()
+        self._file_lock = threading.Lock()
         counters.listener = self._mirror
         (settings.run_dir / "workers").mkdir(parents=True, exist_ok=True)
 
@@ -160,15 +162,20 @@ class WorkerStats:
             for k, v in figures.items():
                 self.figures[k] += v
 
+    def set(self, **gauges: float) -> None:
+        with self._lock:
+            self.gauges.update(gauges)
+
     def flush(self) -> None:
         with self._lock:
             data = {"role": self.settings.role, "index": self.settings.index, "pid": os.getpid(),
                     "instance_id": self.instance_id, "counters": dict(self.counts), "figures": dict(self.figures),
-                    "time": time.time()}
+                    "gauges": dict(self.gauges), "time": time.time()}
         path = self.settings.run_dir / "workers" / f"{self.settings.name}.json"
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
+        with self._file_lock:  # the event loop's thread and the decoder's scheduler thread both flush
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+            tmp.replace(path)
 
     def log_turn(self, **entry: Any) -> None:
         line = json.dumps({"worker": self.settings.name, "instance_id": self.instance_id, "time": time.time(), **entry})

@@ -5,6 +5,7 @@ seed + i, so it must equal a single request with that seed, while the encoder en
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -31,13 +32,31 @@ def _encoded(deployment) -> float:  # type: ignore[no-untyped-def]
                if w["role"] == "encoder")
 
 
+def _stored(deployment) -> float:  # type: ignore[no-untyped-def]
+    """Sessions the decoders hold now (their `stored_sessions` gauge)."""
+    return sum(w.get("gauges", {}).get("stored_sessions", 0) for w in deployment.stats().values()
+               if w["role"] == "decoder")
+
+
+def _settled(deployment, want: float, within_s: float = 10.0) -> float:  # type: ignore[no-untyped-def]
+    """The decoders' stored sessions once they equal `want` (the gauge follows the scheduler's loop), or the last
+    value seen after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while (stored := _stored(deployment)) != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return stored
+
+
 @pytest.mark.parametrize("adapter", [None, "L2_code"])
 def test_n_choices_come_from_one_prefill_and_equal_single_requests(deployment, adapter) -> None:  # type: ignore[no-untyped-def]
     model = "mol2-small" if adapter is None else f"mol2-small:{adapter}"
     sampled = {"model": model, "messages": PROMPT, "max_tokens": 12, "temperature": 0.9, "top_p": 0.95}
-    before = _encoded(deployment)
+    before, stored = _encoded(deployment), _stored(deployment)
     out = post_chat(deployment.url, {**sampled, "seed": 5, "n": 3})
     encoded = _encoded(deployment) - before
+    # nothing of the request stays on the decoder: each choice ends with its turn, and the last one's fork ends the
+    # prompt's session once copied
+    assert _settled(deployment, stored) == stored
     prompt_tokens = out["usage"]["prompt_tokens"]
     assert encoded == prompt_tokens  # the prompt once, for all three choices (a fork encodes nothing)
     texts = [c["message"]["content"] for c in sorted(out["choices"], key=lambda c: c["index"])]

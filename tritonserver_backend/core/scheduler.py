@@ -51,6 +51,9 @@ class TurnStart:
     end_session: bool = False
     context: object = None
     fork_from: str = ""  # contract.FORK_FROM: the session this new one starts as a copy of
+    # a fork that ends its source on the decoder once copied: the last of n choices, whose source (the prompt's
+    # prefill-only session) no turn needs again (the caller ends the source's encoder side itself)
+    end_source: bool = False
 
 
 @dataclass
@@ -278,6 +281,8 @@ class TurnScheduler:
                 self._refuse(request, self._failure(exc))
                 continue
             turn.end_session, turn.context = request.end_session, request.context
+            if request.end_source and request.fork_from:  # copied by `prepare`: the source is not read again
+                self.decoder.end(request.fork_from)
             if turn.limit == 0:  # a prefill-only turn (max_tokens 0): nothing to generate, so no replay; stored at once
                 turn.finish = FINISH_LENGTH
                 self._end(turn)
