@@ -405,9 +405,11 @@ class EncoderWorker:
         chat_choices.py, completions.py): the prompt's decoder side is a prefill-only turn (nothing sampled) and each
         choice is a session forked from it on both sides (the encoder copies its state, the decoder its global-KV
         mirror and replay window: nothing is re-encoded), sampled with seed + i and ended with its turn; they run one
-        after another (a fork needs its source idle). Dynamo's frontend passes `n` once and reads each choice's chunks
-        by their `index`. Like the single server's, such turns are not continued as sessions: a later chat turn that
-        resends a choice rebuilds (or continues its own session id's record)."""
+        after another (a fork needs its source idle). Echo with `n` > 1: the prompt's turn is the forced prompt alone
+        (`forced_ids`, nothing sampled), whose tokens and log-probabilities head every choice. Dynamo's frontend
+        passes `n` once and reads each choice's chunks by their `index`. Like the single server's, such turns are not
+        continued as sessions: a later chat turn that resends a choice rebuilds (or continues its own session id's
+        record)."""
         live = [i for i in self.decoders.instance_ids() if i not in self.dead]
         if not live:
             raise RuntimeError("no decoder worker is registered")
@@ -421,19 +423,28 @@ class EncoderWorker:
             routed = (await self.run(self.router.route, [encoded.h19], [explicit]))[0]
             if isinstance(routed, Exception):
                 raise routed
+            echoed: list[dict[str, Any]] = []  # echo with n > 1: the prompt's chunks, teacher-forced once
             if n > 1:
-                async for _ in self._decode(holder, target, int(routed), dataclasses.replace(params, max_tokens=0),
-                                            encoded.handover, left):
-                    pass
+                # the prompt's decoder side: a prefill-only turn, or under echo the forced prompt alone (its tokens
+                # and log-probabilities head each choice, as the project's OpenAI frontend does)
+                async for data in self._decode(holder, target, int(routed), dataclasses.replace(params, max_tokens=0),
+                                               encoded.handover, left):
+                    if "token" in data:
+                        echoed.append(data)
             replies: list[list[int]] = []
             for j in range(n):
                 sid, handover, source = holder, encoded.handover, ""
+                reply: list[int] = []
+                seeded = dataclasses.replace(params, seed=params.seed + j)
                 if n > 1:
                     sid, source = f"{holder}.{j}", holder
                     forks.append(sid)
                     handover = (await self.encode_turn(sid, np.zeros(0, np.int64), None, True, None, holder)).handover
-                reply: list[int] = []
-                seeded = dataclasses.replace(params, seed=params.seed + j)
+                    seeded = dataclasses.replace(seeded, forced_ids=())  # the fork holds the forced prompt already
+                    for data in echoed:
+                        reply.append(int(data["token"]))
+                        yield {"token_ids": [int(data["token"])], "index": j,
+                               **(self._logprobs_chunk(data) if params.logprobs and "logprob" in data else {})}
                 # the last choice's fork also ends the prompt's session on the decoder, once copied
                 async for data in self._decode(sid, target, int(routed), seeded, handover, left, fork_from=source,
                                                end_session=True, end_source=n > 1 and j == n - 1):

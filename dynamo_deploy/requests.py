@@ -7,7 +7,7 @@ logit_bias, n, and `guided_decoding` from response_format / vLLM's guided_* / to
 which end a turn here anyway) and `output_options` (`logprobs`: the top_logprobs count when the client asked for
 logprobs; `prompt_logprobs`: completions' echo, served by the encoder worker). Each is honoured as the single-server
 path honours it, and the annotation `mol2-speculative:off` as its per-request `speculative` false; what this path
-cannot do (best_of, echo with n > 1, two constraints at once) is refused with the reason, never dropped.
+cannot do (best_of, two constraints at once) is refused with the reason, never dropped.
 """
 
 from __future__ import annotations
@@ -45,9 +45,6 @@ def sampling_params(request: dict[str, Any], tool_syntax: ToolSyntax | None = No
         raise BadRequest(f"the only {SPECULATIVE_ANNOTATION} annotation is {SPECULATIVE_OFF!r} (this turn is never "
                          f"drafted); got {notes}")
     out = request.get("output_options") or {}
-    if echoes(request) and int(opts.get("n") or 1) > 1:
-        raise BadRequest("echo with n > 1 is not served by the Dynamo workers; send one request per choice, or use "
-                         "the project's OpenAI frontend (docs/openai.md)")
     top = out.get("logprobs")
     choices_of(request)  # n is checked here, served by the encoder worker (forks of one prefill)
     return SamplingParams(

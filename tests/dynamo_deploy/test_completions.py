@@ -77,9 +77,26 @@ def test_echo_returns_the_prompt_with_its_logprobs_by_teacher_forcing(deployment
     choice = out["choices"][0]
     assert choice["text"] == reference.text.decode(expected.token_ids) and choice["text"].startswith(PROMPT)
     assert choice["logprobs"]["token_logprobs"] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-6)
-    body = {"model": "mol2-small", "prompt": PROMPT, "max_tokens": 2, "echo": True, "n": 2, "temperature": 0.9}
-    req = urllib.request.Request(f"{deployment.url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(req, timeout=300)
-    assert refused.value.code == 400 and "echo with n > 1" in refused.value.read().decode()
+
+
+def test_echo_with_several_choices_heads_each_with_the_forced_prompt(deployment, reference) -> None:  # type: ignore[no-untyped-def]
+    """Echo with n > 1, as the project's OpenAI frontend serves it: the prompt is teacher-forced once in the prompt's
+    own session (nothing sampled), its tokens and log-probabilities head every choice, and each choice samples in a
+    fork of that session with seed + i; the in-process pipeline does the same turns."""
+    ids = reference.text.tokenizer.encode(PROMPT)
+    body = {"model": "mol2-small", "prompt": PROMPT, "max_tokens": 3, "echo": True, "logprobs": 1, "n": 2,
+            "temperature": 0.9, "seed": 21}
+    out = sorted(_complete(deployment.url, body)["choices"], key=lambda c: c["index"])
+    head = reference.chat("ref-echo-src", "", new_session=True,
+                          params=SamplingParams(max_tokens=0, raw=True, forced_ids=tuple(ids), logprobs=True))
+    assert head.token_ids == ids
+    forks = [reference.chat(f"ref-echo-{j}", "", new_session=True, fork_from="ref-echo-src", end_session=True,
+                            params=SamplingParams(max_tokens=3, raw=True, temperature=0.9, seed=21 + j,
+                                                  logprobs=True))
+             for j in range(2)]
+    reference.end("ref-echo-src")
+    assert [c["index"] for c in out] == [0, 1]
+    for choice, fork in zip(out, forks):
+        assert choice["text"] == reference.text.decode(ids + fork.token_ids) and choice["text"].startswith(PROMPT)
+        want = [lp.logprob for lp in head.logprobs] + [lp.logprob for lp in fork.logprobs]
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want, abs=1e-6)

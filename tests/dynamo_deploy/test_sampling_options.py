@@ -144,10 +144,9 @@ def test_chat_logprobs_come_back_as_the_single_server_computes_them(deployment, 
         assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(list(lp.top_logprobs), abs=1e-6)
 
 
-def test_echo_with_several_choices_is_refused_by_name() -> None:
-    with pytest.raises(BadRequest, match="echo with n > 1"):
-        sampling_params({"output_options": {"prompt_logprobs": 1}, "sampling_options": {"n": 2}})
-    assert sampling_params({"output_options": {"prompt_logprobs": 1}}).max_tokens  # echo alone: the worker serves it
+def test_echo_is_served_alone_and_with_several_choices() -> None:
+    assert sampling_params({"output_options": {"prompt_logprobs": 1}}).max_tokens  # the worker serves echo
+    assert sampling_params({"output_options": {"prompt_logprobs": 1}, "sampling_options": {"n": 2}}).max_tokens
     p = sampling_params({"output_options": {"logprobs": 3}})
     assert (p.logprobs, p.top_logprobs) == (True, 3)
     assert not sampling_params({"output_options": {"logprobs": None}}).logprobs
