@@ -474,9 +474,8 @@ class EncoderWorker:
         """One decoder turn of a detached request: the decoder's chunks up to the finish. `end_session`: the turn ends
         its session on the decoder (and, through the decoder's clean-up call, here); `end_source`: a fork that also
         ends its source there once copied (scheduler.TurnStart)."""
-        payload, _ = await self._decoder_request(sid, adapter_hash, params, handover, fork_from, end_session)
-        if end_source:
-            payload["end_source"] = True
+        payload, _ = await self._decoder_request(sid, adapter_hash, params, handover, fork_from, end_session,
+                                                 end_source)
         downstream = self._downstream_context()
         stream = await self.decoders.direct(payload, target, context=downstream)
         async for chunk in stream:
@@ -492,10 +491,11 @@ class EncoderWorker:
         raise ServingError(f"decoder {target} ended the turn's stream without a finish")
 
     async def _decoder_request(self, sid: str, adapter_hash: int, params: Any, handover: dict[str, Any],
-                               fork_from: str = "", end_session: bool = False) -> tuple[dict[str, Any], Any]:
+                               fork_from: str = "", end_session: bool = False,
+                               end_source: bool = False) -> tuple[dict[str, Any], Any]:
         """The decoder's `generate` request for one turn, and the transport's hold on the offered hand-over (None
         when it travels inline). The decoder takes rows under a grant only: it signs the session (a fork's names its
-        source) and the hand-over's first position."""
+        source) and the hand-over's first position. `end_source`: a fork that ends its source once copied."""
         sent_at = time.time()
         wire, held = await self.channel.offer(handover)
         first = first_position(handover["positions"])
@@ -503,7 +503,7 @@ class EncoderWorker:
                    "params": params_to_json(params), "handover": wire, "sent_at": sent_at,
                    "first_position": first, "grant": self.key.grant(grant_subject(sid, fork_from or None), first)}
         if fork_from or end_session:
-            payload.update(fork_from=fork_from, end_session=end_session)
+            payload.update(fork_from=fork_from, end_session=end_session, end_source=end_source)
         return payload, held
 
     @staticmethod
