@@ -6,7 +6,9 @@ Held-out cases (`cases`), all greedy, at most 128 tokens each, through tritonser
 plain `openai` client, under the base, each adapter and routed:
 - json_schema: a request naming fields, `response_format` json_schema with the record's schema. Counted when the
   reply ends by itself (finish_reason "stop") and validates against the schema.
-- json_object: the same requests with `response_format` json_object. Counted when it ends and parses to an object.
+- json_object: the same requests with `response_format` json_object. Counted when it ends and parses to an object;
+  a second column counts the objects whose keys are fields the request named, each once (`keys_as_asked`): ending
+  is the grammar's and the model's stop, choosing the keys is reading the request.
 - forced tool call: tools offered, `tool_choice` naming one; counted when `tool_calls` holds that call with arguments
   valid against its `parameters`.
 - auto tool choice: tools offered, `tool_choice` auto; an action request should get a call, a chit-chat line (a
@@ -59,6 +61,7 @@ class Case:
     schema: dict | None = None
     tools: list[dict] = field(default_factory=list)
     tool: str = ""
+    asked: tuple[str, ...] = ()  # json_object: the fields the request names
 
 
 def canonical(schema: dict) -> str:
@@ -82,7 +85,8 @@ def cases(data_dir: Path, n: int, seed: int = EVAL_SEED) -> list[Case]:
         schema, messages = data.json_exchange()
         if canonical(schema) not in seen:
             out.append(Case("json_schema", messages[:1], schema))
-    out += [Case("json_object", c.messages) for c in out if c.kind == "json_schema"]
+    out += [Case("json_object", c.messages, asked=tuple(c.schema["properties"])) for c in out
+            if c.kind == "json_schema" and c.schema]
     for kind in ("tool_forced", "tool_action"):
         for _ in range(n):
             tools, messages = data.tool_conversation()
@@ -110,6 +114,15 @@ def score(case: Case, reply: Any) -> bool:
     if choice.finish_reason != "stop":
         return False
     return _valid(choice.message.content or "", case.schema or {"type": "object"})
+
+
+def keys_as_asked(case: Case, reply: Any) -> bool:
+    """A json_object reply that counts (`score`) and whose keys are fields the request named, none twice."""
+    if case.kind != "json_object" or not score(case, reply):
+        return False
+    pairs = json.loads(reply.choices[0].message.content or "", object_pairs_hook=lambda kv: kv)
+    keys = [k for k, _ in pairs]
+    return bool(keys) and len(set(keys)) == len(keys) and set(keys) <= set(case.asked)
 
 
 def _valid(text: str, schema: dict) -> bool:
@@ -148,7 +161,8 @@ def run(base_url: str, all_cases: list[Case], modes: tuple[str, ...], max_tokens
         reply = client.chat.completions.create(model=model, **request(case, max_tokens))
         choice = reply.choices[0]
         calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
-        return {"mode": mode, "case": i, "kind": case.kind, "ok": score(case, reply), "finish": choice.finish_reason,
+        return {"mode": mode, "case": i, "kind": case.kind, "ok": score(case, reply),
+                "keys_ok": keys_as_asked(case, reply), "finish": choice.finish_reason,
                 "content": choice.message.content, "tool_calls": calls, "tokens": reply.usage.completion_tokens,
                 "adapter": getattr(reply, "adapter", None)}
 
@@ -161,10 +175,13 @@ def table(rows: list[dict]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for r in rows:
         out.setdefault(r["mode"], {}).setdefault(r["kind"], []).append(r["ok"])  # type: ignore[arg-type]
+        if r["kind"] == "json_object" and "keys_ok" in r:
+            out[r["mode"]].setdefault("json_object_keys", []).append(r["keys_ok"])  # type: ignore[arg-type]
     return {m: {k: sum(v) / len(v) for k, v in kinds.items()} for m, kinds in out.items()}  # type: ignore[misc]
 
 
 KIND_HEADINGS = {"json_schema": "json_schema complete + valid", "json_object": "json_object complete",
+                 "json_object_keys": "json_object keys as requested",
                  "tool_forced": "forced tool call valid", "tool_action": "auto: call on action requests",
                  "tool_chat": "auto: no call on chit-chat"}
 

@@ -110,6 +110,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--structured-steps", type=int, default=StructuredSettings().steps,
                         help="continued training of the base's decoder on JSON records, tool use and JSON in code/CSS "
                         "(structured_stage; 0: none); the adapters then mix the same data into theirs")
+    parser.add_argument("--structured-object-style", type=float, default=StructuredSettings().object_style_share,
+                        help="share of the structured JSON replies written as the json_object grammar writes them "
+                        "(', ' between members; the rest compact)")
+    parser.add_argument("--reply-weight", type=float, default=StructuredSettings().reply_weight,
+                        help="loss weight of the reply tokens of chat-formatted structured data, in the structured "
+                        "stage and the adapters (reply_weights.py; 1: plain next-token loss)")
+    parser.add_argument("--first-token-weight", type=float, default=StructuredSettings().first_token_weight,
+                        help="times --reply-weight: the weight of each reply's first token (call or answer)")
     add_answer_arguments(parser, steps=0)
     parser.add_argument("--drafter-steps", type=int, default=DrafterTraining().steps,
                         help="last stage: self-distil the DSpark drafter into OUT/drafter/ (drafter_stage; skipped "
@@ -172,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
         net = load_checkpoint(base_dir).to(device)
 
     # ------------------------------------------------- structured replies: the decoder's continued training
-    structured_settings = StructuredSettings(steps=args.structured_steps)
+    structured_settings = StructuredSettings(steps=args.structured_steps,
+                                             object_style_share=args.structured_object_style,
+                                             reply_weight=args.reply_weight, first_token_weight=args.first_token_weight)
     structured = (structured_streams(out, args.data, cache, structured_settings, digest)
                   if args.structured_steps > 0 else {})
     recorded = {k: v for k, v in (_stage_record(out, "structured") or {}).items() if k not in ("adapters", "tokens")}
@@ -180,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         t = time.perf_counter()
         structured_work = work / f"structured-{structured_settings.work_key()}"
         history = continue_base(net, mixture, structured, structured_settings, args.batch, args.seq_len,
-                                structured_work, args.seed)
+                                structured_work, args.seed, structured_settings.reply_weights(tok.special_ids))
         timings["structured_training_s"] = time.perf_counter() - t
         (structured_work / "history.json").write_text(json.dumps(history))
         net = _bf16_round_trip(net.cpu(), base_dir).to(device)
@@ -207,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = TrainSettings(steps=args.adapter_steps, batch=args.batch, seq_len=args.seq_len, lr=3e-3, warmup=10,
                                  weight_decay=0.0, seed=args.seed + 1, checkpoint_every=40)
         t = time.perf_counter()
-        train_adapter(net, adapter, mixture, settings, work / f"adapter_{name}", target, cfg.name)
+        train_adapter(net, adapter, mixture, settings, work / f"adapter_{name}", target, cfg.name,
+                      structured_settings.reply_weights(tok.special_ids) if structured else None)
         timings[f"adapter_{name}_s"] = time.perf_counter() - t
 
     # ------------------------------------------------------------- answers: request -> answer fine-tuning

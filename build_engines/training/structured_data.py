@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 COMPACT = (",", ":")  # what the sampler's JSON grammar admits (tritonserver_backend.sampling.grammar)
+# json_object replies: xgrammar's grammar for {"type": "object"} puts ", " between members and items whatever the
+# separators asked for; a model that only saw COMPACT is off its training text there (StructuredData's
+# object_style_share writes that share of the replies this way)
+OBJECT_STYLE = (", ", ":")
 
 FIELDS = (
     "name", "title", "tags", "id", "count", "price", "active", "color", "size", "status", "author", "year", "items",
@@ -115,10 +119,12 @@ def held_out_tool(verb: str, obj: str) -> bool:
 class StructuredData:
     """Seeded generators of schemas, records, tools and the conversations that hold them."""
 
-    def __init__(self, pools: WordPools, seed: int, held_out: bool = False) -> None:
+    def __init__(self, pools: WordPools, seed: int, held_out: bool = False, object_style_share: float = 0.0) -> None:
         self.pools = pools
         self.rng = random.Random(seed)
+        self.style_rng = random.Random(seed + 1)  # separate: records and requests stay what this seed always made
         self.held_out = held_out  # True: the evaluation's tools (the held-out compositions)
+        self.object_style_share = object_style_share  # of the JSON replies written in OBJECT_STYLE (else COMPACT)
 
     # ------------------------------------------------------------------ values
     def word(self) -> str:
@@ -193,9 +199,12 @@ class StructuredData:
         return r.choice(JSON_ASKS).format(what=what, topic=self.text())
 
     def json_exchange(self) -> tuple[dict, list[dict]]:
-        """(schema, [user, assistant]) with the assistant's reply the record in compact JSON."""
+        """(schema, [user, assistant]) with the assistant's reply the record in JSON: COMPACT, or OBJECT_STYLE for
+        `object_style_share` of them."""
         schema = self.schema()
-        reply = json.dumps(self.record(schema), ensure_ascii=False, separators=COMPACT)
+        style = OBJECT_STYLE if self.object_style_share and self.style_rng.random() < self.object_style_share \
+            else COMPACT
+        reply = json.dumps(self.record(schema), ensure_ascii=False, separators=style)
         return schema, [{"role": "user", "content": self.json_request(schema)},
                         {"role": "assistant", "content": reply}]
 

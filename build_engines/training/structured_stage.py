@@ -22,8 +22,9 @@ import torch
 from tqdm import tqdm
 
 from build_engines.data.token_data import Mixture
+from build_engines.training.reply_weights import ReplyWeights
 from build_engines.training.structured_data import KINDS, StructuredData, WordPools, conversations
-from build_engines.training.train import TrainSettings, run_training
+from build_engines.training.train import TrainSettings, lm_loss, run_training
 from ced.model.network import CEDNetwork
 from ced.text.chat_format import ChatFormat
 from ced.text.tokenizer import ChatTokenizer
@@ -42,6 +43,9 @@ BASE_KINDS = {"json": 0.4, "tools": 0.3, "chit_chat": 0.1, "code": 0.1, "css": 0
 AGENT_EXTRA_SHARE = 0.1  # the agent adapter learns tool use besides its domain: a larger structured share
 
 
+OFF_VALUES = {"object_style_share": 0.0, "reply_weight": 1.0, "first_token_weight": 1.0}  # what the recipe had before
+
+
 @dataclass(frozen=True)
 class StructuredSettings:
     """How much structured data is made, and how the base's continued training mixes it in."""
@@ -54,16 +58,38 @@ class StructuredSettings:
     adapter_share: float = 0.5  # of each adapter batch row (0.6 for the agent adapter, which learns tool use)
     lr: float = 1e-3
     warmup: int = 20
+    object_style_share: float = 0.0  # of the JSON replies written as json_object's grammar writes them
+    reply_weight: float = 1.0  # loss weight of reply tokens in chat-formatted streams (reply_weights.py; 1: plain)
+    first_token_weight: float = 1.0  # and, times reply_weight, of each reply's first token (call or answer)
 
     def record(self) -> dict:
         """What the base's continued training ran with (the adapters' share is recorded with the adapters: changing
-        it retrains them, not the base)."""
-        return {k: v for k, v in asdict(self).items() if k != "adapter_share"} \
+        it retrains them, not the base). Knobs at their off value are left out, so a recipe that does not use them
+        keeps the record it had before they existed (the committed default's manifest)."""
+        return {k: v for k, v in asdict(self).items() if k != "adapter_share" and not self._off(k, v)} \
             | {"generator_version": GENERATOR_VERSION, "base_kinds": BASE_KINDS}
 
     def adapter_record(self) -> dict:
+        weights = {k: getattr(self, k) for k in ("reply_weight", "first_token_weight")
+                   if not self._off(k, getattr(self, k))}
         return {"share": self.adapter_share, "agent_share": self.adapter_share + AGENT_EXTRA_SHARE,
-                "kinds": ADAPTER_KINDS}
+                "kinds": ADAPTER_KINDS} | weights
+
+    @staticmethod
+    def _off(key: str, value: object) -> bool:
+        return key in OFF_VALUES and value == OFF_VALUES[key]
+
+    def reply_weights(self, special_ids: dict[str, int]) -> ReplyWeights | None:
+        """The loss weights of replies for this recipe (None: plain next-token loss)."""
+        if self.reply_weight == 1.0 and self.first_token_weight == 1.0:
+            return None
+        return ReplyWeights.from_special_ids(special_ids, self.reply_weight, self.first_token_weight)
+
+    def stream_key(self) -> list:
+        """What the structured streams are made from (the style share only where used: the streams of a recipe
+        without it keep their cached name)."""
+        key: list = [self.seed, self.counts, GENERATOR_VERSION]
+        return key + [self.object_style_share] if self.object_style_share else key
 
     def work_key(self) -> str:
         """Names the stage's resumable state after its record: a changed recipe starts afresh rather than resuming
@@ -80,7 +106,7 @@ def structured_streams(model_dir: Path, data_dir: Path, cache_dir: Path, setting
                        tokenizer_digest: str) -> dict[str, np.ndarray]:
     """One int32 stream per kind: conversations rendered by the model's chat format (tools where offered),
     documents as <|bos|> text <|eos|>; cached."""
-    key = _short_digest([tokenizer_digest, settings.seed, settings.counts, GENERATOR_VERSION])
+    key = _short_digest([tokenizer_digest, *settings.stream_key()])
     paths = {kind: cache_dir / f"{STREAM_PREFIX}{kind}.{key}.npy" for kind in KINDS}
     if all(p.exists() for p in paths.values()):
         return {f"{STREAM_PREFIX}{k}": np.load(p) for k, p in paths.items()}
@@ -90,7 +116,7 @@ def structured_streams(model_dir: Path, data_dir: Path, cache_dir: Path, setting
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = {}
     for i, kind in enumerate(KINDS):
-        data = StructuredData(pools, settings.seed * 100 + i)
+        data = StructuredData(pools, settings.seed * 100 + i, object_style_share=settings.object_style_share)
         ids: list[int] = []
         for tools, item in tqdm(conversations(data, kind, settings.counts[kind]), total=settings.counts[kind],
                                 desc=f"structured {kind}", leave=False):
@@ -136,15 +162,18 @@ def decoder_parameters(net: CEDNetwork) -> list[torch.nn.Parameter]:
 
 
 def continue_base(net: CEDNetwork, text_mixture: Mixture, structured: dict[str, np.ndarray],
-                  settings: StructuredSettings, batch: int, seq_len: int, work_dir: Path, seed: int) -> list[dict]:
-    """Continued training of the base's decoder on text and structured data (encoder and embedding frozen)."""
+                  settings: StructuredSettings, batch: int, seq_len: int, work_dir: Path, seed: int,
+                  reply_weights: ReplyWeights | None = None) -> list[dict]:
+    """Continued training of the base's decoder on text and structured data (encoder and embedding frozen);
+    `reply_weights`: the recipe's (`StructuredSettings.reply_weights`), None for plain next-token loss."""
     weights = {s: (1 - settings.share) * float(p) for s, p in zip(text_mixture.names, text_mixture.probs)}
     weights |= weighted(structured, BASE_KINDS, settings.share)
     mixture = Mixture(text_mixture.streams | structured, weights)
     params = decoder_parameters(net)
     train = TrainSettings(steps=settings.steps, batch=batch, seq_len=seq_len, lr=settings.lr, warmup=settings.warmup,
                           weight_decay=0.1, seed=seed + 50)
-    history = run_training(net, params, mixture, train, work_dir, "base: structured replies")
+    history = run_training(net, params, mixture, train, work_dir, "base: structured replies",
+                           loss_fn=None if reply_weights is None else lambda batch: lm_loss(net, batch, reply_weights))
     for p in net.parameters():
         p.requires_grad_(True)
     return history

@@ -22,6 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from build_engines.data.token_data import Mixture, eval_windows
+from build_engines.training.reply_weights import ReplyWeights, weighted_cross_entropy
 from ced.lora import Adapter, AdapterBank, decoder_lora_modules, save_adapter
 from ced.model.network import CEDNetwork
 
@@ -70,13 +71,20 @@ def save_atomic(payload: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def lm_loss(net: CEDNetwork, batch: torch.Tensor) -> torch.Tensor:
+def lm_loss(net: CEDNetwork, batch: torch.Tensor, reply_weights: ReplyWeights | None = None) -> torch.Tensor:
+    """Next-token cross-entropy; with `reply_weights`, conversations' replies weigh more than their prompts."""
     logits = net(batch[:, :-1]).logits
-    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    return _loss(logits, batch, reply_weights)
+
+
+def _loss(logits: torch.Tensor, batch: torch.Tensor, reply_weights: ReplyWeights | None) -> torch.Tensor:
+    if reply_weights is None:
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    return weighted_cross_entropy(logits, batch[:, 1:], reply_weights.weights(batch[:, :-1]))
 
 
 def merged_lm_loss(net: CEDNetwork, lora: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float,
-                   batch: torch.Tensor) -> torch.Tensor:
+                   batch: torch.Tensor, reply_weights: ReplyWeights | None = None) -> torch.Tensor:
     """Loss with W + scale * B @ A substituted for each adapted weight (one adapter for the whole batch).
 
     Mathematically the bank's hook path; as a pure function of the factors it compiles into one graph and its
@@ -85,7 +93,7 @@ def merged_lm_loss(net: CEDNetwork, lora: dict[str, tuple[torch.Tensor, torch.Te
     params = dict(net.named_parameters())
     weights = {f"{m}.weight": params[f"{m}.weight"] + scale * (b @ a) for m, (a, b) in lora.items()}
     logits = torch.func.functional_call(net, weights, (batch[:, :-1],)).logits
-    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    return _loss(logits, batch, reply_weights)
 
 
 def _rng_state(rng: np.random.Generator) -> dict:
@@ -221,15 +229,16 @@ def adapter_checkpoint_hooks(adapter: Adapter) -> tuple[Callable[[], dict], Call
 
 
 def train_adapter(net: CEDNetwork, adapter: Adapter, mixture: Mixture, settings: TrainSettings, work_dir: Path,
-                  out_dir: Path, base_model: str) -> list[dict]:
-    """Train one adapter with the base frozen; writes it in the PEFT layout to `out_dir`."""
+                  out_dir: Path, base_model: str, reply_weights: ReplyWeights | None = None) -> list[dict]:
+    """Train one adapter with the base frozen; writes it in the PEFT layout to `out_dir`. `reply_weights`: weight
+    the replies of chat-formatted streams (reply_weights.py)."""
     for p in net.parameters():
         p.requires_grad_(False)
     params = adapter_parameters(adapter)
     extra, restore = adapter_checkpoint_hooks(adapter)
 
     def loss(batch: torch.Tensor) -> torch.Tensor:
-        return merged_lm_loss(net, adapter.weights, adapter.scale, batch)
+        return merged_lm_loss(net, adapter.weights, adapter.scale, batch, reply_weights)
 
     history = run_training(net, params, mixture, settings, work_dir, f"adapter {adapter.name}", extra, restore, loss)
     save_adapter(out_dir, {n: (a.detach(), b.detach()) for n, (a, b) in adapter.weights.items()}, adapter.rank,

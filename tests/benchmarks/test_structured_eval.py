@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from openai.types.chat import ChatCompletion
 
-from benchmarks.structured_eval import Case, canonical, cases, request, score, training_schemas
+from benchmarks.structured_eval import Case, canonical, cases, keys_as_asked, request, score, table, training_schemas
 from build_engines.training.structured_data import held_out_tool
 
 pytestmark = pytest.mark.slow  # the corpora and the training generator's schemas are made once per module (~5 s)
@@ -69,3 +69,22 @@ def test_tool_replies_are_scored_by_their_calls() -> None:
     assert score(Case("tool_chat", [], tools=tools), reply("sure", "stop"))
     assert not score(Case("tool_chat", [], tools=tools), reply(None, "tool_calls", [("get_note", "{}")]))
     assert json.loads(json.dumps(request(Case("tool_chat", [], tools=tools), 128)))["tool_choice"] == "auto"
+
+
+def test_json_object_keys_count_only_fields_the_request_named_each_once() -> None:
+    case = Case("json_object", [], asked=("name", "tags"))
+    assert keys_as_asked(case, reply('{"name":"a", "tags":["b"]}', "stop"))
+    assert keys_as_asked(case, reply('{"tags":[]}', "stop"))
+    assert not keys_as_asked(case, reply('{"name":"a", "city":"b"}', "stop"))  # a field nobody asked for
+    assert not keys_as_asked(case, reply('{"name":"a", "name":"b"}', "stop"))  # parses, but a key twice
+    assert not keys_as_asked(case, reply("{}", "stop"))
+    assert not keys_as_asked(case, reply('{"name":"a"}', "length"))
+    rows = [{"mode": "base", "kind": "json_object", "ok": True, "keys_ok": k} for k in (True, False, False, False)]
+    assert table(rows)["base"] == {"json_object": 1.0, "json_object_keys": 0.25}
+
+
+def test_json_object_cases_name_the_fields_of_their_json_schema_twin(held_out: list[Case]) -> None:
+    schemas = [c for c in held_out if c.kind == "json_schema"]
+    objects = [c for c in held_out if c.kind == "json_object"]
+    assert [c.asked for c in objects] == [tuple(c.schema["properties"]) for c in schemas]
+    assert all(all(k in c.messages[0]["content"] for k in c.asked) for c in objects)

@@ -9,7 +9,9 @@ import jsonschema
 import pytest
 
 from build_engines.training.structured_data import (
+    COMPACT,
     KINDS,
+    OBJECT_STYLE,
     StructuredData,
     WordPools,
     conversations,
@@ -28,28 +30,50 @@ POOLS = WordPools(
 )
 
 
-def test_every_record_is_valid_under_its_schema_and_written_compact() -> None:
-    data = StructuredData(POOLS, seed=3)
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_every_record_is_valid_under_its_schema_and_written_in_a_served_style(share: float) -> None:
+    """Compact (json_schema's grammar) or, for `object_style_share` of them, json_object's ", " between members."""
+    data = StructuredData(POOLS, seed=3, object_style_share=share)
+    styles = []
     for _ in range(300):
         schema, messages = data.json_exchange()
         reply = messages[1]["content"]
         jsonschema.validate(json.loads(reply), schema)
-        assert reply == json.dumps(json.loads(reply), ensure_ascii=False, separators=(",", ":"))
+        style = next(s for s in (COMPACT, OBJECT_STYLE)
+                     if reply == json.dumps(json.loads(reply), ensure_ascii=False, separators=s))
+        styles.append(style)
         assert all(key in messages[0]["content"] for key in schema["properties"])  # the request names the fields
+    written = [s for s in styles if s == OBJECT_STYLE]  # a record of one flat member is the same in both: compact
+    assert (100 < len(written) < 200) if share else not written
+
+
+def test_the_reply_style_leaves_the_records_and_requests_of_a_seed_as_they_were() -> None:
+    """The style has its own random stream: the evaluation's held-out schemas, made from the same generator, stay
+    the same cases before and after the style was added."""
+    data = StructuredData(POOLS, seed=8)
+    again = StructuredData(POOLS, seed=8, object_style_share=0.5)
+    for _ in range(50):
+        (schema, messages), (schema_again, messages_again) = data.json_exchange(), again.json_exchange()
+        assert schema == schema_again and messages[0] == messages_again[0]
+        assert json.loads(messages[1]["content"]) == json.loads(messages_again[1]["content"])
 
 
 def test_the_server_grammar_admits_each_training_reply_token_by_token() -> None:
-    """The replies are tokenized as the model will be asked to write them: xgrammar's json_schema grammar (the
-    sampler's, compact separators) accepts every token and then the end of the turn."""
+    """The replies are tokenized as the model will be asked to write them: the sampler's json_schema grammar
+    (compact separators) accepts every token of a compact reply and then the end of the turn, its json_object grammar
+    every token of a reply in OBJECT_STYLE."""
     from tritonserver_backend.sampling.grammar import GrammarCache, canonical
 
     tok = ChatTokenizer.load(EMBEDDED)
     cache = GrammarCache(tok)
-    data = StructuredData(POOLS, seed=4)
+    data = StructuredData(POOLS, seed=4, object_style_share=0.5)
     for _ in range(25):
         schema, messages = data.json_exchange()
-        matcher = cache.matcher(canonical(json.dumps({"type": "json_schema", "schema": schema})))
-        for token in tok.encode(messages[1]["content"]):
+        reply = messages[1]["content"]
+        compact = reply == json.dumps(json.loads(reply), ensure_ascii=False, separators=COMPACT)
+        spec = {"type": "json_schema", "schema": schema} if compact else {"type": "json_object"}
+        matcher = cache.matcher(canonical(json.dumps(spec)))
+        for token in tok.encode(reply):
             assert matcher.accept_token(token), (schema, messages[1]["content"])
         assert matcher.accept_token(tok.end_of_turn_id)
 

@@ -3,6 +3,7 @@ prefixes and journaled sessions read them), the streams are cached, and each ada
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ from build_engines.training.structured_stage import (
     structured_streams,
 )
 from ced.formats.checkpoint import load_checkpoint
+from ced.text.chat_format import ChatFormat
+from ced.text.tokenizer import ChatTokenizer
 from tests.conftest import EMBEDDED
 
 
@@ -69,3 +72,38 @@ def test_a_changed_recipe_gets_its_own_resumable_state() -> None:
     assert StructuredSettings().work_key() == StructuredSettings().work_key()
     assert StructuredSettings().work_key() != StructuredSettings(steps=StructuredSettings().steps + 1).work_key()
     assert StructuredSettings().work_key() == StructuredSettings(adapter_share=0.3).work_key()  # adapters only
+
+
+def test_the_committed_default_was_made_with_the_default_recipe() -> None:
+    """The knobs added later (object_style_share, reply weights) record nothing while off, so the committed default's
+    manifest still names the default recipe, and `build_default --force` on it retrains nothing."""
+    recorded = json.loads((EMBEDDED / "manifest.json").read_text())["structured"]
+    assert {k: v for k, v in recorded.items() if k not in ("adapters", "tokens")} == StructuredSettings().record()
+    assert recorded["adapters"] == StructuredSettings().adapter_record()
+
+
+def test_reply_weights_and_the_reply_style_are_part_of_the_recipe() -> None:
+    ids = ChatTokenizer.load(EMBEDDED).special_ids
+    plain, weighted = StructuredSettings(), StructuredSettings(reply_weight=3.0, first_token_weight=2.0)
+    assert plain.reply_weights(ids) is None
+    rw = weighted.reply_weights(ids)
+    assert rw is not None and (rw.reply, rw.first, rw.opener) == (3.0, 2.0, ids["<|assistant|>"])
+    assert weighted.work_key() != plain.work_key()
+    assert weighted.adapter_record() != plain.adapter_record()  # the adapters are retrained with them
+    styled = StructuredSettings(object_style_share=0.5)
+    assert styled.work_key() != plain.work_key() and styled.stream_key() != plain.stream_key()
+
+
+def test_continued_training_with_reply_weights_moves_the_decoder(tmp_path: Path) -> None:
+    net = load_checkpoint(EMBEDDED)
+    tok = ChatTokenizer.load(EMBEDDED)
+    fmt = ChatFormat.load(EMBEDDED)
+    convo = fmt.encode([{"role": "user", "content": "Give me the name as JSON."},
+                        {"role": "assistant", "content": '{"name":"river"}'}], add_generation_prompt=False)
+    structured = {f"{STREAM_PREFIX}json": np.asarray(convo * 40, dtype=np.int32)}
+    text = Mixture({"text": np.asarray(tok.encode("a quiet river runs north " * 80), dtype=np.int32)}, {"text": 1.0})
+    settings = StructuredSettings(steps=2, warmup=1, reply_weight=3.0, first_token_weight=2.0)
+    head = net.head.weight.detach().clone()
+    continue_base(net, text, structured, settings, batch=2, seq_len=32, work_dir=tmp_path / "work", seed=0,
+                  reply_weights=settings.reply_weights(tok.special_ids))
+    assert not torch.equal(net.head.weight, head)
