@@ -72,10 +72,10 @@ class TorchEngine(StepEngine):
         return drafter
 
     def encoder(self, feed: Arrays) -> Arrays:
-        return run_encoder_rows(self._runner("encoder"), feed)
+        return run_encoder_rows(self._runner("encoder"), feed, whole_blocks(self.cfg))
 
     def decoder(self, feed: Arrays) -> Arrays:
-        return run_decoder_rows(self._runner("decoder"), feed, self.lora_bank)
+        return run_decoder_rows(self._runner("decoder"), feed, self.lora_bank, whole_blocks(self.cfg))
 
     def pointer(self, feed: Arrays) -> Arrays:
         return _by_row(self._runner("pointer"), feed, batch_inputs={"h19", "option_mask"})
@@ -86,24 +86,32 @@ class TorchEngine(StepEngine):
         return _by_row(self._runner("drafter"), feed, batch_inputs=set(feed))
 
 
-def run_encoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays) -> Arrays:
-    """An encoder step, row by row (each row's stores and Engram rows are its own), its positions padded to whole
-    GEMM row blocks (see "Why steps are padded" below)."""
+def whole_blocks(cfg: CEDConfig) -> bool:
+    """Whether steps run padded to whole GEMM row blocks: where the last bits flip greedy tokens, i.e. a checkpoint
+    with the release's runtime fake-quant. Elsewhere (the embedded default) the padding would cost about a fifth of a
+    single stream's decode step on the CPU (64-token turns 3.68 -> 4.42 s, Dec 6) for last bits that leave its tokens
+    as they are (see "Why steps are padded" below)."""
+    return cfg.runtime_fake_quant
+
+
+def run_encoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, pad: bool = False) -> Arrays:
+    """An encoder step, row by row (each row's stores and Engram rows are its own); with `pad` its positions padded
+    to whole GEMM row blocks (`whole_blocks`)."""
     stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_", "engram_rows_"))}
     steps = feed["tokens"].shape[1]
-    if steps % GEMM_ROW_BLOCK == 0:
+    if not pad or steps % GEMM_ROW_BLOCK == 0:
         return _by_row(run, feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
     out = _by_row(run, _pad_encoder_feed(feed, _whole_blocks(steps)), batch_inputs=set(PER_ROW["encoder"]) | stores)
     return {k: _first_positions(k, v, steps) for k, v in out.items()}
 
 
-def run_decoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, bank: Arrays) -> Arrays:
-    """A decoder step, row by row like every step here, each row with its own one-slot LoRA grid over `bank`, its
-    positions and its head's rows (the last position and the verified ones) padded to whole GEMM row blocks (see "Why
-    steps are padded" below)."""
+def run_decoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, bank: Arrays, pad: bool = False) -> Arrays:
+    """A decoder step, row by row like every step here, each row with its own one-slot LoRA grid over `bank`; with
+    `pad` its positions and its head's rows (the last position and the verified ones) padded to whole GEMM row blocks
+    (`whole_blocks`)."""
     slots, steps = row_slots(feed), feed["streams"].shape[1]
     asked = feed["verify"].shape[1]
-    if steps % GEMM_ROW_BLOCK == 0 and (1 + asked) % GEMM_ROW_BLOCK == 0:
+    if not pad or (steps % GEMM_ROW_BLOCK == 0 and (1 + asked) % GEMM_ROW_BLOCK == 0):
         return _by_row(run, {**feed, **bank}, batch_inputs=set(PER_ROW["decoder"]),
                        row_inputs=lambda b: lora_grid([int(slots[b])], steps))
     padded = _whole_blocks(steps)

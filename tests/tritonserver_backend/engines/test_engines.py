@@ -186,3 +186,13 @@ def test_dspark_blocks_leave_greedy_replies_on_a_release_shaped_checkpoint_uncha
                                         params=SamplingParams(max_tokens=12)).token_ids
                           for i, text in enumerate(("Hello there, how are you?", "Tell me more about that."))]
     assert replies[3] == replies[0]
+
+
+def test_steps_are_padded_to_whole_gemm_blocks_only_where_last_bits_flip_tokens(release_shaped) -> None:  # type: ignore[no-untyped-def]
+    """The padding costs about a fifth of a CPU decode step, so it is on for checkpoints with the release's runtime
+    fake-quant (where the last bits moved greedy tokens) and off for the embedded default."""
+    from ced.formats.config_file import load_config
+    from tritonserver_backend.engines.torch_engine import whole_blocks
+
+    assert whole_blocks(load_config(release_shaped[0]))
+    assert not whole_blocks(load_config(EMBEDDED))
