@@ -32,7 +32,7 @@ from ced.steps.layout import StepLayout
 from ced.steps.lora_shards import LoraShards
 from ced.steps.parity import torch_runner
 from tritonserver_backend.engines.interface import Arrays
-from tritonserver_backend.engines.torch_engine import run_decoder_rows, run_encoder_rows
+from tritonserver_backend.engines.torch_engine import run_decoder_rows, run_encoder_rows, whole_blocks
 
 ROLES = ("encoder", "decoder")
 
@@ -47,6 +47,7 @@ class ShardSteps:
             raise ValueError(f"role {role!r} must be one of {ROLES}")
         cfg = load_config(model_dir)
         self.role, self.comm = role, comm
+        self.pad = whole_blocks(cfg)
         self.lora = LoraShards(cfg, ParallelLayout(comm.world, comm.rank, expert_parallel))
         self.bank: Arrays = {}
         component = load_parallel_component(role, model_dir, comm, expert_parallel, rank_files=rank_files)
@@ -68,5 +69,5 @@ class ShardSteps:
 
     def step(self, feed: Arrays) -> Arrays:
         if self.role == "encoder":
-            return run_encoder_rows(self._run, feed)
-        return run_decoder_rows(self._run, feed, self.bank)
+            return run_encoder_rows(self._run, feed, self.pad)
+        return run_decoder_rows(self._run, feed, self.bank, self.pad)

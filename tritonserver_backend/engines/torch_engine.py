@@ -26,6 +26,10 @@ from tritonserver_backend.engines.interface import Arrays, StepEngine
 PER_ROW = {"encoder": ("tokens", "start", "rings"),
            "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k",
                        "verify")}
+# a step's positions and its head's rows are padded here to a multiple of this: PyTorch's CPU GEMM (MKL) computes
+# rows in blocks of 4 and the 1 or 2-3 rows left over with other kernels, so a row's bits depend on its place in the
+# GEMM unless every row sits in a whole block (then any row count agrees; measured up to 516 rows)
+GEMM_ROW_BLOCK = 4
 
 
 class TorchEngine(StepEngine):
@@ -68,10 +72,10 @@ class TorchEngine(StepEngine):
         return drafter
 
     def encoder(self, feed: Arrays) -> Arrays:
-        return run_encoder_rows(self._runner("encoder"), feed)
+        return run_encoder_rows(self._runner("encoder"), feed, whole_blocks(self.cfg))
 
     def decoder(self, feed: Arrays) -> Arrays:
-        return run_decoder_rows(self._runner("decoder"), feed, self.lora_bank)
+        return run_decoder_rows(self._runner("decoder"), feed, self.lora_bank, whole_blocks(self.cfg))
 
     def pointer(self, feed: Arrays) -> Arrays:
         return _by_row(self._runner("pointer"), feed, batch_inputs={"h19", "option_mask"})
@@ -82,17 +86,98 @@ class TorchEngine(StepEngine):
         return _by_row(self._runner("drafter"), feed, batch_inputs=set(feed))
 
 
-def run_encoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays) -> Arrays:
-    """An encoder step, row by row (each row's stores and Engram rows are its own)."""
+def whole_blocks(cfg: CEDConfig) -> bool:
+    """Whether steps run padded to whole GEMM row blocks: where the last bits flip greedy tokens, i.e. a checkpoint
+    with the release's runtime fake-quant. Elsewhere (the embedded default) the padding would cost about a fifth of a
+    single stream's decode step on the CPU (64-token turns 3.68 -> 4.42 s, Dec 6) for last bits that leave its tokens
+    as they are (see "Why steps are padded" below)."""
+    return cfg.runtime_fake_quant
+
+
+def run_encoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, pad: bool = False) -> Arrays:
+    """An encoder step, row by row (each row's stores and Engram rows are its own); with `pad` its positions padded
+    to whole GEMM row blocks (`whole_blocks`)."""
     stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_", "engram_rows_"))}
-    return _by_row(run, feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
+    steps = feed["tokens"].shape[1]
+    if not pad or steps % GEMM_ROW_BLOCK == 0:
+        return _by_row(run, feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
+    out = _by_row(run, _pad_encoder_feed(feed, _whole_blocks(steps)), batch_inputs=set(PER_ROW["encoder"]) | stores)
+    return {k: _first_positions(k, v, steps) for k, v in out.items()}
 
 
-def run_decoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, bank: Arrays) -> Arrays:
-    """A decoder step, row by row like every step here, each row with its own one-slot LoRA grid over `bank`."""
+def run_decoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, bank: Arrays, pad: bool = False) -> Arrays:
+    """A decoder step, row by row like every step here, each row with its own one-slot LoRA grid over `bank`; with
+    `pad` its positions and its head's rows (the last position and the verified ones) padded to whole GEMM row blocks
+    (`whole_blocks`)."""
     slots, steps = row_slots(feed), feed["streams"].shape[1]
-    return _by_row(run, {**feed, **bank}, batch_inputs=set(PER_ROW["decoder"]),
-                   row_inputs=lambda b: lora_grid([int(slots[b])], steps))
+    asked = feed["verify"].shape[1]
+    if not pad or (steps % GEMM_ROW_BLOCK == 0 and (1 + asked) % GEMM_ROW_BLOCK == 0):
+        return _by_row(run, {**feed, **bank}, batch_inputs=set(PER_ROW["decoder"]),
+                       row_inputs=lambda b: lora_grid([int(slots[b])], steps))
+    padded = _whole_blocks(steps)
+    out = _by_row(run, {**_pad_decoder_feed(feed, padded), **bank}, batch_inputs=set(PER_ROW["decoder"]),
+                  row_inputs=lambda b: lora_grid([int(slots[b])], padded))
+    # the padded feed verifies the asked positions, then the last real one (whose logits are `logits`), then fill
+    return {**{k: _first_positions(k, v, steps) for k, v in out.items()},
+            "logits": out["verify_logits"][:, asked], "verify_logits": out["verify_logits"][:, :asked]}
+
+
+# Why steps are padded: a speculative step verifies a block of positions in one call, and greedy decoding with drafts
+# gives the plain tokens only if each position's logits are the bits a one-position step gives (docs/speculative.md,
+# "Rollback that writes nothing it must undo"). PyTorch's CPU GEMM computes whole blocks of 4 rows with one kernel
+# and a remainder of 1 or of 2-3 rows with others, so a one-position step and a block differed in the last bits of
+# every GEMM whose rows are positions. On a checkpoint with the release's runtime fake-quant (fp8 GEMM inputs, fp4
+# index keys) such a last bit moves a value across a rounding boundary and the logits by ~1e-2, enough to change
+# greedy tokens (DSpark blocks of 3+ drafts on a release-shaped checkpoint did, from the first verify step). So a
+# step runs padded with inert positions after its real ones to a multiple of `GEMM_ROW_BLOCK`, and the decoder's head
+# reads a multiple of it rows: every such row then takes the whole-block kernel, whatever the step. Exact because a
+# position's outputs depend on it and the positions before it only (the steps' causal rule); the padding is dropped.
+
+
+def _whole_blocks(rows: int) -> int:
+    """`rows` rounded up to a multiple of `GEMM_ROW_BLOCK` (at least one block)."""
+    return max(-(-rows // GEMM_ROW_BLOCK), 1) * GEMM_ROW_BLOCK
+
+
+def _pad_encoder_feed(feed: Arrays, padded: int) -> Arrays:
+    """The encoder feed with positions appended up to `padded`: the last token repeated, no Engram rows. The stores
+    need no room for their entries: those are never visible to the real positions, which see only earlier ones."""
+    B, steps = feed["tokens"].shape
+    extra = padded - steps
+    out = dict(feed)
+    out["tokens"] = np.concatenate((feed["tokens"], np.repeat(feed["tokens"][:, -1:], extra, 1)), 1)
+    for k, v in feed.items():
+        if k.startswith("engram_rows_"):
+            out[k] = np.concatenate((v, np.zeros((B, extra, *v.shape[2:]), v.dtype)), 1)
+    return out
+
+
+def _pad_decoder_feed(feed: Arrays, padded: int) -> Arrays:
+    """The decoder feed with hand-over rows appended up to `padded` positions (zero rows, no top-k entries or
+    candidate blocks: a replay's padding rows, which compute without NaN), its LoRA grid over them, and `verify`
+    extended by the last real position, then by position 0, so that the head reads whole GEMM row blocks."""
+    B, steps = feed["streams"].shape[:2]
+    extra = padded - steps
+    out = dict(feed)
+    for k, fill in (("streams", 0), ("ffn_pre", 0), ("topk", -1), ("candidates", -1)):
+        v = feed[k]
+        out[k] = np.concatenate((v, np.full((B, extra, *v.shape[2:]), fill, v.dtype)), 1)
+    verify = np.concatenate((feed["verify"], np.full((B, 1), steps - 1, np.int64)), 1)
+    fill_rows = _whole_blocks(1 + verify.shape[1]) - 1 - verify.shape[1]  # the head reads 1 + verify rows
+    out["verify"] = np.concatenate((verify, np.zeros((B, fill_rows), np.int64)), 1)
+    return {**out, **lora_grid(row_slots(feed).tolist(), padded)}  # the grid of the padded positions
+
+
+def _first_positions(name: str, value: np.ndarray, steps: int) -> np.ndarray:
+    """A padded step's output cut back to its real positions (`StepLayout`'s output dims: "S" on axis 1, on axis 2
+    for `ring_rows`; a ratio-2 source's new entries, "M_<s>", are the first (steps + 1) // 2)."""
+    if name == "ring_rows":
+        return value[:, :, :steps]
+    if name.startswith(("new_kv_", "new_index_k_")):
+        return value[:, :(steps + 1) // 2]
+    if name in ("logits", "verify_logits"):
+        return value
+    return value[:, :steps]
 
 
 def target_embed_and_head(model_dir: Path, cfg: CEDConfig) -> tuple[nn.Embedding, nn.Linear]:

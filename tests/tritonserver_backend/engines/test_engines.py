@@ -115,3 +115,84 @@ def test_onnx_threads_beyond_one_sleep_instead_of_spinning(monkeypatch) -> None:
     monkeypatch.setenv("MOL2_ORT_SPIN", "1")
     with pytest.raises(RuntimeError, match="does not have"):
         session_options(2).get_session_config_entry(spin)
+
+
+@pytest.fixture(scope="module")
+def release_shaped(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The release-shaped checkpoint of docs/speculative.md's DSpark defect (40 layers, Engram, fp8/fp4 storage and
+    the runtime fake-quant, the release's `mtp.*`), with random adapters and their registry."""
+    from build_engines.formats.release_writer import ReleaseShape, write_random_adapters, write_release_shaped
+
+    root = tmp_path_factory.mktemp("release_shaped")
+    model = write_release_shaped(root / "release", ReleaseShape(dim=64, experts=8, inter=64, dspark_experts=4,
+                                                                engram_vocab=200, shards=2), force=True)
+    write_random_adapters(model, seed=3)
+    ensure_registry(root / "registry", model)
+    return model, root / "registry"
+
+
+@pytest.mark.slow
+def test_the_torch_engine_verifies_a_block_as_one_position_steps_decode_it(release_shaped) -> None:  # type: ignore[no-untyped-def]
+    """A speculative step's `verify_logits` are, position by position and bit for bit, the logits of one-position
+    steps, and its hand-over rows those steps' rows: what lets greedy drafting give the plain tokens. PyTorch's CPU
+    GEMM takes other kernels at 1 and at 2-3 rows than at 4+; before the torch engine padded its steps to 4 positions,
+    the last bits differed and the release's fake-quant grew them into other greedy tokens."""
+    from build_engines.build.onnx_build import random_bank
+    from ced.steps.rows import HANDOVER_FIELDS
+    from ced.steps.step_loop import prefill_and_replay
+
+    engine = open_engine("torch", release_shaped[0], None)
+    layout = engine.layout
+    engine.set_lora_bank(random_bank(layout, slots=2, rank=2))
+    rng = np.random.default_rng(13)
+
+    def step(erow, drow, tokens, verify):  # type: ignore[no-untyped-def]
+        out = engine.encoder(encoder_inputs(layout, [erow], tokens, engram=engine.engram))
+        absorb_encoder(layout, [erow], out, tokens.shape[1], tokens)
+        handover = {k: out[k][0] for k in HANDOVER}
+        drow.absorb(layout, handover)
+        feed = decoder_inputs(layout, [drow], [{f: handover[f] for f in HANDOVER_FIELDS}], [1], verify=verify)
+        result = engine.decoder(feed)
+        absorb_decoder([drow], result, feed, False, [1])
+        return out, result
+
+    for history, block_size in ((13, 4), (36, 4), (37, 6)):  # short and longer contexts, both ratio-2 parities
+        session = prefill_and_replay(layout, engine.encoder, engine.decoder, {},
+                                     rng.integers(0, layout.cfg.vocab_size, history), chunk=16, slot=1,
+                                     engram=engine.engram)
+        block = rng.integers(0, layout.cfg.vocab_size, (1, block_size))
+        out, verified = step(session[0].clone(), session[1].clone(), block, np.arange(block_size)[None])
+        assert verified["logits"].tobytes() == verified["verify_logits"][:, -1].tobytes()
+        erow, drow = session
+        for i in range(block_size):
+            single_out, single = step(erow, drow, block[:, i:i + 1], np.zeros((1, 0), np.int64))
+            assert single["verify_logits"].shape == (1, 0, layout.cfg.vocab_size)
+            assert single["logits"][0].tobytes() == verified["verify_logits"][0, i].tobytes(), (history, i)
+            for name in HANDOVER:
+                assert single_out[name][0, 0].tobytes() == out[name][0, i].tobytes(), (history, i, name)
+
+
+@pytest.mark.slow
+def test_dspark_blocks_leave_greedy_replies_on_a_release_shaped_checkpoint_unchanged(release_shaped) -> None:  # type: ignore[no-untyped-def]
+    """docs/speculative.md's defect, through the in-process serving path on the torch engine: two greedy turns with
+    DSpark drafting blocks of 3 (4 verified positions) equal the plain replies token for token."""
+    from tritonserver_backend.core.drafting import make_drafter
+
+    pipeline = InProcessPipeline(*release_shaped, max_context=2048)
+    replies: dict[int, list[list[int]]] = {}
+    for block in (0, 3):
+        pipeline.drafter = make_drafter("dspark", block, pipeline.engine) if block else None
+        replies[block] = [pipeline.chat(f"s{block}", text, adapter="base", new_session=i == 0,
+                                        params=SamplingParams(max_tokens=12)).token_ids
+                          for i, text in enumerate(("Hello there, how are you?", "Tell me more about that."))]
+    assert replies[3] == replies[0]
+
+
+def test_steps_are_padded_to_whole_gemm_blocks_only_where_last_bits_flip_tokens(release_shaped) -> None:  # type: ignore[no-untyped-def]
+    """The padding costs about a fifth of a CPU decode step, so it is on for checkpoints with the release's runtime
+    fake-quant (where the last bits moved greedy tokens) and off for the embedded default."""
+    from ced.formats.config_file import load_config
+    from tritonserver_backend.engines.torch_engine import whole_blocks
+
+    assert whole_blocks(load_config(release_shaped[0]))
+    assert not whole_blocks(load_config(EMBEDDED))
