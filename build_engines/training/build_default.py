@@ -185,12 +185,13 @@ def main(argv: list[str] | None = None) -> None:
                                              reply_weight=args.reply_weight, first_token_weight=args.first_token_weight)
     structured = (structured_streams(out, args.data, cache, structured_settings, digest)
                   if args.structured_steps > 0 else {})
+    reply_weights = structured_settings.reply_weights(tok.special_ids) if structured else None
     recorded = {k: v for k, v in (_stage_record(out, "structured") or {}).items() if k not in ("adapters", "tokens")}
     if args.structured_steps > 0 and recorded != structured_settings.record():
         t = time.perf_counter()
         structured_work = work / f"structured-{structured_settings.work_key()}"
         history = continue_base(net, mixture, structured, structured_settings, args.batch, args.seq_len,
-                                structured_work, args.seed, structured_settings.reply_weights(tok.special_ids))
+                                structured_work, args.seed, reply_weights)
         timings["structured_training_s"] = time.perf_counter() - t
         (structured_work / "history.json").write_text(json.dumps(history))
         net = _bf16_round_trip(net.cpu(), base_dir).to(device)
@@ -217,8 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = TrainSettings(steps=args.adapter_steps, batch=args.batch, seq_len=args.seq_len, lr=3e-3, warmup=10,
                                  weight_decay=0.0, seed=args.seed + 1, checkpoint_every=40)
         t = time.perf_counter()
-        train_adapter(net, adapter, mixture, settings, work / f"adapter_{name}", target, cfg.name,
-                      structured_settings.reply_weights(tok.special_ids) if structured else None)
+        train_adapter(net, adapter, mixture, settings, work / f"adapter_{name}", target, cfg.name, reply_weights)
         timings[f"adapter_{name}_s"] = time.perf_counter() - t
 
     # ------------------------------------------------------------- answers: request -> answer fine-tuning

@@ -26,17 +26,14 @@ ASSISTANT_MARKER = "<|assistant|>"
 class ReplyWeights:
     opener: int  # the assistant turn's marker
     markers: tuple[int, ...]  # every special token: a turn boundary
-    reply: float = 3.0
-    first: float = 3.0
+    reply: float  # every target inside an assistant turn
+    first: float  # times `reply`: the turn's first token
 
     @classmethod
-    def from_special_ids(cls, special_ids: dict[str, int], reply: float = 3.0, first: float = 3.0) -> "ReplyWeights":
+    def from_special_ids(cls, special_ids: dict[str, int], reply: float, first: float) -> "ReplyWeights":
         if ASSISTANT_MARKER not in special_ids:
             raise ValueError(f"the tokenizer has no {ASSISTANT_MARKER} token: replies cannot be found")
         return cls(special_ids[ASSISTANT_MARKER], tuple(sorted(special_ids.values())), reply, first)
-
-    def record(self) -> dict:
-        return {"reply": self.reply, "first": self.first}
 
     def weights(self, inputs: torch.Tensor) -> torch.Tensor:
         """(batch, T) float weights of the targets inputs[:, t] predicts (inputs[:, t + 1] of the window)."""

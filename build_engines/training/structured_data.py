@@ -202,8 +202,7 @@ class StructuredData:
         """(schema, [user, assistant]) with the assistant's reply the record in JSON: COMPACT, or OBJECT_STYLE for
         `object_style_share` of them."""
         schema = self.schema()
-        style = OBJECT_STYLE if self.object_style_share and self.style_rng.random() < self.object_style_share \
-            else COMPACT
+        style = OBJECT_STYLE if self.style_rng.random() < self.object_style_share else COMPACT
         reply = json.dumps(self.record(schema), ensure_ascii=False, separators=style)
         return schema, [{"role": "user", "content": self.json_request(schema)},
                         {"role": "assistant", "content": reply}]

@@ -70,10 +70,13 @@ class StructuredSettings:
             | {"generator_version": GENERATOR_VERSION, "base_kinds": BASE_KINDS}
 
     def adapter_record(self) -> dict:
-        weights = {k: getattr(self, k) for k in ("reply_weight", "first_token_weight")
-                   if not self._off(k, getattr(self, k))}
         return {"share": self.adapter_share, "agent_share": self.adapter_share + AGENT_EXTRA_SHARE,
-                "kinds": ADAPTER_KINDS} | weights
+                "kinds": ADAPTER_KINDS} | self._loss_weights()
+
+    def _loss_weights(self) -> dict[str, float]:
+        """The reply-weight knobs this recipe turns on (empty: plain next-token loss)."""
+        knobs = {k: getattr(self, k) for k in ("reply_weight", "first_token_weight")}
+        return {k: v for k, v in knobs.items() if not self._off(k, v)}
 
     @staticmethod
     def _off(key: str, value: object) -> bool:
@@ -81,7 +84,7 @@ class StructuredSettings:
 
     def reply_weights(self, special_ids: dict[str, int]) -> ReplyWeights | None:
         """The loss weights of replies for this recipe (None: plain next-token loss)."""
-        if self.reply_weight == 1.0 and self.first_token_weight == 1.0:
+        if not self._loss_weights():
             return None
         return ReplyWeights.from_special_ids(special_ids, self.reply_weight, self.first_token_weight)
 
