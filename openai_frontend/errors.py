@@ -3,6 +3,7 @@ clients act on: 400 retry is pointless, 404 the model id is wrong, 429/503 back 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from tritonserver_backend.auth.session_auth import REFUSAL
@@ -78,8 +79,14 @@ def from_triton(message: str) -> APIError:
     lowered = message.lower()
     for needle, status, kind, code in _TRITON_CLASSES:
         if needle in lowered:
-            return APIError(status, message, kind, code)
+            return APIError(status, message, kind, code, retry_after=_retry_after(lowered))
     return APIError(400, message, "invalid_request_error", None)
+
+
+def _retry_after(lowered: str) -> int:
+    """The server's own hint ("retry after N s", tritonserver_backend.errors.ServerBusy) as Retry-After seconds."""
+    match = re.search(r"retry after (\d+) s", lowered)
+    return max(1, int(match.group(1))) if match else 1
 
 
 def session_refused(error: APIError) -> bool:

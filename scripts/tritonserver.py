@@ -212,6 +212,8 @@ def _supervise_argv(args: argparse.Namespace, pid_file: Path) -> list[str]:
         argv += ["--log-file", str(Path(args.log_file).resolve())]
     if args.health_address:
         argv += ["--health-address", args.health_address]
+    if args.operator_key_file:
+        argv += ["--operator-key-file", str(Path(args.operator_key_file).resolve())]
     if args.openai_port:
         argv += ["--openai-port", str(args.openai_port)]
     for name in args.load_model:

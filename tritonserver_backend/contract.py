@@ -168,12 +168,12 @@ ISSUED_TOKEN = TensorSpec("ISSUED_TOKEN", "BYTES", (1,),
                               "empty")
 GRANT = TensorSpec("GRANT", "BYTES", (1,),
                    doc="the encoder's signature on a turn's hand-over (HMAC under the server's internal key of the "
-                       "session, the first position and when it was issued): the decoder takes hand-over rows only "
-                       "with a fresh one, newer than the session's last")
+                       "session, the first position and when it was issued, which is the turn's id): the decoder "
+                       "takes hand-over rows only with a fresh one, newer than the session's last")
 INTERNAL_KEY = TensorSpec("INTERNAL_KEY", "BYTES", (1,), True,
-                          "the server's internal key, sent by its own models (BLS): with STEP_*, ROLLBACK and "
-                          "DROP_SESSION to the encoder, with CONTROL to the decoder; a client calling those models "
-                          "directly cannot step, roll back, drop or cancel a session")
+                          "the server's internal key, sent by its own models (BLS): with STEP_*, ROLLBACK, "
+                          "CLAIM_TURN and DROP_SESSION to the encoder, with CONTROL to the decoder; a client calling "
+                          "those models directly cannot step, roll back, drop or cancel a session")
 CHECK_TOKEN = TensorSpec("CHECK_TOKEN", "BOOL", (1,), True,
                          "sent by session_control (BLS) with session_id and session_token: answer whether the token "
                          "opens the live session (refusals counted as path=cancel)")
@@ -195,7 +195,15 @@ STEP_DRAFT = TensorSpec("STEP_DRAFT", "BOOL", (1,), True,
                         "with STEP_*: a speculative step; its rows are absorbed at the next call, up to that call's "
                         "STEP_KEEP")
 TURN_DONE = TensorSpec("TURN_DONE", "BOOL", (1,), True,
-                       "with STEP_*: the last tokens of these sessions' turns (their next user turn is welcome)")
+                       "with STEP_*: commit these sessions' turns (their journal records are written and their next "
+                       "user turn is welcome); the decoder sends it with no tokens once it has stored its own side")
+STEP_TURN_IDS = TensorSpec("STEP_TURN_IDS", "INT64", (-1,), True,
+                           "sent by the decoder (BLS) with STEP_*, ROLLBACK or CLAIM_TURN: each session's turn id "
+                           "(its grant's issue time); a call naming a turn no longer in flight is refused (a step) "
+                           "or changes nothing (a rollback)")
+CLAIM_TURN = TensorSpec("CLAIM_TURN", "BOOL", (1,), True,
+                        "sent by the decoder (BLS) when it takes a turn (SESSION_ID, STEP_TURN_IDS): the turn's "
+                        "lease no longer expires; refused when the lease already ended")
 H19 = TensorSpec("H19", "FP32", (1, -1),
                  doc="last encoder layer's streams, mean over hc streams and the user turn: (1, dim)")
 ROUTER_H19 = TensorSpec("H19", "FP32", (-1, -1), doc="(B, dim): the router scores a batch of rows in one call")
@@ -254,8 +262,8 @@ PREPROCESS = ModelSpec("preprocess", (SESSION_ID_IN, TEXT_IN, NEW_SESSION, HISTO
                                       TOP_LOGPROBS, RAW, FORCED_IDS, FORK_FROM),
                        (TOKEN_IDS, PREFIX_IDS, START, ARRIVAL_NS))
 ENCODER = ModelSpec("encoder", (SESSION_ID, TOKEN_IDS, PREFIX_IDS, START, SESSION_TOKEN, DROP_SESSION, ROLLBACK,
-                                STEP_SESSION_IDS, STEP_TOKEN_IDS, STEP_KEEP, STEP_DRAFT, TURN_DONE,
-                                INTERNAL_KEY, CHECK_TOKEN, FORK_FROM, FORK_TOKEN, CACHE_SALT),
+                                STEP_SESSION_IDS, STEP_TOKEN_IDS, STEP_KEEP, STEP_DRAFT, TURN_DONE, STEP_TURN_IDS,
+                                CLAIM_TURN, INTERNAL_KEY, CHECK_TOKEN, FORK_FROM, FORK_TOKEN, CACHE_SALT),
                     (H19, *HANDOVER, ISSUED_TOKEN, GRANT))
 ROUTER = ModelSpec("router", (ROUTER_H19, ROUTER_ADAPTER), (ROUTER_ADAPTER_HASH,))
 # the decoder detokenizes and names the adapter itself: a separate postprocess model cost one more model call (two

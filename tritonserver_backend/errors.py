@@ -24,7 +24,15 @@ class TurnRejected(ServingError):
 
 
 class ServerBusy(ServingError):
-    """Admission control refused the request at once (too many turns in flight); the client should retry later."""
+    """Admission control refused the request at once (too many turns in flight); the client should retry later.
+
+    Served as Triton's UNAVAILABLE: HTTP 503 and gRPC UNAVAILABLE, the codes a client library or a load balancer
+    reads as "try again" (a 500 reads as a server bug). Triton's HTTP server sets no Retry-After header for a model's
+    error, so the message carries the hint (`retry after N s`), and the OpenAI frontend turns it into the header."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(f"{message}; retry after {max(1, round(retry_after_s))} s")
 
 
 class TurnFailed(ServingError):
@@ -34,3 +42,9 @@ class TurnFailed(ServingError):
 
 class TurnCancelled(ServingError):
     """The client cancelled the turn (session_control "cancel")."""
+
+
+class TurnNotDurable(ServingError):
+    """The turn was answered and both sides keep it, but its journal record could not be written (a full or failing
+    disk): the session goes on in memory and will not survive a restart. Sent as the turn's final response, so the
+    client learns it at once; resending the turn would add it twice."""

@@ -16,6 +16,7 @@ from tritonserver_backend.core.drafting import DRAFT_BATCH, check_speculative
 from tritonserver_backend.core.encoder_service import DEFAULT_PREFILL_STEP
 from tritonserver_backend.core.prefix_cache import DEFAULT_BUDGET_BYTES
 from tritonserver_backend.core.scheduler import DEFAULT_REPLAY_BUDGET
+from tritonserver_backend.core.turn_lease import DEFAULT_LEASE_S
 
 DEFAULT_PARAMETERS = {
     "model_dir": "embedded/mol2-small",
@@ -26,6 +27,9 @@ DEFAULT_PARAMETERS = {
     "session_budget_bytes": str(2 << 30),
     "max_active_turns": "32",  # rows of one batched decode step
     "max_queued_turns": "64",  # turns waiting for a row; beyond active + queued a new turn gets "server busy" at once
+    # seconds a turn the encoder handed over waits for the decoder to take it before it is rolled back and its slot
+    # freed (turn_lease.py): only a client that calls the encoder model alone leaves one waiting; 0: never
+    "turn_lease_s": str(int(DEFAULT_LEASE_S)),
     "stream_interval": "1",  # tokens per streamed response (the last one of a turn flushes the rest); docs/load.md
     "decode_lanes": "1",  # 2: one lane's encoder step overlaps the other's decoder step (docs/load.md); 1: one batch
     # positions of bounded replay that starting turns may run in one iteration while others decode (0: no bound)
@@ -76,7 +80,7 @@ PARALLEL = ("tensor_parallel_size", "enable_expert_parallel")
 PYTHON_MODELS_USING = {
     "preprocess": ("model_dir", "registry_root"),
     "encoder": ("model_dir", "registry_root", *ENGINE, *PARALLEL, "max_context", "session_budget_bytes",
-                "max_active_turns", "max_queued_turns", "prefill_chunk", "prefill_tokens_per_step",
+                "max_active_turns", "max_queued_turns", "turn_lease_s", "prefill_chunk", "prefill_tokens_per_step",
                 "prefill_between_steps", "prefix_cache_bytes", "session_auth", "internal_key_file", "session_dir",
                 "session_journal_ttl_s", "session_journal_bytes"),
     "router": ("model_dir", "registry_root", *ENGINE),

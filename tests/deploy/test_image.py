@@ -1,6 +1,7 @@
 """The container image (deploy/docker/Dockerfile): hadolint clean, the entrypoint runs the supervised launcher and the
 tritonserver command line the launcher builds from its flags is the one a pod needs, NGC's base pinned by tag, one
-install path, a non-root user, a health check on the supervisor's ready endpoint.
+install path, a non-root user, a health check on the supervisor's ready endpoint, and a probe that shows peers outside
+the container state only unless they send the pod's admin key.
 
 No image is built here (no Docker engine on these machines): these tests read the Dockerfile. Each check is also run
 on a broken copy to show that it notices.
@@ -290,8 +291,11 @@ def test_the_entrypoint_runs_here_supervised_on_every_interface(tmp_path: Path) 
     import signal
     import time
 
+    from tests.tritonserver_backend.test_health_probe import _own_non_loopback_ipv4
     from tests.tritonserver_backend.test_launcher import make_model_repository
     from tritonserver_backend.launcher.net import free_port
+
+    own = _own_non_loopback_ipv4()  # None: only loopback here, and the remote-peer check is left out
 
     argv = entrypoint(TEXT)[2:]  # tini is PID 1's job in a container, not this test's
     ports = {name: free_port("0.0.0.0") for name in ("--http-port", "--grpc-port", "--metrics-port", "--health-port")}
@@ -312,6 +316,11 @@ def test_the_entrypoint_runs_here_supervised_on_every_interface(tmp_path: Path) 
         assert _get(f"{health}/health/live")[0] == 200
         status = _get(f"{health}/health")[1]
         assert status["state"] == "ready" and status["bind_address"] == "0.0.0.0", status
+        if own is not None:  # a peer outside the container: state only, and the probes as for anyone
+            remote = f"http://{own}:{ports['--health-port']}"
+            public = _get(f"{remote}/health")[1]
+            assert public["view"] == "public" and public["state"] == "ready" and "server_pid" not in public, public
+            assert _get(f"{remote}/health/ready")[0] == 200
         for flag in ("--http-port", "--grpc-port", "--metrics-port", "--health-port"):
             assert _listening(ports[flag]) in ({"0.0.0.0"}, {"::"}), (flag, _listening(ports[flag]))
         server = status["server_pid"]
@@ -324,6 +333,20 @@ def test_the_entrypoint_runs_here_supervised_on_every_interface(tmp_path: Path) 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_probe_on_every_interface_takes_the_pods_admin_key_as_operator_key(tmp_path: Path) -> None:
+    """The probe listens on 0.0.0.0 (the kubelet is not loopback), so /health shows other peers state only; the full
+    status needs the operator key. The entrypoint names no key file, so the supervisor takes the one the pod's
+    repository gives adapter_admin: the 0600 copy of the admin-key Secret (deploy/layout.py), no second secret."""
+    from deploy.render_repository import render
+    from tritonserver_backend.launcher.supervise import operator_key_file_for
+
+    args, problems = parse_entrypoint(entrypoint(TEXT))
+    assert args is not None, problems
+    assert args.health_address == "0.0.0.0" and args.operator_key_file is None
+    repo = render(tmp_path / "model_repository")  # the image's RUN python -m deploy.render_repository, here
+    assert operator_key_file_for(repo) == Path(str(layout.ADMIN_KEY_FILE))
 
 
 def test_a_restarted_container_is_not_refused_by_its_own_old_pid_file(tmp_path: Path) -> None:

@@ -25,4 +25,4 @@ def routed_request(pipeline: InProcessPipeline, session: str, text: str, max_tok
     encoded = pipeline.encoder.encode_turn(session, ids, prefix, start)
     h19, handover = encoded.h19, encoded.handover
     adapter = pipeline.router.route([h19], [None])[0]
-    return TurnStart(session, handover, int(adapter), SamplingParams(max_tokens=max_tokens))
+    return TurnStart(session, handover, int(adapter), SamplingParams(max_tokens=max_tokens), turn_id=encoded.turn_id)

@@ -49,6 +49,7 @@ from tritonserver_backend.launcher import (
 )
 from tritonserver_backend.launcher.install import STUB_NAME
 from tritonserver_backend.launcher.logs import logged_shm_regions
+from tritonserver_backend.launcher.net import repository_index
 from tritonserver_backend.launcher.process import SHM_DIR, SHM_REGION_NAME, proc_info, regions_in_use
 from tritonserver_backend.launcher.record import (
     ServerRecord,
@@ -521,8 +522,14 @@ def test_explicit_mode_loads_only_the_named_models(tmp_path: Path) -> None:
         try:
             assert client.is_model_ready("add_one")
             assert not client.is_model_ready("stream_n")
+            # what the supervisor reads to tell an unload from a death: a model never loaded has no state yet
+            assert {"name": "stream_n"} in (repository_index(srv.http_port) or [])
             client.load_model("stream_n")
             assert client.is_model_ready("stream_n")
+            client.unload_model("add_one")
+            wait_until(lambda: {"name": "add_one", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+                       in (repository_index(srv.http_port) or []), 30, "add_one to read as unloaded")
+            assert {"name": "stream_n", "version": "1", "state": "READY"} in (repository_index(srv.http_port) or [])
         finally:
             client.close()
     assert not pid_alive(srv.process.pid)

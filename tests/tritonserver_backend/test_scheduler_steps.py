@@ -36,12 +36,14 @@ def test_tokens_stream_while_the_encoder_call_runs(pipeline) -> None:  # type: i
     waited: list[bool] = []
 
     class WaitingPort(DirectEncoderPort):
-        def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool) -> list[Handover]:
-            if not turn_done:
+        def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, *args, **kwargs) -> list[Handover]:  # type: ignore[no-untyped-def]
+            # a token step runs on the encoder-call thread while its tokens stream; a turn's trailing tokens and its
+            # commit are sent from the scheduler's own thread once the turn has ended
+            if threading.current_thread().name.startswith("mol2-encoder-call"):
                 waited.append(all_streamed.wait(timeout=10))
                 all_streamed.clear()
                 streamed_this_step.clear()
-            return super().step(session_ids, tokens, turn_done)
+            return super().step(session_ids, tokens, turn_done, *args, **kwargs)
 
     def emit(turn: Turn, token: int, reason: str) -> bool:
         if token >= 0:

@@ -8,8 +8,10 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 import tritonclient.grpc  # noqa: F401 - the serve extra installs it: a broken install must fail, not skip
 
@@ -23,11 +25,13 @@ from tritonserver_backend.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 LONG = 1500  # tokens: a turn that runs for seconds
+LEASE_S = 4  # the small server's turn lease: how long a turn nobody continues may hold its slot
 
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    server = start_server(tmp_path_factory.mktemp("load"), default_engines, max_active_turns="2", max_queued_turns="1")
+    server = start_server(tmp_path_factory.mktemp("load"), default_engines, max_active_turns="2", max_queued_turns="1",
+                          turn_lease_s=str(LEASE_S))
     yield server
     server.stop()
 
@@ -66,6 +70,73 @@ def _decisions_written(server) -> float:  # type: ignore[no-untyped-def]
     text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("mol2_routing_decisions_written"))
+
+
+def _direct_encoder_turn(server, session: str) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+    """A user turn sent straight to the `encoder` model over HTTP, as a client with no key can: -> (status, body)."""
+    body = {"inputs": [{"name": "session_id", "shape": [1], "datatype": "BYTES", "data": [session]},
+                       {"name": "TOKEN_IDS", "shape": [3], "datatype": "INT64", "data": [10, 11, 12]},
+                       {"name": "PREFIX_IDS", "shape": [0], "datatype": "INT64", "data": []},
+                       {"name": "START", "shape": [1], "datatype": "BOOL", "data": [True]}]}
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/encoder/infer",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_turns_nobody_continues_cannot_lock_the_server(small_server) -> None:  # type: ignore[no-untyped-def]
+    """200 turns sent straight to the encoder, never continued to the decoder (issue 63: 96 of them used to lock
+    every user out until a restart). They take the slots; while they hold them the refusal is "server busy" with a
+    retry hint, as HTTP 503 (`infer`) and gRPC UNAVAILABLE, never 500 (Triton's `generate` extension answers any
+    model error with 400); once their lease has passed, turns through `mol2` are served again, and the metric counts
+    the expired leases."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    statuses = [_direct_encoder_turn(small_server, f"ghost-{i}") for i in range(200)]
+    accepted = [s for s, _ in statuses if s == 200]
+    refused = [(s, text) for s, text in statuses if s != 200]
+    assert len(accepted) == 3, statuses[:5]  # the bound: 2 active rows + 1 queued
+    assert all(s == 503 and "server busy" in text and "retry after" in text for s, text in refused), refused[:3]
+    request = urllib.request.Request(f"http://{small_server.http_url}/v2/models/mol2/generate", data=json.dumps(
+        {"session_id": "after-ghosts", "text": "Hello?", "new_session": True, "max_tokens": 4,
+         "stream": False}).encode())
+    with pytest.raises(urllib.error.HTTPError) as busy:
+        urllib.request.urlopen(request, timeout=60)
+    answer = busy.value.read().decode()  # Triton's generate extension answers every model error with 400
+    assert "server busy" in answer and "retry after" in answer, (busy.value.code, answer)
+    refused_chat = GrpcChat(small_server.grpc_url).turn(TurnRequest("after-ghosts", "Hello?", new_session=True,
+                                                                     max_tokens=4), timeout=60)
+    assert refused_chat.error is not None and "retry after" in refused_chat.error, refused_chat
+    client = grpcclient.InferenceServerClient(small_server.grpc_url)
+    values = {"session_id": np.asarray([b"ghost-grpc"], object), "TOKEN_IDS": np.asarray([10, 11, 12], np.int64),
+              "PREFIX_IDS": np.zeros(0, np.int64), "START": np.asarray([True])}
+    inputs = []
+    for name, value in values.items():
+        datatype = {"O": "BYTES", "i": "INT64", "b": "BOOL"}[value.dtype.kind]
+        tensor = grpcclient.InferInput(name, list(value.shape), datatype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    with pytest.raises(InferenceServerException) as unavailable:
+        client.infer("encoder", inputs)
+    assert unavailable.value.status() == "StatusCode.UNAVAILABLE" and "retry after" in str(unavailable.value)
+    chat = GrpcChat(small_server.grpc_url)
+
+    def served() -> bool:
+        reply = chat.turn(TurnRequest("after-ghosts", "Hello?", new_session=True, max_tokens=4), timeout=60)
+        assert reply.error is None or "server busy" in reply.error, reply
+        return reply.error is None and bool(reply.token_ids)
+
+    wait_until(served, 3 * LEASE_S + 30, "a turn through mol2 served once the abandoned turns' leases passed",
+               interval=0.5)
+    chat.close()
+    text = urllib.request.urlopen(small_server.metrics_url, timeout=10).read().decode()
+    expired = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith('mol2_turn_leases_ended{how="expired"}'))
+    assert expired >= 3
 
 
 def test_beyond_the_bounds_a_turn_gets_server_busy_at_once(small_server) -> None:  # type: ignore[no-untyped-def]

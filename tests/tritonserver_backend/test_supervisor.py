@@ -1,9 +1,12 @@
 """tritonserver_backend.launcher.supervisor: restart a tritonserver whose Python-backend stub (or itself) died.
 
-Fast tests: the restart policy's back-off, give-up and quiet-period reset, and the health probe's answers in each
-state. Slow tests (a real tritonserver on the tiny repository of test_launcher: `add_one` and the decoupled `stream_n`,
-two stubs): SIGKILL a stub and watch the supervisor notice, heal and serve again leaving no region of the killed
-server behind; kill it again and again and watch it give up.
+Fast tests: the restart policy's back-off, give-up and quiet-period reset, the health probe's answers in each
+state, the bound on the faults kept, and how Triton's repository index decides whether an ended stub died. Slow tests
+(a real tritonserver on the tiny repository of test_launcher: `add_one` and the decoupled `stream_n`, two stubs):
+SIGKILL a stub and watch the supervisor notice, heal and serve again leaving no region of the killed server behind;
+kill it again and again and watch it give up; in explicit mode, load, load again and unload models through Triton's
+repository API without a restart, then heal a killed stub of a model that is still loaded. (The probe's access rules
+and connection limits: test_health_probe.py.)
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tests.tritonserver_backend.test_launcher import (
     _write_model,
     make_model_repository,
 )
-from tests.waiting import wait_until
+from tests.waiting import holds_for, wait_until
 from tritonserver_backend.launcher import (
     TritonServer,
     free_port,
@@ -40,8 +43,9 @@ from tritonserver_backend.launcher import (
     pid_alive,
     stop_pid,
 )
+from tritonserver_backend.launcher.companion import Companion
 from tritonserver_backend.launcher.health_probe import HealthProbe, answer
-from tritonserver_backend.launcher.process import SHM_DIR, SHM_REGION_NAME
+from tritonserver_backend.launcher.process import SHM_DIR, SHM_REGION_NAME, stub_instance_name
 from tritonserver_backend.launcher.record import StubSeen
 from tritonserver_backend.launcher.restart_policy import RestartPolicy
 from tritonserver_backend.launcher.supervise import openai_frontend
@@ -49,10 +53,14 @@ from tritonserver_backend.launcher.supervisor import (
     COMPANION_EXITED,
     GAVE_UP,
     HEALING,
+    MAX_FAULTS_KEPT,
     READY,
+    REFRESH_S,
     STUB_EXITED,
+    Fault,
     Supervisor,
     model_of,
+    model_state,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +113,11 @@ def test_probe_answers_for_each_state(state: str, triton: bool, live: int, ready
     code, body = answer("/health/ready", status, triton_ready)
     assert code == ready and body["ready"] is (ready == 200)
     assert bool(asked) is (state == "ready")  # Triton is asked only when the supervisor itself is ready
-    assert answer("/health", status, triton_ready) == (200, status)
+    assert answer("/health", status, triton_ready, full=True) == (200, status)
+    code, public = answer("/health", status, triton_ready)  # the default is the public view
+    assert code == 200 and public["state"] == state and public["view"] == "public"
+    assert public["live"] is (live == 200) and public["ready"] is (ready == 200)
+    assert public["gave_up"] is (state == "gave_up") and "give_up_reason" not in public
     assert answer("/nope", status, triton_ready)[0] == 404
 
 
@@ -119,7 +131,7 @@ def _get(url: str, timeout: float = 2.0) -> tuple[int, Any, str]:
 
 def test_probe_serves_json_over_http() -> None:
     status = {"state": "healing", "faults": [{"model": "decoder"}]}
-    probe = HealthProbe(lambda: status, lambda: True).start()
+    probe = HealthProbe(lambda: status, lambda: True).start()  # on loopback: this test's requests get it all
     try:
         assert probe.port > 0
         assert _get(f"{probe.url}/health/ready")[:2] == (503, {"ready": False, "state": "healing"})
@@ -135,6 +147,49 @@ def test_model_of_reads_the_stub_argument() -> None:
     assert model_of(StubSeen(pid=1, start_ticks=1, model="/r/model_repository/decoder/1/model.py")) == "decoder"
     assert model_of(StubSeen(pid=1, start_ticks=1, model="odd")) == "odd"
     assert model_of(StubSeen(pid=1, start_ticks=1)) == "?"
+
+
+def test_stub_instance_name_tells_an_instance_from_a_config_stub() -> None:
+    """Argv words as /proc showed them for Triton 2.51's stubs (an instance, then the stub that completes a config)."""
+    head = ["/w/backends/python/triton_python_backend_stub", "/r/add_one/1/model.py",
+            "triton_python_backend_shm_region_23f9c35c", "1048576", "1048576", "4630", "/w/backends/python", "336"]
+    assert stub_instance_name([*head, "add_one_0_0", "DEFAULT"]) == "add_one_0_0"
+    assert stub_instance_name([*head, "add_one", "DEFAULT"]) == "add_one"
+    assert stub_instance_name(["/usr/bin/python3", *head[1:], "add_one_0_0"]) is None  # not a stub
+    assert stub_instance_name(head) is None  # too short: no name to read
+
+
+# Triton 2.51's POST /v2/repository/index as seen from this machine: a model never loaded has no version or state
+INDEX = [{"name": "add_one", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"},
+         {"name": "stream_n", "version": "1", "state": "READY"}, {"name": "drip"},
+         {"name": "enc", "version": "1", "state": "UNLOADING"}, {"name": "enc", "version": "2", "state": "READY"}]
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ("/r/add_one/1/model.py", ("UNAVAILABLE", "unloaded")), ("/r/stream_n/1/model.py", ("READY", None)),
+    ("/r/drip/1/model.py", (None, None)), ("/r/gone/1/model.py", (None, None)),
+    ("/r/enc/1/model.py", ("UNLOADING", None)), ("/r/enc/2/model.py", ("READY", None)),
+])
+def test_model_state_reads_the_stubs_model_and_version(model: str, expected: tuple[str | None, str | None]) -> None:
+    assert model_state(INDEX, StubSeen(pid=1, start_ticks=1, model=model)) == expected
+
+
+def _bare_supervisor(tmp_path: Path, **kwargs: Any) -> Supervisor:
+    """A supervisor that is never run (no server): for what it records and reports."""
+    return Supervisor(lambda: TritonServer(work_dir=tmp_path / "unused"), {"model_repository": tmp_path},
+                      health_port=None, **kwargs)
+
+
+def test_the_faults_kept_are_bounded_and_all_are_counted(tmp_path: Path) -> None:
+    sup = _bare_supervisor(tmp_path)
+    for i in range(3 * MAX_FAULTS_KEPT + 5):
+        sup._record_fault(Fault("decoder", 1000 + i, STUB_EXITED, float(i)))
+    status = sup.status()
+    assert sup.faults_total == status["faults_total"] == 3 * MAX_FAULTS_KEPT + 5
+    assert len(sup.faults) == len(status["faults"]) == MAX_FAULTS_KEPT == status["faults_kept"]
+    assert [f["pid"] for f in status["faults"]] == list(range(1000 + 2 * MAX_FAULTS_KEPT + 5, 1000 + 3 * MAX_FAULTS_KEPT
+                                                                + 5))  # the newest, in order
+    assert answer("/health", status, lambda: True)[1]["faults_total"] == 3 * MAX_FAULTS_KEPT + 5
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -177,13 +232,14 @@ def _regions() -> set[Path]:
     return set(SHM_DIR.glob(f"{SHM_REGION_NAME}*"))
 
 
-def _supervisor(tmp_path: Path, drip: bool = False, **kwargs: Any) -> Supervisor:
+def _supervisor(tmp_path: Path, drip: bool = False, start: dict[str, Any] | None = None, **kwargs: Any) -> Supervisor:
     install = _need_server()
     work = tmp_path / "work"
     repo = make_model_repository(tmp_path)
     if drip:
         _write_model(repo, "drip", DRIP_CONFIG, DRIP_MODEL)
-    return Supervisor(lambda: TritonServer(install, work_dir=work), dict(model_repository=repo, exit_timeout=2),
+    return Supervisor(lambda: TritonServer(install, work_dir=work),
+                      dict(model_repository=repo, exit_timeout=2, **(start or {})),
                       state_file=work / "supervisor.json", ready_timeout=READY_TIMEOUT, stop_grace=5.0, **kwargs)
 
 
@@ -365,3 +421,96 @@ def test_the_openai_frontend_is_started_and_restarted_alone(tmp_path: Path) -> N
     finally:
         sup.stop()
     assert sup.companion is not None and not sup.companion.running()
+
+
+@pytest.mark.slow
+def test_faults_stay_bounded_through_restarts_until_it_gives_up(tmp_path: Path) -> None:
+    """A frontend that exits at once, restarted until the policy gives up: every failed restart is a fault, more than
+    are kept; the status keeps the newest and counts all, and the give-up reason still names the last ones."""
+    port = free_port()
+
+    def flaky(start_kwargs: dict[str, Any]) -> Companion:
+        return Companion("flaky", ["/bin/sh", "-c", "exit 3"], tmp_path / "flaky.log", port=port)
+
+    restarts = MAX_FAULTS_KEPT + 6
+    sup = _bare_supervisor(tmp_path, companion=flaky, heal_grace=1.0,
+                           policy=RestartPolicy(max_restarts=restarts, window_s=3600, delays=(0,)))
+    assert sup._heal(Fault("flaky", None, COMPANION_EXITED, time.time())) is False
+    assert sup.state == GAVE_UP and sup.restarts == restarts
+    assert sup.faults_total == restarts + 1 and len(sup.faults) == MAX_FAULTS_KEPT
+    status = sup.status()
+    assert status["faults_total"] == restarts + 1 and len(status["faults"]) == MAX_FAULTS_KEPT
+    assert all(f["kind"] == COMPANION_EXITED and "exited with code 3" in f["detail"] for f in status["faults"][1:])
+    assert f"gave up: {restarts + 1} faults within 3600 s" in (sup.give_up_reason or "")
+
+
+def _http_client(server: TritonServer) -> Any:
+    import tritonclient.http as httpclient
+
+    return httpclient.InferenceServerClient(server.http_url, network_timeout=120.0)
+
+
+def _watched(sup: Supervisor, model: str) -> list[int]:
+    return [w["pid"] for w in sup.status()["watching"] if w["model"] == model]
+
+
+def _watched_instead(sup: Supervisor, model: str, old: int) -> list[int]:
+    """The stubs of ``model`` watched now, once ``old`` is no longer among them (else [])."""
+    pids = _watched(sup, model)
+    return [] if old in pids else pids
+
+
+@pytest.mark.slow
+def test_explicit_loads_reloads_and_unloads_are_followed_without_a_restart(tmp_path: Path) -> None:
+    """Explicit mode: a model loaded through Triton's repository API is watched once READY; loading a loaded model
+    again (Triton replaces its stub) and unloading it end stubs on purpose, which cost no restart; a killed stub of a
+    model that is still loaded is healed, and the restarted server has the models that were loaded, not the
+    unloaded one."""
+    sup = _supervisor(tmp_path, start=dict(model_control_mode="explicit", load_models=["add_one"]))
+    stubs: list[int] = []
+    try:
+        sup.start_thread()
+        sup.wait_state(READY, timeout=READY_TIMEOUT)
+        server = sup.server
+        assert server is not None
+        first_pid = server.pid
+        [add_one] = wait_until(lambda: _watched(sup, "add_one"), 5, "add_one's stub to be watched")
+        client = _http_client(server)
+        try:
+            client.load_model("stream_n")  # returns once it is loaded
+            [stream_n] = wait_until(lambda: _watched(sup, "stream_n"), 15, "the stub of stream_n to be watched")
+            stubs = _stubs_of(first_pid)
+
+            client.load_model("add_one")  # loaded again: Triton starts a new stub, then ends the old one
+            wait_until(lambda: not pid_alive(add_one), 30, "the replaced add_one stub to end")
+            [again] = wait_until(lambda: _watched_instead(sup, "add_one", add_one), 15,
+                                 "the old add_one stub unwatched, the new one watched")
+            assert again != add_one
+            assert sup.restarts == 0 and sup.faults_total == 0 and sup.server.pid == first_pid, sup.status()["faults"]
+
+            client.unload_model("add_one")
+            wait_until(lambda: not pid_alive(again), 30, "add_one's stub to end after the unload")
+            wait_until(lambda: not _watched(sup, "add_one"), 5, "add_one to be no longer watched")
+            holds_for(lambda: sup.state == READY and sup.restarts == 0 and sup.faults_total == 0
+                      and sup.server is not None and sup.server.pid == first_pid, 2 * REFRESH_S + 1,
+                      "no restart, no fault after a reload and an unload")
+            assert client.is_model_ready("stream_n") and not client.is_model_ready("add_one")
+        finally:
+            client.close()
+        assert sup.start_kwargs["load_models"] == ["stream_n"]  # what a restart loads now
+
+        os.kill(stream_n, signal.SIGKILL)  # a model still loaded: a death, as in mode none
+        sup.wait_state(HEALING, timeout=5)
+        sup.wait_state(READY, timeout=60)
+        assert sup.restarts == 1 and sup.server is not None and sup.server.pid != first_pid
+        [fault] = sup.faults
+        assert fault.model == "stream_n" and fault.pid == stream_n and fault.kind == STUB_EXITED
+        client = _http_client(sup.server)
+        try:  # the restarted server followed the load of stream_n and the unload of add_one
+            assert client.is_model_ready("stream_n") and not client.is_model_ready("add_one")
+        finally:
+            client.close()
+    finally:
+        sup.stop()
+        _kill_quietly(stubs)
+    assert sup.exit_code == 0

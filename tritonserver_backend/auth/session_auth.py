@@ -177,11 +177,15 @@ class InternalKey:
         message = f"{session_id}\x00{first_position}\x00{issued_ns}".encode("utf-8")
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
-    def grant(self, session_id: str, first_position: int) -> str:
+    def grant(self, session_id: str, first_position: int, turn_id: int = 0) -> str:
         """The encoder's signature on a turn's hand-over: this session, rows from this position on, issued now
-        (strictly later than any grant before it, so the decoder can take each grant once and in order)."""
+        (strictly later than any grant before it, so the decoder can take each grant once and in order). `turn_id`
+        (the turn's lease, turn_lease.py: itself the encoder's clock at the hand-over) is signed as the issue time,
+        so the decoder learns the turn's id from the grant it checks anyway."""
         with self._lock:
-            self._last_ns = issued = max(time.time_ns(), self._last_ns + 1)
+            if turn_id and turn_id <= self._last_ns:
+                raise ValueError(f"turn id {turn_id} is not newer than this key's last grant ({self._last_ns})")
+            self._last_ns = issued = int(turn_id) if turn_id else max(time.time_ns(), self._last_ns + 1)
         return f"{issued}:{self._mac(session_id, first_position, issued)}"
 
     def verify(self, grant: str | None, session_id: str, first_position: int, ttl_s: float = GRANT_TTL_S) -> int:

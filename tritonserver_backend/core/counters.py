@@ -20,6 +20,12 @@ REPLAY, DECODE = "replay", "decode"
 TURNS_REFUSED = "turns_refused"
 BUSY, CONTEXT_LIMIT = "busy", "context_limit"
 REFUSAL_REASONS = (BUSY, CONTEXT_LIMIT)
+# turns in flight that ended without being committed or rolled back by their decoder (turn_lease.py), labelled by how:
+# EXPIRED (handed over, never claimed within the lease: a client that called the encoder alone) or EVICTED (the
+# session was evicted for the memory budget while its turn was in flight)
+TURN_LEASES_ENDED = "turn_leases_ended"
+LEASE_EXPIRED, LEASE_EVICTED = "expired", "evicted"
+LEASE_ENDINGS = (LEASE_EXPIRED, LEASE_EVICTED)
 # requests refused for a missing or wrong session token, labelled by the path they came by (session_auth.py)
 TOKEN_REFUSALS = "session_token_refusals"
 PATH_TURN, PATH_CANCEL = "turn", "cancel"
@@ -36,6 +42,7 @@ PREFIX_HIT_TOKENS, PREFIX_EVICTIONS = "prefix_cache_hit_tokens", "prefix_cache_e
 PREFIX_SHARED, PREFIX_SALTED = "shared", "salted"
 PREFIX_PARTITIONS = (PREFIX_SHARED, PREFIX_SALTED)
 DESCRIPTIONS = {
+    TURN_LEASES_ENDED: "turns in flight ended by the encoder, not their decoder (expired unclaimed, session evicted)",
     WRITTEN: "routing decisions written by the router (explicit overrides included)",
     READ: "routing decisions read by the decoder",
     APPLIED: "routing decisions applied by the decoder (adapter active, replay done)",

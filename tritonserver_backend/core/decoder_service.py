@@ -107,6 +107,7 @@ class Turn:
     block: "SpeculativeBlock | None" = None  # the speculative step whose tokens are not chosen yet (`choose_block`)
     keep: int = -1  # positions of the last speculative step to keep, for the encoder's next call (-1: none waiting)
     draft_ring: DraftRing | None = None  # DSpark's rows of this turn's context (engines with a drafter)
+    turn_id: int = 0  # the encoder's lease of this turn (TurnStart.turn_id), named on every encoder call for it
 
     @property
     def drafts_allowed(self) -> bool:
@@ -385,12 +386,22 @@ class DecoderService:
         turn.fed += keep
         turn.keep, turn.block = keep, None
 
-    def finish(self, turn: Turn, trailing: Handover) -> None:
+    def finish(self, turn: Turn, trailing: Handover) -> DecoderRow | None:
         """The turn is over: absorb its trailing rows (so the next turn continues a well-formed conversation) and
-        store the session."""
+        store the session -> what was stored before (None: nothing), for `restore` should the encoder's commit
+        fail."""
         turn.row.absorb(self.layout, trailing)
+        previous = self.sessions.peek(turn.session_id)
         self.sessions.put(turn.session_id, turn.row)
         self.release(turn)
+        return previous
+
+    def restore(self, session_id: str, previous: DecoderRow | None) -> None:
+        """Undo `finish`: the session as it was before the turn (the encoder rolled the turn back)."""
+        if previous is None:
+            self.sessions.end(session_id)
+        else:
+            self.sessions.put(session_id, previous)
 
     def release(self, turn: Turn) -> None:
         self.busy.discard(turn.session_id)

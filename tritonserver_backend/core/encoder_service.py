@@ -4,8 +4,18 @@ Two kinds of call. A user turn (one session, the turn's tokens, and on a (re)sta
 and taken in flight (`begin_turn`), prefilled piece by piece (`advance_turn`, which a server interleaves with the
 other calls: prefill_queue.py) and handed over (`finish_turn`); `encode_turn` does all three at once. The decoder's
 per-step call (`encode_step`: every active session's newest token in one batch) runs as one batched step. Each
-session has at most one turn in flight: from its user turn until the decoder reports the turn done (or rolls it
-back), a second turn for it is refused, and the number of turns in flight is the admission bound.
+session has at most one turn in flight: from its user turn until the decoder commits the turn (or rolls it back), a
+second turn for it is refused, and the number of turns in flight is the admission bound.
+
+Each turn in flight is one `TurnLease` (turn_lease.py): its slot, its pins on the prefix cache, the state a rollback
+restores, its unjournaled tokens and its waiting speculative step. A handed-over turn whose decoder does not claim it
+within the lease (`lease_s`) is rolled back and its slot freed, so a client that calls the encoder alone cannot hold
+slots; every way a turn ends (committed, rolled back, expired, abandoned, its session evicted or ended) gives all of it
+back in one place (`_release`).
+
+One commit per turn: the decoder feeds a turn's last tokens (`encode_step`), stores its own side, and only then
+commits the turn here (`encode_step` with `turn_done` and no tokens): a failure in between is rolled back on both sides
+(`rollback` with the turn's id), so encoder and decoder never disagree on a session's length.
 
 A starting session takes the longest cached prefix of its tokens from the prefix cache (prefix_cache.py), and between
 its turns rests on it, holding only its own state (resting_rows.py).
@@ -19,6 +29,7 @@ the session token it always had.
 from __future__ import annotations
 
 import hmac
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,10 +42,26 @@ from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.handover import MAX_DECODE_LANES, Handover
 from tritonserver_backend.core.prefix_cache import PrefixCache, PrefixEntry, check_salt
 from tritonserver_backend.core.resting_rows import RestingRow, rest, wake
-from tritonserver_backend.core.session_journal import SessionJournal
+from tritonserver_backend.core.session_journal import MAX_SESSION_ID_BYTES, SessionJournal
 from tritonserver_backend.core.session_store import SessionStore
+from tritonserver_backend.core.turn_lease import (
+    ABANDONED,
+    CLAIMED,
+    DONE,
+    ENDED,
+    EVICTED,
+    EXPIRED,
+    HANDED_OVER,
+    ROLLED_BACK,
+    DraftBlock,
+    LeaseTable,
+    TurnIds,
+    TurnLease,
+)
 from tritonserver_backend.engines import StepEngine
-from tritonserver_backend.errors import BadRequest, ServerBusy, UnknownSession
+from tritonserver_backend.errors import BadRequest, ServerBusy, TurnNotDurable, UnknownSession
+
+LOG = logging.getLogger("mol2")
 
 DEFAULT_MAX_CONTEXT = 8192
 DEFAULT_PREFILL_CHUNK = 256
@@ -43,22 +70,17 @@ DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_PREFILL_STEP = 64
 
 
-@dataclass
-class _InFlight:
-    before: EncoderRow | None  # the state before the user turn (None: the turn started the session)
-    token_before: str | None = None  # the session's token digest before the turn (None: it had none)
-    h19_before: np.ndarray | None = None  # the session's last turn's H19 before the turn (what a fork routes on)
-    base_before: PrefixEntry | None = None  # the cached prefix the session rested on before the turn
-
-
-@dataclass
-class _DraftBlock:
-    """A speculative step's outputs for one session, not absorbed yet: the next step call says how many of its
-    positions to keep (the last fed token and the accepted drafts), and only those are written (`absorb_encoder`'s
-    `keep`: the state is then that of a session that never saw the rest)."""
-
-    out: dict[str, np.ndarray]  # the step's outputs, this session's row only (1, …)
-    tokens: np.ndarray  # (1, S)
+def check_session_id(session_id: object) -> str:
+    """A request's session id: a non-empty string of at most `MAX_SESSION_ID_BYTES` UTF-8 bytes."""
+    if not isinstance(session_id, str) or not session_id:
+        raise BadRequest("session_id must be a non-empty string")
+    try:
+        size = len(session_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise BadRequest("session_id is not valid Unicode text") from None
+    if size > MAX_SESSION_ID_BYTES:
+        raise BadRequest(f"session_id is {size} bytes long; at most {MAX_SESSION_ID_BYTES} are accepted")
+    return session_id
 
 
 @dataclass(frozen=True)
@@ -69,6 +91,7 @@ class EncodedTurn:
     h19: np.ndarray
     handover: Handover
     issued_token: str = ""
+    turn_id: int = 0  # the turn's lease (turn_lease.py): the decoder names it when it claims, steps, commits
 
 
 @dataclass
@@ -77,7 +100,7 @@ class TurnPrefill:
     prefill and how many are done (a prefix cache hit counts as done), and the hand-over rows so far."""
 
     session_id: str
-    flight: _InFlight  # its entry in the turns in flight (a session ended meanwhile no longer holds it)
+    lease: TurnLease  # its hold on the encoder (a session ended meanwhile no longer holds it)
     row: EncoderRow
     ids: np.ndarray  # every token to encode: the history and the turn on a (re)start, else the turn
     new: int  # the turn's own tokens (the last `new` of `ids`): what H19 is pooled over
@@ -101,13 +124,15 @@ class EncoderService:
     def __init__(self, engine: StepEngine, budget_bytes: int = 2 << 30, max_context: int = DEFAULT_MAX_CONTEXT,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, max_turns: int = 0, counters: Counters | None = None,
                  session_auth: bool = True, prefix_cache_bytes: int = 0,
-                 journal: SessionJournal | None = None) -> None:
+                 journal: SessionJournal | None = None, lease_s: float = 0.0) -> None:
         """`max_turns` bounds the turns in flight (active + queued at the decoder); 0 = no bound. `counters` count the
         tokens encoded (what shows that a continued conversation encodes only its new turn). `session_auth`: a
         session's later turns need the token issued when it started (session_auth.py); off only for a trusted
         single-tenant deployment. `prefix_cache_bytes`: the prefix cache's budget (prefix_cache.py; 0: off), beside
         the session budget; its block is the prefill chunk. `journal`: where completed turns are written and lost
-        sessions are resumed from (None: sessions live in memory only)."""
+        sessions are resumed from (None: sessions live in memory only). `lease_s`: how long a handed-over turn waits
+        for its decoder's claim before it is rolled back and its slot freed (turn_lease.py; 0: never, for a caller
+        that runs both halves of every turn itself and never claims)."""
         self.engine, self.layout, self.cfg = engine, engine.layout, engine.cfg
         # opened now, not at the first turn: the token map is a pass over the vocabulary, and a checkpoint without its
         # Engram tables should fail at start-up
@@ -118,19 +143,16 @@ class EncoderService:
                                                                             on_drop=self._dropped)
         self._bases: dict[str, PrefixEntry] = {}  # session -> the cached prefix it rests on (pinned in the cache)
         self.arena = ArenaPool(MAX_DECODE_LANES)  # each decode lane's stacked state, kept between its steps
-        self._in_flight: dict[str, _InFlight] = {}
+        self.leases = LeaseTable(max_turns, lease_s)  # the turns in flight, one per session (turn_lease.py)
+        self._turn_ids = TurnIds()
         self.tokens = SessionTokens(session_auth)
         self.counters = counters or Counters()
         self._uncounted_steps = 0  # step tokens encoded since the last flush (see encode_step)
         # each live session's last turn's H19 (what a fork without new tokens routes on)
         self._h19: dict[str, np.ndarray] = {}
-        self._drafts: dict[str, _DraftBlock] = {}  # speculative steps waiting for their kept length (encode_step)
         self.prefix_cache = PrefixCache(prefill_chunk, prefix_cache_bytes, f"{engine.model_dir}:{engine.describe()}",
                                         self.counters, self.cfg.window_size)
         self.journal = journal
-        # each session's tokens since its last journal record: the turn in flight (and whether it restarts the file)
-        self._unjournaled: dict[str, list[np.ndarray]] = {}
-        self._journal_reset: dict[str, bool] = {}
 
     def flush_counts(self) -> None:
         """Add the step tokens encoded since the last flush to the counters. Called at every turn's end, so the
@@ -174,8 +196,7 @@ class EncoderService:
         A starting session (not a fork) takes the longest block-aligned prefix of its tokens that the prefix cache
         holds in its `cache_salt` partition, and prefills only the rest.
         """
-        if not session_id:
-            raise BadRequest("session_id must be a non-empty string")
+        check_session_id(session_id)
         salt = check_salt(cache_salt)
         ids = check_ids(token_ids, self.cfg.vocab_size, "TOKEN_IDS")
         prefix = (check_ids(prefix_ids, self.cfg.vocab_size, "PREFIX_IDS") if prefix_ids is not None
@@ -190,20 +211,21 @@ class EncoderService:
         resumed = None
         if not existed:  # a journaled session is as good as live: its id opens with its token only
             held = self._journaled(session_id, session_token, continuing=not restarting)
-            if held is not None and not restarting:
-                resumed, prefix = held, held.tokens
+            if held is not None and not restarting:  # checked like any input: the file is not trusted more
+                resumed, prefix = held, check_ids(held.tokens, self.cfg.vocab_size, "the journal's history")
         restart = start or (not existed and prefix.size > 1)
         if existed:
             self.check_token(session_id, session_token, k.PATH_TURN)
         elif not restart:
             self._refuse_missing(session_id, session_token)
-        if session_id in self._in_flight:
+        self.expire_leases()
+        if self.leases.get(session_id) is not None:
             raise BadRequest(f"session {session_id!r} is still answering its previous turn; wait for its final "
                              "response")
-        if self.max_turns and len(self._in_flight) >= self.max_turns:
+        if self.leases.full():
             self.counters.add(k.TURNS_REFUSED, k.BUSY)
-            raise ServerBusy(f"server busy: {len(self._in_flight)} turns in flight (limit {self.max_turns}); retry "
-                             "shortly")
+            raise ServerBusy(f"server busy: {len(self.leases)} turns in flight (limit {self.max_turns})",
+                             self.leases.retry_after_s())
         if source is not None:
             row, ids_all = source.clone(), ids
         elif restart:
@@ -215,9 +237,9 @@ class EncoderService:
             self.counters.add(k.TURNS_REFUSED, k.CONTEXT_LIMIT)
             raise BadRequest(f"session {session_id!r} would reach {row.position + ids_all.size} tokens, more than the "
                              f"{self.max_context}-token context limit")
-        flight = _InFlight(before, self.tokens.digest(session_id),
-                           self._h19.get(session_id), self._bases.get(session_id))
-        turn = TurnPrefill(session_id, flight, row, ids_all, int(ids.size), row.position, existed, restart,
+        lease = TurnLease(session_id, before, self.tokens.digest(session_id), self._h19.get(session_id),
+                          self._bases.get(session_id))
+        turn = TurnPrefill(session_id, lease, row, ids_all, int(ids.size), row.position, existed, restart,
                            fork_h19=None if source is None else self._h19.get(fork_from or ""))
         if resumed is not None:
             turn.resumed, turn.resumed_digest = True, resumed.digest
@@ -226,19 +248,30 @@ class EncoderService:
             # a source without a journal (dropped over budget, or its write failed): the fork has none either
             turn.journal_prefix = held.tokens if held is not None else np.zeros(0, np.int64)
             turn.journal_skip = held is None
+        # the lease holds every cache entry the turn may rest on or restore, pinned from now until it ends
+        lease.base_before = self._hold(lease, lease.base_before)
         if source is not None:
-            turn.base = self._bases.get(fork_from or "")
+            turn.base = self._hold(lease, self._bases.get(fork_from or ""))
         elif not restart:
-            turn.base = self._bases.get(session_id)
+            turn.base = lease.base_before
         if restart and source is None and self.prefix_cache.enabled:
             turn.salt, turn.chain = salt, self.prefix_cache.chain(salt, ids_all)
-            hit = self.prefix_cache.lookup(salt, turn.chain)
+            hit = self.prefix_cache.lookup(salt, turn.chain, pin=True)
             if hit is not None:
+                lease.pins.append(hit.entry)
                 turn.row, turn.done, turn.cached = hit.row, hit.length, hit.length  # the session's own copy
                 turn.parts.append(hit.rows)
                 turn.base = hit.entry
-        self._in_flight[session_id] = flight
+        self.leases.admit(lease)
         return turn
+
+    def _hold(self, lease: TurnLease, entry: PrefixEntry | None) -> PrefixEntry | None:
+        """Pin `entry` for the turn (released with its lease) -> the entry, or None when the cache no longer holds
+        it (the turn then keeps its session whole instead of resting on it)."""
+        if entry is None or not self.prefix_cache.pin(entry):
+            return None
+        lease.pins.append(entry)
+        return entry
 
     def advance_turn(self, turn: "TurnPrefill", tokens: int = 0) -> bool:
         """Prefill the turn's next piece -> True once every token is done. A piece is at most `tokens` tokens (0: the
@@ -246,7 +279,7 @@ class EncoderService:
         are reached exactly. How a prefill is cut changes no bit of its state or rows (the engines give the same bits
         in chunks of any size: tests/build_engines/export/test_onnx_engines.py), so a turn run alone, between decode
         steps, or from a cache hit ends the same."""
-        self._check_in_flight(turn)
+        self._check_live(turn)
         if turn.done < turn.ids.size:
             block = self.prefill_chunk
             end = min(turn.done + (tokens or block), (turn.done // block + 1) * block, turn.ids.size)
@@ -255,8 +288,10 @@ class EncoderService:
             turn.done = end
             stored = len(turn.chain) * self.prefix_cache.block
             if turn.chain and turn.done == stored and stored > turn.cached:  # the longest block-aligned prefix
-                stored_entry = self.prefix_cache.insert(turn.salt, turn.chain, turn.row.clone(), _joined(turn.parts))
+                stored_entry = self.prefix_cache.insert(turn.salt, turn.chain, turn.row.clone(), _joined(turn.parts),
+                                                        pin=True)
                 if stored_entry is not None:  # the longest prefix this session shares with the cache
+                    turn.lease.pins.append(stored_entry)
                     turn.base = stored_entry
         return turn.done >= turn.ids.size
 
@@ -264,7 +299,7 @@ class EncoderService:
         """Store the encoded turn and hand it over: H19 pooled over the turn's own tokens, the hand-over rows of every
         position encoded, and the session token when the turn (re)started the session."""
         session_id = turn.session_id
-        self._check_in_flight(turn)
+        self._check_live(turn)
         if turn.existed and not turn.restart and not self.sessions.contains(session_id):
             raise UnknownSession(f"session {session_id!r} was evicted while its turn was being encoded; resend the "
                                  "turn with the conversation's history")
@@ -286,10 +321,12 @@ class EncoderService:
         else:
             h19 = turn.fork_h19 if turn.fork_h19 is not None else np.zeros(self.cfg.dim, np.float32)
         self._h19[session_id] = h19
-        return EncodedTurn(h19, handover, issued)
+        turn_id = self._turn_ids.next()
+        self.leases.hand_over(turn.lease, turn_id)
+        return EncodedTurn(h19, handover, issued, turn_id)
 
-    def _check_in_flight(self, turn: "TurnPrefill") -> None:
-        if self._in_flight.get(turn.session_id) is not turn.flight:
+    def _check_live(self, turn: "TurnPrefill") -> None:
+        if self.leases.get(turn.session_id) is not turn.lease:
             raise UnknownSession(f"session {turn.session_id!r} was ended while its turn was being encoded")
 
     def _journaled(self, session_id: str, session_token: str | None, continuing: bool):  # -> JournalEntry | None
@@ -314,34 +351,38 @@ class EncoderService:
         """Start collecting the finished prefill's tokens for the journal (its record is written at the turn's end)."""
         if self.journal is None:
             return
-        s = turn.session_id
+        lease = turn.lease
         if turn.journal_skip:
-            self.journal.drop(s)
+            self.journal.drop(turn.session_id)
             return
         if turn.journal_prefix is not None:  # a fork: the source's history, then the fork's own tokens
-            self._unjournaled[s], self._journal_reset[s] = [turn.journal_prefix, turn.ids], True
+            lease.unjournaled, lease.journal_reset = [turn.journal_prefix, turn.ids], True
         elif turn.resumed:  # the file holds the history already: the rebuild's new turn is appended
-            self._unjournaled[s], self._journal_reset[s] = [turn.ids[-turn.new:] if turn.new else turn.ids[:0]], False
+            lease.unjournaled, lease.journal_reset = [turn.ids[-turn.new:] if turn.new else turn.ids[:0]], False
         else:
-            self._unjournaled[s], self._journal_reset[s] = [turn.ids], turn.restart
+            lease.unjournaled, lease.journal_reset = [turn.ids], turn.restart
 
-    def _journal_tokens(self, session_id: str, tokens: np.ndarray) -> None:
-        pending = self._unjournaled.get(session_id)
-        if pending is not None:
-            pending.append(np.asarray(tokens, np.int64).reshape(-1))
+    @staticmethod
+    def _journal_tokens(lease: TurnLease, tokens: np.ndarray) -> None:
+        if lease.unjournaled is not None:
+            lease.unjournaled.append(np.asarray(tokens, np.int64).reshape(-1))
 
-    def _commit_journal(self, session_id: str) -> None:
-        pending = self._unjournaled.pop(session_id, None)
-        reset = self._journal_reset.pop(session_id, False)
+    def _commit_journal(self, lease: TurnLease) -> str | None:
+        """Write the turn's journal record -> why it could not be written (None: written, or nothing to write)."""
+        pending, lease.unjournaled = lease.unjournaled, None
+        session_id = lease.session_id
         if self.journal is None or pending is None or not self.sessions.contains(session_id):
-            return
-        self.journal.commit(session_id, np.concatenate(pending), self.tokens.digest(session_id), reset)
+            return None
+        failures = self.journal.write_failures
+        if self.journal.commit(session_id, np.concatenate(pending), self.tokens.digest(session_id),
+                               lease.journal_reset) or self.journal.write_failures == failures:
+            return None  # written, or not journaled by policy (dropped over the journal's budget: logged there)
+        return self.journal.ended_reason(session_id) or "the session's journal could not be written"
 
     def abandon_turn(self, turn: "TurnPrefill") -> None:
         """Drop a turn that failed or was cancelled before `finish_turn`: nothing was stored, so the session is as it
         was (a prefix the turn already stored in the cache stays: it is whole and right for any session)."""
-        if self._in_flight.get(turn.session_id) is turn.flight:
-            del self._in_flight[turn.session_id]
+        self._release(turn.lease, ABANDONED)
 
     def _fork_source(self, fork_from: str, fork_token: str | None, start: bool) -> EncoderRow:
         """The live, idle session a fork copies (its token checked like a turn's)."""
@@ -350,7 +391,7 @@ class EncoderService:
         if not self.sessions.contains(fork_from):
             self._refuse_missing(fork_from, fork_token)
         self.check_token(fork_from, fork_token, k.PATH_TURN)
-        if fork_from in self._in_flight:
+        if self.leases.get(fork_from) is not None:
             raise BadRequest(f"session {fork_from!r} is answering a turn; fork it once that turn has ended")
         return self._row(fork_from)
 
@@ -393,11 +434,19 @@ class EncoderService:
 
     # ------------------------------------------------------------------ the decoder's batched steps
     def encode_step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool = False,
-                    keep: np.ndarray | None = None, draft: bool = False) -> list[Handover]:
+                    keep: np.ndarray | None = None, draft: bool = False,
+                    turn_ids: np.ndarray | None = None) -> list[Handover]:
         """One batched step: `tokens` (B, S) are each session's next generated tokens (one row per session).
 
-        `turn_done` marks the last call of those sessions' turns (the reply's last token and end-of-turn): their next
-        user turn is then welcome. A session unknown here (evicted meanwhile) fails the whole call before any change.
+        Every session must have a turn in flight, and `turn_ids` (B,), when given, name it (its `EncodedTurn.turn_id`):
+        a call for a turn that is no longer in flight (its lease expired, its session was evicted and started again)
+        fails whole, before any change. A step also claims its turns (`claim`).
+
+        `turn_done` marks the last call of those sessions' turns: the turn is committed (its journal record written)
+        and its lease ends; the next user turn is then welcome. The decoder sends it with no tokens once its own side
+        of the turn is stored, so that a failure between the turn's last tokens and the decoder's store can still be
+        rolled back on both sides (one commit per turn). With tokens, the tokens are encoded and the turn committed at
+        once.
 
         Speculative decoding: with `draft` the step's rows go back to the decoder as usual but are not absorbed; the
         session's next call gives, in `keep` (B,), how many of that step's positions to keep (the token fed last and
@@ -411,7 +460,8 @@ class EncoderService:
         if len(set(session_ids)) != len(session_ids):
             raise BadRequest("a session appears twice in one step")
         check_ids(tokens.reshape(-1), self.cfg.vocab_size, "STEP_TOKEN_IDS")
-        keep = self._check_keep(session_ids, keep)
+        leases = self._step_leases(session_ids, turn_ids)
+        keep = self._check_keep(leases, keep)
         rows = [self._row(s) for s in session_ids]
         if draft and (turn_done or tokens.shape[1] == 0):
             raise BadRequest("a speculative step needs tokens and is never the last step of a turn")
@@ -419,49 +469,70 @@ class EncoderService:
                 if r.position + max(kept, 0) + tokens.shape[1] > self.max_context]
         if over:
             raise BadRequest(f"sessions {over} would pass the {self.max_context}-token context limit")
-        for s, row, kept in zip(session_ids, rows, keep):  # every check passed: the waiting blocks' kept positions
+        for lease, row, kept in zip(leases, rows, keep):  # every check passed: the waiting blocks' kept positions
+            lease.status = CLAIMED
             if kept >= 0:
-                block = self._drafts.pop(s)
+                block, lease.draft = lease.draft, None
+                assert block is not None
                 absorb_encoder(self.layout, [row], block.out, block.tokens.shape[1], block.tokens, keep=[kept])
                 self._uncounted_steps += kept
-                self._journal_tokens(s, block.tokens[0, :kept])
-        if tokens.shape[1] == 0:  # a turn that ends with nothing left to encode (a prefill-only or raw turn)
+                self._journal_tokens(lease, block.tokens[0, :kept])
+        if tokens.shape[1] == 0:  # a commit, or a turn that ends with nothing left to encode (prefill-only, raw)
             if turn_done:
-                self._turns_done(session_ids)
+                self._turns_done(leases)
             empty = {key: a for key, a in self._empty_rows().items() if key != "h19"}
             return [{**empty, "positions": np.zeros(0, np.int64)} for _ in session_ids]
         starts = [r.position for r in rows]
         tokens = tokens.astype(np.int64)
         out = self.engine.encoder(encoder_inputs(self.layout, rows, tokens, self.arena, self.engram))
         if draft:
-            for b, s in enumerate(session_ids):
-                self._drafts[s] = _DraftBlock({key: v[b:b + 1] for key, v in out.items()}, tokens[b:b + 1])
+            for b, lease in enumerate(leases):
+                lease.draft = DraftBlock({key: v[b:b + 1] for key, v in out.items()}, tokens[b:b + 1])
         else:
             absorb_encoder(self.layout, rows, out, tokens.shape[1], tokens)
-            for s, fed in zip(session_ids, tokens):
-                self._journal_tokens(s, fed)
+            for lease, fed in zip(leases, tokens):
+                self._journal_tokens(lease, fed)
             # the count reaches the counters (a Triton metric: an IPC round trip) once per turn end, not once per step
             self._uncounted_steps += int(tokens.size)
         if turn_done:
-            self._turns_done(session_ids)
+            self._turns_done(leases)
         steps = tokens.shape[1]
         return [{**{k: out[k][b] for k in HANDOVER_KEYS},
                  "positions": np.arange(starts[b], starts[b] + steps, dtype=np.int64)}
                 for b in range(len(session_ids))]
 
-    def _check_keep(self, session_ids: list[str], keep: np.ndarray | None) -> list[int]:
+    def _step_leases(self, session_ids: list[str], turn_ids: np.ndarray | None) -> list[TurnLease]:
+        """Each step session's lease, checked: handed over or claimed, and the turn `turn_ids` names (if given)."""
+        if turn_ids is not None:
+            ids = np.asarray(turn_ids)
+            if ids.shape != (len(session_ids),) or ids.dtype.kind not in "iu":
+                raise BadRequest(f"STEP_TURN_IDS must be one integer per step session ({len(session_ids)}), got "
+                                 f"shape {ids.shape} dtype {ids.dtype}")
+        leases = []
+        for b, s in enumerate(session_ids):
+            lease = self.leases.get(s)
+            if lease is None or lease.status not in (HANDED_OVER, CLAIMED):
+                self._row(s)  # a session that is gone says why (evicted, ended) before "no turn in flight"
+                raise BadRequest(f"session {s!r} has no turn in flight (its lease ended); resend the turn")
+            if turn_ids is not None and int(turn_ids[b]) != lease.turn_id:
+                raise BadRequest(f"session {s!r}: turn {int(turn_ids[b])} is no longer in flight (its lease ended: "
+                                 "expired, rolled back or its session was evicted); resend the turn")
+            leases.append(lease)
+        return leases
+
+    def _check_keep(self, leases: list[TurnLease], keep: np.ndarray | None) -> list[int]:
         """`keep` as one int per session, checked against the blocks waiting: a session with a block must say how
         much of it to keep (1..S), one without must not (a malformed call changes nothing)."""
         if keep is None:
-            keep_list = [-1] * len(session_ids)
+            keep_list = [-1] * len(leases)
         else:
             a = np.asarray(keep)
-            if a.shape != (len(session_ids),) or a.dtype.kind not in "iu":
-                raise BadRequest(f"STEP_KEEP must be one integer per step session ({len(session_ids)}), got shape "
+            if a.shape != (len(leases),) or a.dtype.kind not in "iu":
+                raise BadRequest(f"STEP_KEEP must be one integer per step session ({len(leases)}), got shape "
                                  f"{a.shape} dtype {a.dtype}")
             keep_list = [int(v) for v in a]
-        for s, kept in zip(session_ids, keep_list):
-            block = self._drafts.get(s)
+        for lease, kept in zip(leases, keep_list):
+            s, block = lease.session_id, lease.draft
             if block is None and kept != -1:
                 raise BadRequest(f"STEP_KEEP: session {s!r} has no speculative step waiting (send -1)")
             if block is not None and not 1 <= kept <= block.tokens.shape[1]:
@@ -482,20 +553,22 @@ class EncoderService:
         for evicted in self.sessions.put(session_id, row):
             self.tokens.forget(evicted)
             self._h19.pop(evicted, None)
-            self._unjournaled.pop(evicted, None)
+            lease = self.leases.get(evicted)
+            if lease is not None and self._release(lease, EVICTED):  # its decoder's next call is refused
+                self.counters.add(k.TURN_LEASES_ENDED, k.LEASE_EVICTED)
             if self.journal is not None:  # an evicted session is gone (its owner resends history), on disk too
                 self.journal.drop(evicted)
 
     def _set_base(self, session_id: str, entry: PrefixEntry | None) -> None:
+        """The session now rests on `entry` (pinned for it; None: on nothing). An entry the cache no longer holds is
+        not taken: the session stays whole rather than rest on bytes no budget counts."""
         held = self._bases.get(session_id)
         if held is entry:
             return
         if held is not None:
             self.prefix_cache.unpin(held)
-        if entry is None:
-            self._bases.pop(session_id, None)
-        else:
-            self.prefix_cache.pin(entry)
+            del self._bases[session_id]
+        if entry is not None and self.prefix_cache.pin(entry):
             self._bases[session_id] = entry
 
     def _dropped(self, session_id: str, _: object) -> None:
@@ -504,45 +577,90 @@ class EncoderService:
         if held is not None:
             self.prefix_cache.unpin(held)
 
-    def _turns_done(self, session_ids: list[str]) -> None:
-        """These sessions' turns ended: their next user turn is welcome, and each rests on its cached prefix."""
-        for s in session_ids:
-            self._in_flight.pop(s, None)
-            self._commit_journal(s)
+    def _turns_done(self, leases: list[TurnLease]) -> None:
+        """These turns are committed: journaled, their leases ended, and each session rests on its cached prefix.
+        A journal write that failed is told to the turn's client (TurnNotDurable) once every turn is committed."""
+        lost: list[str] = []
+        for lease in leases:
+            s = lease.session_id
+            why = self._commit_journal(lease)
+            if why is not None:
+                lost.append(f"session {s!r}: {why}")
+            self._release(lease, DONE)
             base = self._bases.get(s)
             value = self.sessions.get(s) if base is not None and self.sessions.contains(s) else None
-            if isinstance(value, EncoderRow):
+            if isinstance(value, EncoderRow) and base is not None:
                 resting = rest(value, base, self.layout)
                 if resting is not None:
                     self._store(s, resting)
         self.flush_counts()
+        if lost:
+            raise TurnNotDurable("the turn was answered and is kept, but " + "; ".join(lost) + "; do not resend it")
 
     # ------------------------------------------------------------------ turn bookkeeping
-    def rollback(self, session_id: str) -> None:
-        """Undo the user turn in flight (the decoder rejected it before absorbing anything)."""
-        self._drafts.pop(session_id, None)
-        self._unjournaled.pop(session_id, None)
-        self._journal_reset.pop(session_id, None)
-        flight = self._in_flight.pop(session_id, None)
-        if flight is None:
-            return
-        if flight.h19_before is None:
+    def _release(self, lease: TurnLease, status: str) -> bool:
+        """The one place a turn gives back what it holds: its slot, its pins, its waiting step and unjournaled
+        tokens. -> whether the lease was still held (each lease is released once; later calls change nothing)."""
+        if not self.leases.remove(lease):
+            return False
+        lease.status = status
+        for entry in lease.pins:
+            self.prefix_cache.unpin(entry)
+        lease.pins, lease.draft, lease.unjournaled = [], None, None
+        return True
+
+    def claim(self, session_id: str, turn_id: int) -> None:
+        """The decoder took the turn (it read it, before it waits for a row): its lease no longer expires. A turn
+        whose lease ended (expired, rolled back, its session evicted) is refused: the decoder must not run it."""
+        self.expire_leases()
+        lease = self.leases.get(session_id)
+        if lease is None or lease.turn_id != int(turn_id) or lease.status not in (HANDED_OVER, CLAIMED):
+            raise BadRequest(f"session {session_id!r}: its turn is no longer in flight (the lease ended before the "
+                             "decoder took it: expired, rolled back or evicted); resend the turn")
+        lease.status = CLAIMED
+
+    def expire_leases(self) -> int:
+        """Roll back every handed-over turn its decoder did not claim within the lease -> how many (each counted and
+        logged). Run at every admission and claim, so a slot held by an abandoned turn is free when it is needed."""
+        expired = self.leases.expired()
+        for lease in expired:
+            LOG.warning("encoder: the turn of session %r was not claimed by a decoder within %.0f s: rolled back",
+                        lease.session_id, self.leases.lease_s)
+            self.counters.add(k.TURN_LEASES_ENDED, k.LEASE_EXPIRED)
+            self._undo(lease, EXPIRED)
+        return len(expired)
+
+    def rollback(self, session_id: str, turn_id: int = 0) -> bool:
+        """Undo the session's turn in flight (the decoder rejected it, or failed before committing it). `turn_id`
+        (0: whichever is in flight) names the turn: a rollback for a turn no longer in flight changes nothing.
+        -> whether a turn was rolled back (False: it was committed already, or its lease ended otherwise)."""
+        lease = self.leases.get(session_id)
+        if lease is None or (turn_id and lease.turn_id != int(turn_id)):
+            return False
+        self._undo(lease, ROLLED_BACK)
+        return True
+
+    def _undo(self, lease: TurnLease, status: str) -> None:
+        """Put the session back as it was before the lease's turn, then release the lease."""
+        session_id = lease.session_id
+        before, base_before = lease.before, lease.base_before
+        if lease.h19_before is None:
             self._h19.pop(session_id, None)
         else:
-            self._h19[session_id] = flight.h19_before
-        if flight.before is None:
+            self._h19[session_id] = lease.h19_before
+        if before is None:
             self.sessions.end(session_id)
         else:
-            self._store(session_id, flight.before)
-            self._set_base(session_id, flight.base_before)
-        self.tokens.restore(session_id, flight.token_before)
+            self._store(session_id, before)
+            self._set_base(session_id, base_before)  # pinned by the lease until the release below
+        self.tokens.restore(session_id, lease.token_before)
+        self._release(lease, status)
 
     def end(self, session_id: str) -> bool:
-        self._drafts.pop(session_id, None)
-        self._in_flight.pop(session_id, None)
+        lease = self.leases.get(session_id)
+        if lease is not None:
+            self._release(lease, ENDED)
         self._h19.pop(session_id, None)
-        self._unjournaled.pop(session_id, None)
-        self._journal_reset.pop(session_id, None)
         self.tokens.forget(session_id)
         if self.journal is not None:
             self.journal.drop(session_id)

@@ -20,8 +20,9 @@ from tritonserver_backend.core.encoder_service import EncoderService
 from tritonserver_backend.core.handover import Handover
 from tritonserver_backend.core.router_service import RouterService
 from tritonserver_backend.core.scheduler import TurnScheduler, TurnStart
-from tritonserver_backend.core.session_journal import SessionJournal
+from tritonserver_backend.core.session_journal import SessionJournal, model_digest
 from tritonserver_backend.core.text_service import TextService
+from tritonserver_backend.core.turn_lease import DEFAULT_LEASE_S
 from tritonserver_backend.engines import open_engine
 from tritonserver_backend.sampling.sampler import SamplingParams
 
@@ -44,11 +45,14 @@ class DirectEncoderPort:
         self.encoder = encoder
 
     def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
-             draft: bool = False) -> list[Handover]:
-        return self.encoder.encode_step(session_ids, tokens, turn_done, keep, draft)
+             draft: bool = False, turn_ids: np.ndarray | None = None) -> list[Handover]:
+        return self.encoder.encode_step(session_ids, tokens, turn_done, keep, draft, turn_ids)
 
-    def rollback(self, session_id: str) -> None:
-        self.encoder.rollback(session_id)
+    def rollback(self, session_id: str, turn_id: int = 0) -> bool:
+        return self.encoder.rollback(session_id, turn_id)
+
+    def claim(self, session_id: str, turn_id: int) -> None:
+        self.encoder.claim(session_id, turn_id)
 
     def drop(self, session_id: str) -> None:
         self.encoder.end(session_id)
@@ -69,9 +73,11 @@ class InProcessPipeline:
         self.registry = Registry(registry_root)
         self.engine = open_engine(backend, model_dir, engine_dir, tensor_parallel_size, expert_parallel)
         self.text = TextService(model_dir)
-        self.journal = SessionJournal(session_dir) if session_dir is not None else None
+        self.journal = (SessionJournal(session_dir, model_digest=model_digest(model_dir),
+                                       vocab_size=self.engine.cfg.vocab_size) if session_dir is not None else None)
         self.encoder = EncoderService(self.engine, max_context=max_context, session_auth=session_auth,
-                                      prefix_cache_bytes=prefix_cache_bytes, journal=self.journal)
+                                      prefix_cache_bytes=prefix_cache_bytes, journal=self.journal,
+                                      lease_s=DEFAULT_LEASE_S)
         self.router = RouterService(model_dir, Registry(registry_root), self.counters, self.engine)
         self.decoder = DecoderService(self.engine, Registry(registry_root), self.text.tokenizer, self.counters,
                                       max_context=max_context)
@@ -91,10 +97,10 @@ class InProcessPipeline:
                                            cache_salt)
         routed = self.router.route([encoded.h19], [adapter])[0]
         if isinstance(routed, Exception):
-            self.encoder.rollback(session_id)
+            self.encoder.rollback(session_id, encoded.turn_id)
             raise routed
         result = self.answer(TurnStart(session_id, encoded.handover, int(routed), params, end_session,
-                                         fork_from=fork_from or ""))
+                                       fork_from=fork_from or "", turn_id=encoded.turn_id))
         result.session_token = encoded.issued_token
         return result
 

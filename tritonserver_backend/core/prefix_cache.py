@@ -15,9 +15,15 @@ at P leaves the remaining chunks on the same boundaries as the cold prefill: the
 the hit's rows, the decoder's replay and every reply are the same bits as without the cache.
 
 Budget. Entries are counted in bytes (`nbytes`) against `budget_bytes`, beside the session budget; the least recently
-used entries that no session holds go first. A hit copies the entry's row for the session to decode with (the engine
+used entries that nothing holds go first. A hit copies the entry's row for the session to decode with (the engine
 needs a session's stores contiguous); between its turns the session rests on the entry, holding only its own entries
 (resting_rows.py), and the entry is pinned meanwhile. What one cached token costs is in docs/prefix_cache.md.
+
+Pins when taken. `lookup` and `insert` pin the entry they hand out, under the same lock that finds or stores it (as
+vLLM's block pool touches a block when it hands it out): a turn holds every entry it got until its lease ends
+(turn_lease.py), so another turn's insert cannot evict an entry between the moment a turn takes it and the moment its
+session rests on it. A session then never rests on an entry the cache no longer holds, whose bytes would count in
+neither budget. `pin` refuses an entry that is no longer stored.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ class PrefixEntry:
     row: EncoderRow  # the encoder state after `length` positions
     rows: dict[str, np.ndarray]  # the hand-over rows (and "h19") of positions 0 .. length-1 (`trim_rows`)
     partition: str  # the counters' label of the partition it was stored in (its eviction is counted there)
-    pins: int = 0  # sessions holding it as their base (resting_rows.py): never evicted while pinned
+    pins: int = 0  # sessions resting on it and turns using it (resting_rows.py, turn_lease.py): never evicted
+    key: bytes = b""  # its key in the cache
 
     def nbytes(self) -> int:
         return self.row.nbytes() + sum(a.nbytes for a in self.rows.values())
@@ -129,9 +136,9 @@ class PrefixCache:
             keys.append(h)
         return keys
 
-    def lookup(self, salt: str, keys: list[bytes]) -> PrefixHit | None:
+    def lookup(self, salt: str, keys: list[bytes], pin: bool = False) -> PrefixHit | None:
         """The longest stored prefix whose block keys (`chain`, in `salt`'s partition) start `keys` (None: a miss),
-        counted as a hit or a miss."""
+        counted as a hit or a miss; with `pin` the hit's entry is pinned before the lock is let go (`unpin` it)."""
         if not self.enabled:
             return None
         with self._lock:
@@ -141,20 +148,23 @@ class PrefixCache:
                     self._entries.move_to_end(keys[b])
                     self.counters.add(k.PREFIX_HITS, _label(salt))
                     self.counters.add(k.PREFIX_HIT_TOKENS, _label(salt), entry.length)
+                    if pin:
+                        entry.pins += 1
                     return PrefixHit(entry.length, entry.row.clone(), expand_rows(entry.rows, entry.length), entry)
             self.counters.add(k.PREFIX_MISSES, _label(salt))
         return None
 
-    def insert(self, salt: str, keys: list[bytes], row: EncoderRow, rows: dict[str, np.ndarray]) -> PrefixEntry | None:
+    def insert(self, salt: str, keys: list[bytes], row: EncoderRow, rows: dict[str, np.ndarray],
+               pin: bool = False) -> PrefixEntry | None:
         """Store the state after the blocks `keys` name (`chain`: a prefix of a session's chain) and the rows of
         their positions; the caller gives copies this cache owns. -> the entry now stored under those keys (an equal
-        one already there is kept), or None when it does not fit: larger than the budget, or every entry it would
-        have to evict is pinned."""
+        one already there is kept), pinned with `pin`, or None when it does not fit: larger than the budget, or every
+        entry it would have to evict is pinned."""
         if not self.enabled or not keys:
             return None
         key = keys[-1]
         entry = PrefixEntry(len(keys) * self.block, row, trim_rows(rows, self.window) if self.window else rows,
-                            _label(salt))
+                            _label(salt), key=key)
         size = entry.nbytes()
         if size > self.budget_bytes:
             return None
@@ -162,6 +172,8 @@ class PrefixCache:
             held = self._entries.get(key)
             if held is not None:
                 self._entries.move_to_end(key)
+                if pin:
+                    held.pins += 1
                 return held
             while self._bytes + size > self.budget_bytes:
                 victim = next((k for k, e in self._entries.items() if not e.pins), None)
@@ -172,16 +184,32 @@ class PrefixCache:
                 self.counters.add(k.PREFIX_EVICTIONS, old.partition)
             self._entries[key] = entry
             self._bytes += size
+            if pin:
+                entry.pins += 1
         return entry
 
-    def pin(self, entry: PrefixEntry) -> None:
-        """A session now holds `entry` as its base: keep it (and count its bytes) until `unpin`."""
+    def pin(self, entry: PrefixEntry) -> bool:
+        """Hold `entry` (a session resting on it, a turn using it): keep it, and count its bytes, until `unpin`.
+        False, and nothing held, when the cache no longer stores it (evicted): its holder must not rely on it."""
         with self._lock:
+            if not self._stored(entry):
+                return False
             entry.pins += 1
+            return True
 
     def unpin(self, entry: PrefixEntry) -> None:
         with self._lock:
+            if entry.pins <= 0:
+                raise RuntimeError("a prefix-cache entry was unpinned more often than pinned")
             entry.pins -= 1
+
+    def holds(self, entry: PrefixEntry) -> bool:
+        """Whether `entry` is stored (not evicted)."""
+        with self._lock:
+            return self._stored(entry)
+
+    def _stored(self, entry: PrefixEntry) -> bool:
+        return self._entries.get(entry.key) is entry
 
     def pinned(self) -> int:
         """Entries some session holds as its base."""

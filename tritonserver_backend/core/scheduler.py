@@ -32,12 +32,22 @@ LOG = logging.getLogger("mol2")
 
 
 class EncoderPort(Protocol):
-    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
-             draft: bool = False) -> list[Handover]: ...
+    """The encoder as the scheduler calls it. A port whose encoder hands out turn ids (EncodedTurn.turn_id, carried
+    in TurnStart.turn_id) also takes `turn_ids` on `step`, `turn_id` on `rollback`, and `claim`; the scheduler sends
+    them only for turns that have an id, so a port without leases (turn id 0) is called as before."""
 
-    def rollback(self, session_id: str) -> None: ...
+    def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
+             draft: bool = False, **turn_ids: object) -> list[Handover]: ...
+
+    def rollback(self, session_id: str, *turn_id: int) -> bool | None: ...
 
     def drop(self, session_id: str) -> None: ...
+
+
+def _claim(encoder: EncoderPort, session_id: str, turn_id: int) -> None:
+    claim = getattr(encoder, "claim", None)
+    if claim is not None:
+        claim(session_id, turn_id)
 
 
 @dataclass
@@ -54,6 +64,7 @@ class TurnStart:
     # a fork that ends its source on the decoder once copied: the last of n choices, whose source (the prompt's
     # prefill-only session) no turn needs again (the caller ends the source's encoder side itself)
     end_source: bool = False
+    turn_id: int = 0  # the encoder's lease of this turn (EncodedTurn.turn_id; 0: an encoder without leases)
 
 
 @dataclass
@@ -117,6 +128,10 @@ class TurnScheduler:
         return [turn for lane in self.lanes for turn in lane]
 
     def submit(self, request: TurnStart) -> None:
+        """Queue a turn, first claiming it from the encoder (turn_lease.py): from here on its lease does not expire
+        however long it waits for a row, and a turn whose lease already ended is refused here, before it runs."""
+        if request.turn_id:
+            _claim(self.encoder, request.session_id, request.turn_id)
         self.decoder.count(k.READ, request.adapter_hash)
         self.waiting.append(request)
 
@@ -280,7 +295,7 @@ class TurnScheduler:
                 LOG.exception("decoder: checking the turn of %s failed", request.session_id)
                 self._refuse(request, self._failure(exc))
                 continue
-            turn.end_session, turn.context = request.end_session, request.context
+            turn.end_session, turn.context, turn.turn_id = request.end_session, request.context, request.turn_id
             if request.end_source and request.fork_from:  # copied by `prepare`: the source is not read again
                 self.decoder.end(request.fork_from)
             if turn.limit == 0:  # a prefill-only turn (max_tokens 0): nothing to generate, so no replay; stored at once
@@ -351,13 +366,15 @@ class TurnScheduler:
     def _encode(self, turns: list[Turn], step: "StepTokens") -> Future:
         """Start the encoder call for these turns' tokens on its thread (one at a time: the previous one was waited
         for)."""
-        self._encoding = self._encoder_calls.submit(self._encoder_step, [t.session_id for t in turns], step, False)
+        self._encoding = self._encoder_calls.submit(self._encoder_step, list(turns), step, False)
         return self._encoding
 
-    def _encoder_step(self, session_ids: list[str], step: "StepTokens", turn_done: bool) -> list[Handover]:
+    def _encoder_step(self, turns: list[Turn], step: "StepTokens", turn_done: bool) -> list[Handover]:
+        session_ids = [t.session_id for t in turns]
+        named = {"turn_ids": np.asarray([t.turn_id for t in turns], np.int64)} if all(t.turn_id for t in turns) else {}
         if step.drafts is None and (step.keep < 0).all():  # a plain step: the call every encoder port takes
-            return self.encoder.step(session_ids, step.tokens, turn_done)
-        return self.encoder.step(session_ids, step.tokens, turn_done, step.keep, step.drafts is not None)
+            return self.encoder.step(session_ids, step.tokens, turn_done, **named)
+        return self.encoder.step(session_ids, step.tokens, turn_done, step.keep, step.drafts is not None, **named)
 
     def _start_decoder(self, turns: list[Turn], step: "StepTokens") -> Future | BaseException:
         """Wait for the encoder call in flight (`_encode`), then start the decoder step on the compute thread; the
@@ -390,8 +407,10 @@ class TurnScheduler:
             self._settle([turn], *self._step([turn], step.row(i)))
 
     def _end(self, turn: Turn) -> None:
-        """Trailing tokens through the encoder (which marks the turn done), store the session, send the final
-        response."""
+        """Trailing tokens through the encoder, store the decoder's side, commit the turn on the encoder (its journal
+        record), send the final response. One commit per turn: until the commit, a failure rolls both sides back to
+        the previous turn; a commit whose answer is lost is settled by the rollback's answer (the encoder says
+        whether the turn was still open), so both sides end at the same turn either way."""
         try:
             eot = self.decoder.tokenizer.end_of_turn_id
             # a raw session has no end-of-turn, nor has a prefill-only turn (it stops at the assistant prompt, to be
@@ -399,10 +418,17 @@ class TurnScheduler:
             tail = turn.trailing(eot)[:-1] if turn.params.raw or turn.limit == 0 else turn.trailing(eot)
             step = StepTokens(np.asarray([tail], np.int64).reshape(1, len(tail)), np.asarray([turn.keep], np.int64))
             turn.keep = -1
-            trailing = self._encoder_step([turn.session_id], step, True)[0]
-            self.decoder.finish(turn, trailing)
+            trailing = self._encoder_step([turn], step, False)[0]
+            previous = self.decoder.finish(turn, trailing)
         except Exception as exc:  # noqa: BLE001
             self._abort(turn, exc)
+            return
+        try:
+            self._encoder_step([turn], StepTokens(np.zeros((1, 0), np.int64), np.asarray([-1], np.int64)), True)
+        except Exception as exc:  # noqa: BLE001
+            if self._rolled_back(turn):
+                self.decoder.restore(turn.session_id, previous)
+            self._fail_turn(turn, exc)
             return
         self.emit(turn, -1, turn.finish)
         if turn.end_session:
@@ -413,18 +439,36 @@ class TurnScheduler:
         """A turn that never started (rejected, cancelled while waiting, or failed with the scheduler): counted as a
         rejected routing decision, its encoding rolled back so that the session loses nothing, its error answered."""
         self.decoder.count(k.REJECTED, request.adapter_hash)
-        self._quietly(self.encoder.rollback, request.session_id)
+        self._rollback(request.session_id, request.turn_id)
         self.fail(request, exc)
 
     def _abort(self, turn: Turn, exc: BaseException) -> None:
         """A turn whose step failed (session evicted meanwhile, engine error): its error goes to its client; the
         session keeps what was stored before this turn."""
+        self.decoder.release(turn)
+        self._rollback(turn.session_id, turn.turn_id)
+        self._fail_turn(turn, exc)
+
+    def _fail_turn(self, turn: Turn, exc: BaseException) -> None:
         if not isinstance(exc, ServingError):
             LOG.error("decoder: turn of %s failed: %r", turn.session_id, exc)
         turn.finish = turn.finish or "error"
-        self.decoder.release(turn)
-        self._quietly(self.encoder.rollback, turn.session_id)
         self.fail(turn, exc)
+
+    def _rollback(self, session_id: str, turn_id: int) -> bool | None:
+        """Roll the turn back on the encoder (only that turn: a rollback naming a turn no longer in flight changes
+        nothing) -> whether the encoder still had it open (None: the port does not say, or the call failed)."""
+        try:
+            return self.encoder.rollback(session_id, turn_id) if turn_id else self.encoder.rollback(session_id)
+        except Exception:  # noqa: BLE001 - best effort; the turn's own error is what the client sees
+            LOG.exception("decoder: rolling back the turn of %s failed", session_id)
+            return None
+
+    def _rolled_back(self, turn: Turn) -> bool:
+        """After a failed commit: roll the turn back on the encoder -> True when the decoder must go back too (the
+        encoder had not committed it, or cannot say), False when the encoder had committed it (the commit's answer
+        was lost): the decoder's side then stays, and both sides hold the turn."""
+        return self._rollback(turn.session_id, turn.turn_id) is not False
 
     @staticmethod
     def _quietly(call: Callable[[str], None], session_id: str) -> None:

@@ -37,6 +37,11 @@ class SessionStore(Generic[T]):
             self._items.move_to_end(session_id)
             return self._items[session_id]
 
+    def peek(self, session_id: str) -> T | None:
+        """The session's value without touching its recency (None: not held)."""
+        with self._lock:
+            return self._items.get(session_id)
+
     def contains(self, session_id: str) -> bool:
         with self._lock:
             return session_id in self._items

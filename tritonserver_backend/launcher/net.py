@@ -1,10 +1,12 @@
-"""Loopback addresses: the one host the server listens on, free ports, and the readiness probe."""
+"""Loopback addresses: the one host the server listens on, free ports, the readiness probe, the repository index."""
 
 from __future__ import annotations
 
+import json
 import socket
 import urllib.error
 import urllib.request
+from typing import Any
 
 HOST = "127.0.0.1"
 
@@ -23,3 +25,17 @@ def http_ready(http_port: int, host: str = HOST, timeout: float = 1.0) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, ConnectionError, OSError):
         return False
+
+
+def repository_index(http_port: int, host: str = HOST, timeout: float = 2.0) -> list[dict[str, Any]] | None:
+    """Triton's ``POST /v2/repository/index``: one entry per model (``name``, and once it was asked to load,
+    ``version``, ``state`` such as READY / LOADING / UNLOADING / UNAVAILABLE, ``reason`` such as "unloaded"); None
+    when the server does not answer it."""
+    request = urllib.request.Request(f"http://{host}:{http_port}/v2/repository/index", data=b"{}", method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            data = json.loads(resp.read())
+    except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+        return None
+    return [e for e in data if isinstance(e, dict)] if isinstance(data, list) else None

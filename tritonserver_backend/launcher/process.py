@@ -286,6 +286,15 @@ def stub_region(argv: list[str]) -> Path | None:
     return None
 
 
+def stub_instance_name(argv: list[str]) -> str | None:
+    """The instance a stub serves, from its command line (``triton_python_backend_stub MODEL.py REGION SIZE GROWTH
+    PARENT_PID LIB_DIR IPC_HANDLE NAME RUNTIME``, the Python backend of Triton 2.51): ``<model>_<group>_<index>`` for
+    a model instance, the bare model name for the short-lived stub that completes a model's config while it loads."""
+    if len(argv) < 9 or Path(argv[0]).name != STUB_NAME or not argv[2].startswith(SHM_REGION_NAME):
+        return None
+    return argv[8]
+
+
 def group_shm_regions(pids: Iterable[int]) -> set[Path]:
     """Regions that ``pids`` map, plus the regions named on the command lines of the stubs among them (a stub names
     its region before it has mapped it)."""

@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tritonserver_backend.auth.admin_auth import key_file_path
+from tritonserver_backend.contract import ADMIN
 from tritonserver_backend.launcher.companion import Companion
 from tritonserver_backend.launcher.install import find_tritonserver
 from tritonserver_backend.launcher.net import HOST
@@ -29,6 +32,28 @@ PID_FILE_NAME = "supervisor.pid"
 LOG_FILE_NAME = "supervisor.log"
 DEFAULT_HEALTH_PORT = 8003
 PROJECT_ROOT = Path(__file__).resolve().parents[2]  # scripts/openai_server.py lives in the checkout
+_PARAMETER = re.compile(r'key:\s*"(\w+)"\s*value:\s*\{\s*string_value:\s*"([^"]*)"\s*\}')
+
+
+def operator_key_file_for(model_repository: Path | str) -> Path | None:
+    """The adapter_admin key file of the server that ``model_repository`` configures (its ``admin_key_file``
+    parameter, else ``<registry_root>/admin.key``; relative paths are relative to the repository's parent, environment
+    variables expanded, as the models resolve them), or None without an ``adapter_admin`` model. Why this key: it is
+    the one secret the operator of this server already holds (docs/admin.md), so the full ``/health`` needs no other."""
+    config = Path(model_repository) / ADMIN.name / "config.pbtxt"
+    try:
+        params = dict(_PARAMETER.findall(config.read_text()))
+    except (OSError, UnicodeDecodeError):
+        return None
+    root = Path(model_repository).resolve().parent
+
+    def resolve(value: str) -> Path:
+        path = Path(os.path.expandvars(value))
+        return path if path.is_absolute() else root / path
+
+    registry_root = params.get("registry_root") or "artifacts/registry"
+    key_file = params.get("admin_key_file") or None
+    return key_file_path(resolve(registry_root), resolve(key_file) if key_file else None)
 
 
 def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +62,11 @@ def add_supervisor_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the supervisor's /health, /health/live, /health/ready (0: a free port; "
                              "default %(default)s)")
     parser.add_argument("--health-address", default=None,
-                        help="address the health probe listens on (default: loopback 127.0.0.1)")
+                        help="address the health probe listens on (default: loopback 127.0.0.1); other peers than "
+                             "loopback get /health's public view unless they send the operator key")
+    parser.add_argument("--operator-key-file", default=None,
+                        help="the key that unlocks the full /health for a non-loopback peer (header mol2-admin-key or "
+                             "Authorization: Bearer); default: the adapter_admin key file the model repository names")
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="give up after this many restarts within --restart-window (default %(default)s)")
     parser.add_argument("--restart-window", type=float, default=600.0,
@@ -100,6 +129,8 @@ def supervisor_from_args(args: argparse.Namespace, announce: Any = None) -> Supe
     kwargs: dict[str, Any] = {}
     if args.health_address:
         kwargs["health_host"] = args.health_address
+    kwargs["operator_key_file"] = (Path(args.operator_key_file) if args.operator_key_file
+                                   else operator_key_file_for(args.model_repository))
     if args.openai_port:
         kwargs["companion"] = openai_frontend(args.openai_port, work_dir / "openai_frontend.log")
     return Supervisor(lambda: TritonServer(install, work_dir=work_dir), start_kwargs,

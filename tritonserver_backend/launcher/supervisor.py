@@ -8,9 +8,18 @@ streams end with UNAVAILABLE / a closed connection then), clean its shared-memor
 start it again with the same arguments and ports, wait for ready, and be ready again. A restart policy
 (:mod:`.restart_policy`) backs off and gives up when faults keep coming.
 
+In explicit model-control mode the supervisor follows the operator's loads and unloads (Triton's repository API):
+the stubs of a model loaded later are watched once Triton's repository index says the model is READY (not the stub
+that only completes a config while the model loads, which ends by itself); a watched stub that ends while the index
+says its model is UNLOADING, UNAVAILABLE ("unloaded") or gone, or that a new stub of the same instance replaced (a
+load of a loaded model reloads it), ended on purpose and is no longer watched, instead of costing a restart. A stub
+that ends while its model is still READY died, as in ``none`` mode. A restart loads the models that were READY at the
+last look (every :data:`REFRESH_S`), so a heal neither brings back an unloaded model nor loses one loaded later.
+
 States: ``starting`` → ``ready`` ⇄ ``healing`` → ``gave_up`` | ``stopped``; ``failed`` when the first start fails.
-The status (:meth:`Supervisor.status`) is served by :mod:`.health_probe` and written atomically to ``state_file`` on
-every change, so the CLI (``scripts/tritonserver.py status``) can read it without a request.
+The status (:meth:`Supervisor.status`) is served by :mod:`.health_probe` (in full to loopback and operator-key
+requests only) and written atomically to ``state_file`` on every change, so the CLI (``scripts/tritonserver.py
+status``) can read it without a request. It keeps the last :data:`MAX_FAULTS_KEPT` faults and counts them all.
 """
 
 from __future__ import annotations
@@ -24,11 +33,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tritonserver_backend.auth.admin_auth import AdminKeyError, KeyCheck
 from tritonserver_backend.launcher.companion import Companion
 from tritonserver_backend.launcher.errors import TritonServerError
 from tritonserver_backend.launcher.health_probe import HealthProbe
-from tritonserver_backend.launcher.net import HOST, http_ready
-from tritonserver_backend.launcher.process import proc_info, same_process
+from tritonserver_backend.launcher.net import HOST, http_ready, repository_index
+from tritonserver_backend.launcher.process import proc_argv, proc_info, same_process, stub_instance_name
 from tritonserver_backend.launcher.record import StubSeen
 from tritonserver_backend.launcher.restart_policy import RestartPolicy
 from tritonserver_backend.launcher.server import TritonServer
@@ -40,6 +50,8 @@ FINAL_STATES = (GAVE_UP, STOPPED, FAILED)
 STUB_EXITED, SERVER_EXITED, START_FAILED = "stub exited", "server exited", "start failed"
 COMPANION_EXITED = "frontend exited"
 REFRESH_S = 2.0  # how often the stub list is re-read (a /proc scan); a death is checked on every poll
+MAX_FAULTS_KEPT = 64  # a server that faults for weeks must not grow the status (and every probe's answer) for ever
+MODEL_READY = "READY"  # Triton's repository index state of a loaded model
 
 
 def model_of(stub: StubSeen) -> str:
@@ -50,6 +62,24 @@ def model_of(stub: StubSeen) -> str:
     if path.suffix == ".py" and path.parent.name.isdigit() and path.parent.parent.name:
         return path.parent.parent.name
     return text
+
+
+def _version_of(stub: StubSeen) -> str | None:
+    """The version folder of a stub's ``<repo>/<model>/<version>/model.py``, or None."""
+    parent = Path(stub.model or "").parent
+    return parent.name if parent.name.isdigit() else None
+
+
+def model_state(index: list[dict[str, Any]], stub: StubSeen) -> tuple[str | None, str | None]:
+    """The state and reason Triton's repository index gives the model (and version) ``stub`` serves: READY when any
+    matching entry is, else the first match's; (None, None) when the index does not name the model or names it without
+    a state (never loaded)."""
+    model, version = model_of(stub), _version_of(stub)
+    entries = [e for e in index if e.get("name") == model and (version is None or e.get("version") in (None, version))]
+    for entry in entries:
+        if entry.get("state") == MODEL_READY:
+            return MODEL_READY, None
+    return (entries[0].get("state"), entries[0].get("reason")) if entries else (None, None)
 
 
 @dataclasses.dataclass
@@ -98,6 +128,7 @@ class Supervisor:
         poll: float = 0.2,
         announce: Callable[[str], None] | None = None,
         companion: Callable[[dict[str, Any]], Companion] | None = None,
+        operator_key_file: Path | str | None = None,
     ) -> None:
         self.factory = factory
         self.start_kwargs = dict(start_kwargs)
@@ -112,26 +143,33 @@ class Supervisor:
         self.companion: Companion | None = None
         self.server: TritonServer | None = None
         self.state = STARTING
-        self.faults: list[Fault] = []
+        self.faults: list[Fault] = []  # the last MAX_FAULTS_KEPT
+        self.faults_total = 0  # every fault since the start
         self.restarts = 0
         self.give_up_reason: str | None = None
         self.failure: str | None = None
         self.stop_outcome: str | None = None
         self.ready_after: float | None = None
         self.started_at = time.time()
-        self._expected: list[StubSeen] = []
+        self._expected: list[StubSeen] = []  # the stubs watched: one that ends is a death (unless on purpose)
+        self._instances: dict[tuple[int, int | None], str | None] = {}  # each watched stub's instance name
         self._next_refresh = 0.0
         self._stopping = threading.Event()
         self._changed = threading.Condition()
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self.exit_code: int | None = None
-        self.probe = HealthProbe(self.status, self._triton_ready, port=health_port or 0, host=health_host) \
-            if health_port is not None else None
+        # the adapter_admin key (docs/admin.md) unlocks the full /health for a remote operator; re-read on rotation
+        self.operator_key_file = Path(operator_key_file) if operator_key_file is not None else None
+        self._key_check = KeyCheck(self.operator_key_file) if self.operator_key_file is not None else None
+        self._key_problem: str | None = None
+        self.probe = HealthProbe(self.status, self._triton_ready, port=health_port or 0, host=health_host,
+                                 operator_key=self._operator_key) if health_port is not None else None
 
     # -- status -------------------------------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        """What ``GET /health`` answers and the state file holds."""
+        """What ``GET /health`` answers to loopback and operator-key requests, and the state file holds (the probe
+        answers other peers with :func:`~.health_probe.public_status` of it)."""
         server = self.server
         info = proc_info(os.getpid())
         return {
@@ -156,7 +194,12 @@ class Supervisor:
             "cleaned": server.cleaned.summary() if server is not None and server.cleaned is not None else None,
             "ready_after": self.ready_after,
             "restarts": self.restarts,
-            "faults": [dataclasses.asdict(f) for f in self.faults],
+            "faults": [dataclasses.asdict(f) for f in list(self.faults)],
+            "faults_total": self.faults_total,
+            "faults_kept": MAX_FAULTS_KEPT,
+            "watching": [{"model": model_of(s), "instance": self._instances.get((s.pid, s.start_ticks)), "pid": s.pid}
+                         for s in list(self._expected)],
+            "operator_key_file": str(self.operator_key_file) if self.operator_key_file is not None else None,
             "give_up_reason": self.give_up_reason,
             "failure": self.failure,
             "stop_outcome": self.stop_outcome,
@@ -180,6 +223,25 @@ class Supervisor:
         tmp = self.state_file.with_name(f".{self.state_file.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.status(), indent=2) + "\n")
         os.replace(tmp, self.state_file)
+
+    def _operator_key(self) -> str | None:
+        """The operator key now (None: no key file configured, or it is missing or unsafe; logged once per cause)."""
+        if self._key_check is None:
+            return None
+        try:
+            key = self._key_check.expected()
+        except AdminKeyError as exc:
+            if str(exc) != self._key_problem:
+                self._key_problem = str(exc)
+                log.warning("supervisor: no operator key for the full /health from remote peers: %s", exc)
+            return None
+        self._key_problem = None
+        return key
+
+    def _record_fault(self, fault: Fault) -> None:
+        self.faults.append(fault)
+        self.faults_total += 1
+        del self.faults[:-MAX_FAULTS_KEPT]
 
     def _triton_ready(self) -> bool:
         """Triton answers ready now, and the frontend (when there is one) runs."""
@@ -292,7 +354,11 @@ class Supervisor:
             server.stop(grace=self.heal_grace)
             return f"{type(exc).__name__}: {exc}"
         record = server.snapshot()
-        self._expected = list(record.stubs) if record is not None else []
+        self._expected, self._instances = [], {}
+        for stub in record.stubs if record is not None else []:
+            self._watch(stub, stub_instance_name(proc_argv(stub.pid)))
+        if self._explicit():
+            self._look_at_index()  # what a restart must load again, from the first look on
         self._next_refresh = time.monotonic() + REFRESH_S
         log.info("supervisor: tritonserver PID %s ready after %.1f s with %d stub(s): %s", server.pid,
                  self.ready_after, len(self._expected),
@@ -331,25 +397,94 @@ class Supervisor:
         code = server.process.poll() if server.process is not None else None
         if code is not None:
             return Fault("tritonserver", server.pid, SERVER_EXITED, time.time(), detail=f"exit code {code}")
-        for stub in self._expected:
+        for stub in list(self._expected):
             if not same_process(stub.pid, stub.start_ticks):
-                return Fault(model_of(stub), stub.pid, STUB_EXITED, time.time())
+                why = self._ended_on_purpose(server, stub)
+                if why is None:
+                    return Fault(model_of(stub), stub.pid, STUB_EXITED, time.time())
+                self._unwatch(stub, why)
         if time.monotonic() >= self._next_refresh:  # stubs of models loaded later (explicit mode) are watched too
             self._next_refresh = time.monotonic() + REFRESH_S
-            record = server.snapshot()
-            known = {(s.pid, s.start_ticks) for s in self._expected}
-            for stub in record.stubs if record is not None else []:
-                if (stub.pid, stub.start_ticks) not in known and same_process(stub.pid, stub.start_ticks):
-                    log.info("supervisor: now also watching %s (PID %s)", model_of(stub), stub.pid)
-                    self._expected.append(stub)
+            self._watch_new_stubs(server)
         return None
+
+    # -- explicit model control: following loads and unloads ----------------------------------------------------------
+    def _explicit(self) -> bool:
+        return self.start_kwargs.get("model_control_mode") == "explicit"
+
+    def _watch(self, stub: StubSeen, instance: str | None) -> None:
+        self._expected.append(stub)
+        self._instances[(stub.pid, stub.start_ticks)] = instance
+
+    def _unwatch(self, stub: StubSeen, why: str) -> None:
+        self._expected = [s for s in self._expected if (s.pid, s.start_ticks) != (stub.pid, stub.start_ticks)]
+        instance = self._instances.pop((stub.pid, stub.start_ticks), None)
+        line = f"{model_of(stub)} stub {instance or '?'} (PID {stub.pid}) ended on purpose ({why}): no longer watched"
+        log.info("supervisor: %s", line)
+        self.announce(line)
+        self._write_state()
+
+    def _look_at_index(self) -> list[dict[str, Any]] | None:
+        """Triton's repository index now (None when it does not answer: a dying server, so nothing is learnt). In
+        explicit mode the models READY in it become what a restart loads (``load_models``)."""
+        port = self.start_kwargs.get("http_port")
+        index = repository_index(int(port)) if port else None
+        if index is not None and self._explicit():
+            self.start_kwargs["load_models"] = sorted({str(e["name"]) for e in index
+                                                       if e.get("state") == MODEL_READY and e.get("name")})
+        return index
+
+    def _watch_new_stubs(self, server: TritonServer) -> None:
+        """Watch the stubs the server started since the last look. In explicit mode only those of a model the index
+        calls READY (a loading model's stubs are watched at a later look) and never a config-completing stub, whose
+        instance name is the bare model name (it ends by itself once the config is complete)."""
+        record = server.snapshot()
+        known = {(s.pid, s.start_ticks) for s in self._expected}
+        new = [s for s in (record.stubs if record is not None else [])
+               if (s.pid, s.start_ticks) not in known and same_process(s.pid, s.start_ticks)]
+        index = self._look_at_index() if self._explicit() else None
+        for stub in new:
+            instance = stub_instance_name(proc_argv(stub.pid))
+            if self._explicit():
+                if instance is not None and instance == model_of(stub):
+                    continue
+                if index is None or model_state(index, stub)[0] != MODEL_READY:
+                    continue
+            if not same_process(stub.pid, stub.start_ticks):  # it ended while its command line was read
+                continue
+            log.info("supervisor: now also watching %s (PID %s)", model_of(stub), stub.pid)
+            self._watch(stub, instance)
+
+    def _ended_on_purpose(self, server: TritonServer, stub: StubSeen) -> str | None:
+        """Why the ended ``stub`` is not a death, or None when it is. Only explicit mode can end a stub on purpose:
+        a new stub of the same model and instance name replaced it (the model was loaded again), or Triton's index
+        says its model is no longer READY (UNLOADING, UNAVAILABLE "unloaded", failed to load again, or gone from the
+        repository). A server that does not answer the index proves nothing: the end is a death."""
+        if not self._explicit() or model_of(stub) == (stub.model or "?"):
+            return None
+        key = (stub.pid, stub.start_ticks)
+        instance = self._instances.get(key)
+        record = server.snapshot()
+        if instance is not None and record is not None:
+            for live in record.stubs:
+                if (live.pid, live.start_ticks) != key and live.model == stub.model \
+                        and same_process(live.pid, live.start_ticks) \
+                        and stub_instance_name(proc_argv(live.pid)) == instance:
+                    return f"replaced by PID {live.pid}: {model_of(stub)} was loaded again"
+        index = self._look_at_index()
+        if index is None:
+            return None
+        state, reason = model_state(index, stub)
+        if state == MODEL_READY:
+            return None
+        return f"{model_of(stub)} is {state or 'not loaded'}" + (f": {reason}" if reason else "")
 
     def _heal(self, fault: Fault) -> bool:
         """Restart after ``fault`` (and after failed restarts) until ready; False when stopping or giving up."""
         while True:
             detected = time.monotonic()
             with self._changed:  # one change: no reader sees the fault while the state still says ready
-                self.faults.append(fault)
+                self._record_fault(fault)
                 self._set_state(HEALING, f"fault: {fault.describe()}")
             decision = self.policy.on_fault(detected)
             if not decision.restart:

@@ -45,18 +45,28 @@ class BlsEncoderPort:
         return glue.bls("encoder", inputs, outputs)
 
     def step(self, session_ids: list[str], tokens: np.ndarray, turn_done: bool, keep: np.ndarray | None = None,
-             draft: bool = False) -> list[Handover]:
+             draft: bool = False, turn_ids: np.ndarray | None = None) -> list[Handover]:
         extra: dict[c.TensorSpec, Any] = {c.STEP_SESSION_IDS: session_ids, c.STEP_TOKEN_IDS: tokens,
                                           c.TURN_DONE: turn_done}
         if keep is not None:
             extra[c.STEP_KEEP] = keep
         if draft:
             extra[c.STEP_DRAFT] = True
+        if turn_ids is not None:
+            extra[c.STEP_TURN_IDS] = np.asarray(turn_ids, np.int64)
         out = self._call(session_ids[0], extra, list(c.HANDOVER))
         return rows_from_arrays(out, [tokens.shape[1]] * len(session_ids))
 
-    def rollback(self, session_id: str) -> None:
-        self._call(session_id, {c.ROLLBACK: True}, [])
+    def rollback(self, session_id: str, turn_id: int = 0) -> bool:
+        """-> whether the encoder still had the turn open (it says so in ISSUED_TOKEN)."""
+        extra: dict[c.TensorSpec, Any] = {c.ROLLBACK: True}
+        if turn_id:
+            extra[c.STEP_TURN_IDS] = np.asarray([turn_id], np.int64)
+        out = self._call(session_id, extra, [c.ISSUED_TOKEN])
+        return out[c.ISSUED_TOKEN.name].reshape(-1)[0] in (b"rolled_back", "rolled_back")
+
+    def claim(self, session_id: str, turn_id: int) -> None:
+        self._call(session_id, {c.CLAIM_TURN: True, c.STEP_TURN_IDS: np.asarray([turn_id], np.int64)}, [])
 
     def drop(self, session_id: str) -> None:
         self._call(session_id, {c.DROP_SESSION: True}, [])
@@ -95,8 +105,11 @@ class HandoverGuard:
     def __init__(self, key: InternalKey) -> None:
         self.key, self.ledger = key, GrantLedger()
 
-    def admit(self, session_id: str, grant: str | None, first_position: int, fork_from: str | None = None) -> None:
-        self.ledger.take(session_id, self.key.verify(grant, grant_subject(session_id, fork_from), first_position))
+    def admit(self, session_id: str, grant: str | None, first_position: int, fork_from: str | None = None) -> int:
+        """Take the hand-over's grant -> its issue time, which is the turn's id on the encoder (turn_lease.py)."""
+        issued = self.key.verify(grant, grant_subject(session_id, fork_from), first_position)
+        self.ledger.take(session_id, issued)
+        return issued
 
     def check_control(self, presented: str | None) -> None:
         if not self.key.matches(presented):
@@ -122,11 +135,11 @@ def read_turn(request: Any, guard: HandoverGuard) -> TurnStart:
         handover = rows_from_arrays({spec.name: glue.read(request, spec) for spec in c.HANDOVER})[0]
         session_id = glue.read(request, c.SESSION_ID)
         fork = glue.read(request, c.FORK_FROM, None)
-        guard.admit(session_id, glue.read(request, c.GRANT.as_optional(), None), first_position(handover["positions"]),
-                    fork)
+        turn_id = guard.admit(session_id, glue.read(request, c.GRANT.as_optional(), None),
+                              first_position(handover["positions"]), fork)
         return TurnStart(session_id, handover, int(glue.read(request, c.ADAPTER_HASH)),
-                           glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context,
-                           fork or "")
+                         glue.sampling_params(request), bool(glue.read(request, c.END_SESSION, False)), context,
+                         fork or "", turn_id=turn_id)
     except Exception as exc:
         exc.context = context  # type: ignore[attr-defined]
         raise

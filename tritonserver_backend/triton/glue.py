@@ -19,7 +19,7 @@ import numpy as np
 
 from tritonserver_backend import contract as c
 from tritonserver_backend.core.counters import DESCRIPTIONS, Counters
-from tritonserver_backend.errors import BadRequest, ServingError
+from tritonserver_backend.errors import BadRequest, ServerBusy, ServingError
 
 if TYPE_CHECKING:
     from tritonserver_backend.adapters.registry import Registry
@@ -173,16 +173,23 @@ def send_final(request: Any, response: Any) -> None:
 
 
 def error_response(exc: BaseException) -> Any:
-    """Short message for the client; anything that is not a ServingError is logged and reported generically."""
+    """Short message for the client; anything that is not a ServingError is logged and reported generically.
+
+    The error's code is what clients and load balancers act on: "server busy" is UNAVAILABLE (HTTP 503, gRPC
+    UNAVAILABLE: retry), through the ensemble too; everything else keeps Triton's default code."""
+    code = None
     if isinstance(exc, ServingError):
         message = str(exc)
+        if isinstance(exc, ServerBusy):
+            code = pb().TritonError.UNAVAILABLE
     elif isinstance(exc, UnicodeDecodeError):
         message = "a string input is not valid UTF-8"
     else:
         LOG.error("internal error: %s", traceback.format_exc())
         pb().Logger.log_error(traceback.format_exc())
         message = f"internal error ({type(exc).__name__}); see the server log"
-    return pb().InferenceResponse(output_tensors=[], error=pb().TritonError(message))
+    error = pb().TritonError(message) if code is None else pb().TritonError(message, code)
+    return pb().InferenceResponse(output_tensors=[], error=error)
 
 
 def announce_session_auth(model: str, enabled: bool) -> None:
@@ -199,10 +206,10 @@ def announce_session_auth(model: str, enabled: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- BLS
-def session_journal(args: dict, params: dict[str, str]) -> "SessionJournal | None":
+def session_journal(args: dict, params: dict[str, str], vocab_size: int | None = None) -> "SessionJournal | None":
     """The encoder's session journal as its parameters say (repository.py, `session_dir`); the start-up report (what
     was resumable, dropped or refused as corrupt, by session) goes to the server log."""
-    from tritonserver_backend.core.session_journal import SessionJournal
+    from tritonserver_backend.core.session_journal import SessionJournal, model_digest
 
     where = (params.get("session_dir") or "").strip() or os.environ.get("MOL2_SESSION_DIR", "").strip()
     if where.lower() == "off":
@@ -212,10 +219,12 @@ def session_journal(args: dict, params: dict[str, str]) -> "SessionJournal | Non
     if not where:
         where = str(Path.cwd() / "sessions")
     directory = resolve(args, where)
+    model_dir = resolve(args, params["model_dir"])
     journal = SessionJournal(directory, float(params.get("session_journal_ttl_s", 7 * 24 * 3600)),
-                             int(params.get("session_journal_bytes", 1 << 30)))
+                             int(params.get("session_journal_bytes", 1 << 30)), model_digest=model_digest(model_dir),
+                             vocab_size=vocab_size)
     pb().Logger.log_info(f"mol2 encoder: session journal {directory}: {journal.report.summary()}")
-    for session, why in journal.report.corrupt.items():
+    for session, why in journal.report.refused.items():
         pb().Logger.log_warn(f"mol2 encoder: session {session!r} cannot be resumed: {why}")
     return journal
 

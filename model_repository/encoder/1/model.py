@@ -22,6 +22,7 @@ from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.encoder_service import DEFAULT_PREFILL_STEP, EncodedTurn, EncoderService
 from tritonserver_backend.core.prefill_queue import PrefillQueue
+from tritonserver_backend.core.turn_lease import DEFAULT_LEASE_S
 from tritonserver_backend.core.turn_worker import TurnWorker
 from tritonserver_backend.errors import BadRequest, ServerBusy
 from tritonserver_backend.triton import glue
@@ -42,10 +43,13 @@ class TritonPythonModel:
         glue.announce_session_auth("encoder", session_auth)
         self.key = InternalKey.from_file(internal_key_path(glue.resolve(args, params["registry_root"]),
                                                            params.get("internal_key_file") or None))
-        self.service = EncoderService(glue.engine(args, params, model_dir), int(params["session_budget_bytes"]),
+        glue.export_counters(counters, [k.TURN_LEASES_ENDED], label="how", known=k.LEASE_ENDINGS)
+        engine = glue.engine(args, params, model_dir)
+        self.service = EncoderService(engine, int(params["session_budget_bytes"]),
                                       int(params["max_context"]), int(params["prefill_chunk"]), max_turns, counters,
                                       session_auth, int(params.get("prefix_cache_bytes", "0")),
-                                      glue.session_journal(args, params))
+                                      glue.session_journal(args, params, engine.cfg.vocab_size),
+                                      float(params.get("turn_lease_s", DEFAULT_LEASE_S)))
         self.between_steps = parse_switch(params.get("prefill_between_steps", "true"))
         self.gauges = glue.SessionGauges("encoder", self.service.sessions)
         self.cache_gauges = glue.PrefixCacheGauges(self.service.prefix_cache)
@@ -90,24 +94,32 @@ class TritonPythonModel:
         glue.send_final(request, glue.response(self._turn_outputs(outcome, session, fork)))
 
     def _turn_outputs(self, turn: EncodedTurn, session, fork):
-        grant = self.key.grant(grant_subject(session, fork), first_position(turn.handover["positions"]))
+        grant = self.key.grant(grant_subject(session, fork), first_position(turn.handover["positions"]),
+                               turn.turn_id)
         return {c.H19: turn.h19.reshape(1, -1), **glue.by_spec(c.HANDOVER, to_arrays([turn.handover])),
                 c.ISSUED_TOKEN: turn.issued_token, c.GRANT: grant}
 
     def _serve(self, request):
         """The outputs of a call answered at once, or None for a user turn queued for its prefill."""
         session = glue.read(request, c.SESSION_ID)
-        internal = glue.read(request, c.ROLLBACK, False) or glue.read(request, c.DROP_SESSION, False) or any(
-            glue.read(request, spec, None) is not None for spec in (c.STEP_SESSION_IDS, c.STEP_KEEP, c.STEP_DRAFT))
+        internal = (glue.read(request, c.ROLLBACK, False) or glue.read(request, c.DROP_SESSION, False)
+                    or glue.read(request, c.CLAIM_TURN, False)
+                    or any(glue.read(request, spec, None) is not None
+                           for spec in (c.STEP_SESSION_IDS, c.STEP_KEEP, c.STEP_DRAFT, c.STEP_TURN_IDS)))
         if internal and not self.key.matches(glue.read(request, c.INTERNAL_KEY, None)):
-            raise BadRequest(f"{c.ROLLBACK.name}, {c.DROP_SESSION.name}, {c.STEP_SESSION_IDS.name}, {c.STEP_KEEP.name} "
-                             f"and {c.STEP_DRAFT.name} are sent by the decoder only")
+            raise BadRequest(f"{c.ROLLBACK.name}, {c.DROP_SESSION.name}, {c.CLAIM_TURN.name}, "
+                             f"{c.STEP_SESSION_IDS.name}, {c.STEP_KEEP.name}, {c.STEP_DRAFT.name} and "
+                             f"{c.STEP_TURN_IDS.name} are sent by the decoder only")
+        turn_ids = glue.read(request, c.STEP_TURN_IDS, None)
         if glue.read(request, c.CHECK_TOKEN, False):  # session_control's cancel: the token first
             self.service.check_token(session, glue.read(request, c.SESSION_TOKEN, None), k.PATH_CANCEL)
             return {}
-        if glue.read(request, c.ROLLBACK, False):
-            self.service.rollback(session)
+        if glue.read(request, c.CLAIM_TURN, False):
+            self.service.claim(session, _one_turn_id(turn_ids))
             return {}
+        if glue.read(request, c.ROLLBACK, False):  # the answer says whether the turn was still open
+            rolled = self.service.rollback(session, _one_turn_id(turn_ids) if turn_ids is not None else 0)
+            return {c.ISSUED_TOKEN: "rolled_back" if rolled else ""}
         if glue.read(request, c.DROP_SESSION, False):
             self.service.end(session)
             return {}
@@ -116,7 +128,7 @@ class TritonPythonModel:
             rows = self.service.encode_step(step_sessions, glue.read(request, c.STEP_TOKEN_IDS),
                                             bool(glue.read(request, c.TURN_DONE, False)),
                                             glue.read(request, c.STEP_KEEP, None),
-                                            bool(glue.read(request, c.STEP_DRAFT, False)))
+                                            bool(glue.read(request, c.STEP_DRAFT, False)), turn_ids)
             return {c.H19: glue.empty_h19(), **glue.by_spec(c.HANDOVER, to_arrays(rows)), c.ISSUED_TOKEN: "",
                     c.GRANT: ""}
         fork = glue.read(request, c.FORK_FROM, None)
@@ -127,3 +139,10 @@ class TritonPythonModel:
             return self._turn_outputs(self.service.encode_turn(*args), session, fork)
         self.prefills.add((request, session, fork), self.service.begin_turn(*args))
         return None
+
+
+def _one_turn_id(turn_ids):
+    """A claim's or rollback's one turn id (STEP_TURN_IDS of one element)."""
+    if turn_ids is None or len(turn_ids) != 1:
+        raise BadRequest(f"{c.STEP_TURN_IDS.name} must name one turn with {c.CLAIM_TURN.name} or {c.ROLLBACK.name}")
+    return int(turn_ids[0])
