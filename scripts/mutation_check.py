@@ -53,6 +53,7 @@ TOKENS_SERVED = "tests/tritonserver_backend/test_serving_session_tokens.py"
 EX = "tests/tritonserver_backend/test_serving_exactness.py"
 JOURNAL = "tests/tritonserver_backend/test_session_journal.py"
 FAULTS = "tests/tritonserver_backend/test_fault_healing.py"
+LEASES = "tests/tritonserver_backend/test_turn_leases.py"
 MUTATIONS = (
     Mutation("M1", "source independence: a turn is replayed under its own adapter",
              "DecoderService replays a starting turn under the adapter that answered the session's previous turn",
@@ -99,7 +100,7 @@ MUTATIONS = (
     Mutation("M7", "bad input loses nothing: a rejected turn is rolled back",
              "the encoder's rollback forgets to restore the session it replaced",
              "tritonserver_backend/core/encoder_service.py",
-             "            self._store(session_id, flight.before)",
+             "            self._store(session_id, before)",
              "            pass",
              ("tests/tritonserver_backend/test_serving_library.py::test_a_turn_rejected_by_the_decoder_is_rolled_back",
               "tests/tritonserver_backend/test_serving_library.py::test_pipeline_errors_lose_nothing")),
@@ -130,7 +131,9 @@ MUTATIONS = (
     Mutation("M12", "logprobs are the model's own distribution",
              "returned log-probabilities are those of a temperature-scaled distribution, not the model's",
              "tritonserver_backend/core/decoder_service.py",
+             "            assert turn.logits is not None\n"
              "            turn.logprobs.append(token_logprobs(turn.logits, token, turn.params.top_logprobs))",
+             "            assert turn.logits is not None\n"
              "            turn.logprobs.append(token_logprobs(turn.logits / 1.25, token, turn.params.top_logprobs))",
              (f"{EX}::test_concurrent_conversations_match_the_reference_network",)),
     Mutation("M13", "quantization: only weight GEMMs are quantized; LoRA and attention products stay fp32",
@@ -171,8 +174,8 @@ MUTATIONS = (
     Mutation("M18", "faults: a resumed session holds every token of its conversation",
              "the session journal leaves out the tokens the decoder's steps feed (the replies)",
              "tritonserver_backend/core/encoder_service.py",
-             "            for s, fed in zip(session_ids, tokens):\n                self._journal_tokens(s, fed)",
-             "            for s, fed in zip(session_ids, tokens):\n                pass",
+             "            for lease, fed in zip(leases, tokens):\n                self._journal_tokens(lease, fed)",
+             "            for lease, fed in zip(leases, tokens):\n                pass",
              (JOURNAL, f"{FAULTS}::test_a_killed_tritonserver_heals_and_keeps_eight_sessions")),
     Mutation("M19", "faults: a resumed session keeps its own token only",
              "a session resumed from the journal opens with any token",
@@ -183,10 +186,28 @@ MUTATIONS = (
     Mutation("M20", "faults: a dead model process is noticed",
              "the supervisor watches only the server process, not its stubs",
              "tritonserver_backend/launcher/supervisor.py",
-             "            if not same_process(stub.pid, stub.start_ticks):",
-             "            if False:",
+             "            if not same_process(stub.pid, stub.start_ticks):\n"
+             "                why = self._ended_on_purpose(server, stub)",
+             "            if False:\n"
+             "                why = self._ended_on_purpose(server, stub)",
              ("tests/tritonserver_backend/test_supervisor.py",
               f"{FAULTS}::test_a_killed_model_process_heals_and_keeps_every_session")),
+    Mutation("M21", "leases: a turn nobody continues gives its slot back",
+             "a handed-over turn's lease never expires (the slots of abandoned turns stay taken)",
+             "tritonserver_backend/core/turn_lease.py",
+             "                if lease.status == HANDED_OVER and lease.deadline <= now]",
+             "                if False]",
+             (f"{LEASES}::test_an_unclaimed_turn_gives_its_slot_back_when_its_lease_ends",
+              "tests/tritonserver_backend/test_serving_load.py::test_turns_nobody_continues_cannot_lock_the_server")),
+    Mutation("M22", "pins: a cache entry a turn took is never evicted from under it",
+             "a prefix-cache hit is pinned only when its session rests on it (the entry can be evicted before)",
+             "tritonserver_backend/core/encoder_service.py",
+             "            hit = self.prefix_cache.lookup(salt, turn.chain, pin=True)\n"
+             "            if hit is not None:\n"
+             "                lease.pins.append(hit.entry)\n",
+             "            hit = self.prefix_cache.lookup(salt, turn.chain)\n"
+             "            if hit is not None:\n",
+             (f"{LEASES}::test_a_cache_entry_a_turn_took_is_pinned_until_its_turn_ends",)),
 )
 
 
