@@ -13,6 +13,8 @@ BENCHMARKS = {
     "routing-serving": ("routing_serving", "routing through a served model under load (docs/load.md)"),
     "prefix-cache": ("prefix_cache", "time to first token with the prefix cache: cold vs hit (docs/prefix_cache.md)"),
     "chunked-prefill": ("chunked_prefill", "streams while a long prompt is prefilled: whole vs chunked (docs/load.md)"),
+    "prefix-storm": ("prefix_storm", "distinct long prefixes under small budgets: resident memory within the budgets "
+                     "(docs/prefix_cache.md)"),
     "prefix-state-bytes": ("prefix_state_bytes", "encoder state bytes of sessions on one prompt, cache vs none "
                            "(docs/prefix_cache.md)"),
     "engines": ("engines", "torch vs onnx engines side by side (docs/engines.md)"),

@@ -187,12 +187,16 @@ def pipelines(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def
 TURNS = ("import os\nprint(os.listdir('.'))", "And the hidden files too?", "Sort them by size.")
 
 
-def _conversation(pipeline, fail_at: int | None = None) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def _conversation(pipeline, fail_at: int | None = None, resend: bool = True) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """The three turns; at `fail_at` the turn fails once and (with `resend`) is sent again, as a client would."""
     replies = []
     for i, text in enumerate(TURNS):
         if i == fail_at:
             with pytest.raises((TurnFailed, RuntimeError), match="failed|lost"):
                 pipeline.chat("c", text, adapter="L2_code", new_session=i == 0, params=GREEDY)
+            if not resend:
+                replies.append([])
+                continue
         replies.append(pipeline.chat("c", text, adapter="L2_code", new_session=i == 0, params=GREEDY).token_ids)
     return replies
 
@@ -237,6 +241,29 @@ def test_a_commit_that_fails_rolls_the_decoder_back_too(pipelines, monkeypatch) 
     got = _conversation(failing, fail_at=1)
     monkeypatch.setattr(EncoderService, "encode_step", real_step)
     assert got == _conversation(reference)
+
+
+def test_a_commit_whose_answer_is_lost_keeps_the_turn_on_both_sides(pipelines, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The encoder committed the turn, then its answer was lost: the rollback finds nothing open (False), so the
+    decoder keeps its side too; both hold the turn, and the session's next turn equals a never-failed run's."""
+    failing, reference = pipelines
+    real_step = EncoderService.encode_step
+    commits = {"n": 0}
+
+    def commit_answer_lost_once(self, session_ids, tokens, turn_done=False, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real_step(self, session_ids, tokens, turn_done, *args, **kwargs)
+        if turn_done and np.asarray(tokens).shape[1] == 0:
+            commits["n"] += 1
+            if commits["n"] == 2:
+                raise RuntimeError("the commit's answer was lost")
+        return out
+
+    monkeypatch.setattr(EncoderService, "encode_step", commit_answer_lost_once)
+    got = _conversation(failing, fail_at=1, resend=False)
+    monkeypatch.setattr(EncoderService, "encode_step", real_step)
+    expected = _conversation(reference)
+    assert got[0] == expected[0] and got[2] == expected[2]
+    assert failing.encoder.sessions.get("c").position == failing.decoder.sessions.get("c").position
 
 
 def test_a_failed_journal_write_is_told_and_never_resumed_stale(tmp_path, default_engines) -> None:  # type: ignore[no-untyped-def]
