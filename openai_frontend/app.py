@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openai_frontend import responses as r
+from openai_frontend.admission import DEFAULT_PER_KEY, KeyAdmission
 from openai_frontend.errors import APIError, unavailable
 from openai_frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from openai_frontend.prefix_cache import namespace_of
@@ -49,6 +50,25 @@ def _headers(answer: Answer) -> dict[str, str]:
             CACHED_HEADER: str(answer.cached_tokens)}
 
 
+def _released_after_body(response: Response, release: Callable[[], None]) -> Response:
+    """`response` whose `release` runs once its body has been sent (a streamed reply holds its key's slot until its
+    last event), or at once for a response without a streamed body."""
+    body = getattr(response, "body_iterator", None)
+    if body is None:
+        release()
+        return response
+
+    async def sent_then_released() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            release()
+
+    response.body_iterator = sent_then_released()  # type: ignore[attr-defined]
+    return response
+
+
 def key_checker(api_keys: Sequence[str]) -> Callable[[str], str | None]:
     """A check of an `Authorization` header against every key: the namespace (`prefix_cache.namespace_of`) of the
     key it presents as `Bearer <key>`, or None. The presented key's SHA-256 is compared with every key's in constant
@@ -71,10 +91,12 @@ def key_checker(api_keys: Sequence[str]) -> Callable[[str], str | None]:
     return check
 
 
-def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None) -> FastAPI:
+def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None,
+               per_key_in_flight: int = DEFAULT_PER_KEY) -> FastAPI:
     """`api_keys`: when set (one key or several), every route but `/health` and `/metrics` needs `Authorization: Bearer
     <key>` with one of them (vLLM's `--api-key`; see `key_checker`), and each key has its own partition of the prefix
-    cache. None or empty: no authentication, one partition."""
+    cache and at most `per_key_in_flight` requests in flight (admission.py; 0: no bound). None or empty: no
+    authentication, one partition."""
     metrics = FrontendMetrics(service.session_counts)
 
     @asynccontextmanager
@@ -97,6 +119,8 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
                             status_code=exc.status_code)
 
     keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
+    admission = KeyAdmission(per_key_in_flight)
+    app.state.admission = admission
     if keys:
         check = key_checker(keys)
 
@@ -104,12 +128,25 @@ def create_app(service: ChatService, api_keys: str | Sequence[str] | None = None
         async def require_key(request: Request, call_next):  # type: ignore[no-untyped-def]
             namespace = check(request.headers.get("authorization", ""))
             request.state.cache_namespace = namespace or ""
-            if request.url.path not in OPEN_ROUTES and namespace is None:
+            if request.url.path in OPEN_ROUTES:
+                return await call_next(request)
+            if namespace is None:
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                  "invalid_request_error", "invalid_api_key")
                 metrics.errors.labels(error.type, error.code or "").inc()
                 return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-            return await call_next(request)
+            if not admission.acquire(namespace):
+                error = APIError(429, f"too many requests in flight for this API key (at most "
+                                      f"{admission.limit}); retry when one of them has finished",
+                                 "rate_limit_error", "key_busy")
+                metrics.errors.labels(error.type, error.code or "").inc()
+                return JSONResponse(error.body(), status_code=429, headers=error.headers)
+            try:
+                response = await call_next(request)
+            except BaseException:
+                admission.release(namespace)
+                raise
+            return _released_after_body(response, lambda: admission.release(namespace))
 
     @app.middleware("http")  # added last, so outermost: it counts the key check's 401s too
     async def count_requests(request: Request, call_next):  # type: ignore[no-untyped-def]

@@ -8,6 +8,8 @@ import logging
 import os
 from pathlib import Path
 
+from openai_frontend.admission import DEFAULT_PER_KEY
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BUDGET = 2 << 30  # the server's session_budget_bytes default (tritonserver_backend.repository)
 DEFAULT_MAX_CONTEXT = 8192  # the server's max_context default (tritonserver_backend.repository)
@@ -30,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <key>' on every route but /health and /metrics; repeat it for "
                         "several keys (one per tenant: each key has its own partition of the conversation cache; "
                         f"default: ${API_KEY_ENV}, a comma-separated list; unset: no authentication)")
+    p.add_argument("--max-in-flight-per-key", type=int, default=DEFAULT_PER_KEY,
+                   help="with API keys: the most requests one key may have in flight (a streamed reply counts until "
+                        "its last event); one more is answered 429 with Retry-After, so one tenant cannot take every "
+                        "turn slot of the server (default 48: half its default 96); 0: no bound")
     p.add_argument("--health-url", default=None,
                    help="the tritonserver supervisor's health address (scripts/tritonserver.py start prints it, e.g. "
                         "http://127.0.0.1:8003/health): a 503 then names the model whose process died and says the "
@@ -66,7 +72,8 @@ def build(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     tokenizer = ChatTokenizer.load(args.model_dir)
     tokenizer.chat_format  # noqa: B018 - prompts are counted in the directory's chat format: none fails at start, not per request
     stream = TritonStream(args.triton_url, args.health_url)
-    return create_app(ChatService(stream, tokenizer, cache, args.max_model_len, args.auto_tool_grammar), api_keys(args))
+    return create_app(ChatService(stream, tokenizer, cache, args.max_model_len, args.auto_tool_grammar), api_keys(args),
+                      args.max_in_flight_per_key)
 
 
 def main(argv: list[str] | None = None) -> int:
