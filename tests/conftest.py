@@ -1,9 +1,10 @@
-"""Shared fixtures: a fresh random seed per test, a tiny network drawn with it, and (session-wide, made on first use)
-the embedded default's engines and the prepared corpora."""
+"""Shared fixtures: a replayable random seed per test, a tiny network drawn with it, and (session-wide, made on first
+use) the embedded default's engines and the prepared corpora."""
 
 from __future__ import annotations
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -15,11 +16,25 @@ EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
 DEFAULT_ENGINES = PROJECT_ROOT / "artifacts" / "engines" / "mol2-small"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--seed", default=None,
+                     help="the `seed` fixture's value for every test: an integer replays a failure; 'random' draws a "
+                          "fresh one per test (printed); default: a fixed seed per test, derived from its id")
+
+
 @pytest.fixture
-def seed() -> int:
-    """A fresh seed each run (printed on failure by pytest's captured output), so tests see new random inputs."""
-    value = random.SystemRandom().randrange(2**31)
-    print(f"random seed: {value}")
+def seed(request: pytest.FixtureRequest) -> int:
+    """The test's random seed: by default fixed per test (CRC-32 of its id), so a run never fails by chance and a
+    failure replays as it is; `--seed N` replays a given one, `--seed random` explores new inputs. Printed either way
+    (pytest shows it with a failure's captured output)."""
+    chosen = request.config.getoption("--seed")
+    if chosen == "random":
+        value = random.SystemRandom().randrange(2**31)
+    elif chosen is not None:
+        value = int(chosen)
+    else:
+        value = zlib.crc32(request.node.nodeid.encode()) & 0x7FFFFFFF
+    print(f"random seed: {value} (replay with --seed {value})")
     torch.manual_seed(value)
     return value
 

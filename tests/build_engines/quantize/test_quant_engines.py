@@ -146,7 +146,7 @@ def test_perplexity_stays_within_the_bound_of_the_fp32_engine(quantized: tuple[s
     assert any(r != 0 for r in relative.values()), "the engines are quantized (not the fp32 ones)"
 
 
-def test_replay_is_independent_of_the_source_adapter_on_the_quantized_engine(quantized) -> None:  # type: ignore[no-untyped-def]
+def test_replay_is_independent_of_the_source_adapter_on_the_quantized_engine(quantized, seed) -> None:  # type: ignore[no-untyped-def]
     """One history decoded under base and two different adapters, then replayed under a fixed target: identical
     logits and rings, bit for bit (the bundled adapters, held-out-like random tokens)."""
     _, out, manifest = quantized
@@ -154,7 +154,7 @@ def test_replay_is_independent_of_the_source_adapter_on_the_quantized_engine(qua
     bank = bundled_adapters(EMBEDDED, layout).bank
     config = manifest["quant"].get("session_config")
     enc_o, dec_o = kv_runner(out / GRAPH_FILES["encoder"], config), kv_runner(out / GRAPH_FILES["decoder"], config)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     history = rng.integers(0, layout.cfg.vocab_size, (1, 150))
     later = rng.integers(0, layout.cfg.vocab_size, (6, 1))
     erow = EncoderRow.empty(layout)
