@@ -157,7 +157,9 @@ def test_served_source_independence_holds_under_batching(server) -> None:  # typ
     after = decoder_batching(server)
     steps = after["mol2_decoder_steps:decode"] - before.get("mol2_decoder_steps:decode", 0)
     rows = after["mol2_decoder_step_rows:decode"] - before.get("mol2_decoder_step_rows:decode", 0)
-    assert steps > 0 and rows / steps > 2, f"decode steps carried {rows / max(steps, 1):.2f} rows on average"
+    # batching happened (some step carried several sessions); how many share a step depends on timing: a benchmark's
+    # figure (benchmarks serving), not a test's
+    assert steps > 0 and rows > steps, f"decode steps carried {rows / max(steps, 1):.2f} rows on average"
 
 
 def test_concurrent_conversations_match_the_reference_network(server) -> None:  # type: ignore[no-untyped-def]
@@ -201,7 +203,7 @@ def test_concurrent_conversations_match_the_reference_network(server) -> None:  
     assert longest > network.encoder.cfg.window_size, f"no conversation wrapped its replay window ({longest})"
     assert len(adapters) >= 3, f"the conversations visited {sorted(adapters)}"
     delta = {k: after[k] - before.get(k, 0) for k in after}
-    assert delta["mol2_decoder_step_rows:decode"] / delta["mol2_decoder_steps:decode"] > 1.5, delta
+    assert delta["mol2_decoder_step_rows:decode"] > delta["mol2_decoder_steps:decode"], delta  # some step was shared
     # replays shared calls (fewer calls than replayed rows), some of mixed lengths: how many share one call depends on
     # when the turns reach the decoder, which the encoder's prefill queue spreads (a join no longer waits for every
     # other turn's prefill), so no ratio is asserted

@@ -149,7 +149,9 @@ def test_beyond_the_bounds_a_turn_gets_server_busy_at_once(small_server) -> None
     reply = extra.turn(TurnRequest("busy-extra", "Hello?", new_session=True, max_tokens=4), timeout=60)
     waited = time.perf_counter() - started
     assert reply.error is not None and "server busy" in reply.error and "retry" in reply.error, reply
-    assert waited < 0.1, f"the busy error took {waited * 1000:.0f} ms"
+    # the promise is "at once", not after a row frees (the long turns hold theirs for minutes); 2 s leaves a wide
+    # margin over the milliseconds it takes on a loaded 2-core machine
+    assert waited < 2.0, f"the busy error took {waited * 1000:.0f} ms"
     # each turn started its session: its token came first, before any token (a queued turn's too), so its owner cancels
     wait_until(lambda: all(chats[i].tokens.get(f"busy{i}") for i in range(3)), 60,
                "every session's token at its client")
