@@ -3,7 +3,9 @@
 Every rank of a group builds one of these and runs the same calls in the same order (the leader broadcasts them, see
 `rank_group.py`); the step modules' collectives (`ced.parallel.comm`) meet inside each call. Rows run one at
 a time as in the single-process torch engine (`torch_engine.run_encoder_rows` / `run_decoder_rows`), so every rank
-issues the same sequence of collectives whatever the batch.
+issues the same sequence of collectives whatever the batch; on `whole_blocks` checkpoints they run padded to the same
+fixed tiles too (`STEP_TILE` positions, `HEAD_TILE` head rows), so a rank's verify block and its one-position steps
+run the same shapes, collectives included, and give a position the same bits.
 
 DSpark: a decoder rank also returns each position's `draft_main` row. The streams entering the target layers are
 replicated after each all-reduce, so every rank computes the same rows from stage 0's projection, the only drafter

@@ -26,10 +26,11 @@ from tritonserver_backend.engines.interface import Arrays, StepEngine
 PER_ROW = {"encoder": ("tokens", "start", "rings"),
            "decoder": ("streams", "ffn_pre", "topk", "candidates", "start", "ring_start", "rings", "kv", "index_k",
                        "verify")}
-# a step's positions and its head's rows are padded here to a multiple of this: PyTorch's CPU GEMM (MKL) computes
-# rows in blocks of 4 and the 1 or 2-3 rows left over with other kernels, so a row's bits depend on its place in the
-# GEMM unless every row sits in a whole block (then any row count agrees; measured up to 516 rows)
-GEMM_ROW_BLOCK = 4
+# on checkpoints where last bits flip tokens (`whole_blocks`), every step of up to STEP_TILE positions runs at exactly
+# STEP_TILE positions and the decoder's head at exactly HEAD_TILE rows (longer steps at whole multiples), so a decode
+# step and any speculative verify block run the same shapes through every kernel (see "Why steps are padded")
+STEP_TILE = 8  # a decode step's positions: the fed token and up to core.drafting.MAX_BLOCK = 7 drafts (tested)
+HEAD_TILE = 16  # the head's rows: the padded last position, at most STEP_TILE verified ones, the last real one
 
 
 class TorchEngine(StepEngine):
@@ -87,34 +88,36 @@ class TorchEngine(StepEngine):
 
 
 def whole_blocks(cfg: CEDConfig) -> bool:
-    """Whether steps run padded to whole GEMM row blocks: where the last bits flip greedy tokens, i.e. a checkpoint
-    with the release's runtime fake-quant. Elsewhere (the embedded default) the padding would cost about a fifth of a
-    single stream's decode step on the CPU (64-token turns 3.68 -> 4.42 s, Dec 6) for last bits that leave its tokens
-    as they are (see "Why steps are padded" below)."""
+    """Whether steps run padded to whole tiles (`STEP_TILE` positions, `HEAD_TILE` head rows): where the last bits
+    flip greedy tokens, i.e. a checkpoint with the release's runtime fake-quant. Elsewhere (the embedded default) the
+    padding would make a one-position step about 1.5x as long (18.2 -> 27.4 ms in process, 1 thread, Dec 7; padding
+    to 4 cost 64-token turns 3.68 -> 4.42 s, Dec 6) for last bits that leave its tokens as they are (see "Why steps
+    are padded" below)."""
     return cfg.runtime_fake_quant
 
 
 def run_encoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, pad: bool = False) -> Arrays:
     """An encoder step, row by row (each row's stores and Engram rows are its own); with `pad` its positions padded
-    to whole GEMM row blocks (`whole_blocks`)."""
+    to whole tiles of `STEP_TILE` (`whole_blocks`)."""
     stores = {k for k in feed if k.startswith(("kv_", "index_k_", "pending_", "engram_rows_"))}
     steps = feed["tokens"].shape[1]
-    if not pad or steps % GEMM_ROW_BLOCK == 0:
+    if not pad or steps % STEP_TILE == 0:
         return _by_row(run, feed, batch_inputs=set(PER_ROW["encoder"]) | stores)
-    out = _by_row(run, _pad_encoder_feed(feed, _whole_blocks(steps)), batch_inputs=set(PER_ROW["encoder"]) | stores)
+    padded = _whole_tiles(steps, STEP_TILE)
+    out = _by_row(run, _pad_encoder_feed(feed, padded), batch_inputs=set(PER_ROW["encoder"]) | stores)
     return {k: _first_positions(k, v, steps) for k, v in out.items()}
 
 
 def run_decoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, bank: Arrays, pad: bool = False) -> Arrays:
     """A decoder step, row by row like every step here, each row with its own one-slot LoRA grid over `bank`; with
-    `pad` its positions and its head's rows (the last position and the verified ones) padded to whole GEMM row blocks
-    (`whole_blocks`)."""
+    `pad` its positions padded to whole tiles of `STEP_TILE` and its head's rows (the last position and the verified
+    ones) to whole tiles of `HEAD_TILE` (`whole_blocks`)."""
     slots, steps = row_slots(feed), feed["streams"].shape[1]
     asked = feed["verify"].shape[1]
-    if not pad or (steps % GEMM_ROW_BLOCK == 0 and (1 + asked) % GEMM_ROW_BLOCK == 0):
+    if not pad or (steps % STEP_TILE == 0 and (1 + asked) % HEAD_TILE == 0):
         return _by_row(run, {**feed, **bank}, batch_inputs=set(PER_ROW["decoder"]),
                        row_inputs=lambda b: lora_grid([int(slots[b])], steps))
-    padded = _whole_blocks(steps)
+    padded = _whole_tiles(steps, STEP_TILE)
     out = _by_row(run, {**_pad_decoder_feed(feed, padded), **bank}, batch_inputs=set(PER_ROW["decoder"]),
                   row_inputs=lambda b: lora_grid([int(slots[b])], padded))
     # the padded feed verifies the asked positions, then the last real one (whose logits are `logits`), then fill
@@ -123,20 +126,33 @@ def run_decoder_rows(run: Callable[[Arrays], Arrays], feed: Arrays, bank: Arrays
 
 
 # Why steps are padded: a speculative step verifies a block of positions in one call, and greedy decoding with drafts
-# gives the plain tokens only if each position's logits are the bits a one-position step gives (docs/speculative.md,
-# "Rollback that writes nothing it must undo"). PyTorch's CPU GEMM computes whole blocks of 4 rows with one kernel
-# and a remainder of 1 or of 2-3 rows with others, so a one-position step and a block differed in the last bits of
-# every GEMM whose rows are positions. On a checkpoint with the release's runtime fake-quant (fp8 GEMM inputs, fp4
-# index keys) such a last bit moves a value across a rounding boundary and the logits by ~1e-2, enough to change
-# greedy tokens (DSpark blocks of 3+ drafts on a release-shaped checkpoint did, from the first verify step). So a
-# step runs padded with inert positions after its real ones to a multiple of `GEMM_ROW_BLOCK`, and the decoder's head
-# reads a multiple of it rows: every such row then takes the whole-block kernel, whatever the step. Exact because a
-# position's outputs depend on it and the positions before it only (the steps' causal rule); the padding is dropped.
+# gives the plain tokens only if each position's logits and hand-over rows are the bits a one-position step gives
+# (docs/speculative.md, "Rollback that writes nothing it must undo"). On a checkpoint with the release's runtime
+# fake-quant (fp8 GEMM inputs, fp4 index keys) one last bit moves a value across a rounding boundary and the logits
+# by ~1e-2, enough to change greedy tokens. Which kernel computes an element, and so its last bits, is chosen by the
+# tensor's shape, and not only in GEMMs: MKL takes other kernels for 1 and for 2-3 rows than for 4+, and ATen's
+# elementwise loops run whole pairs of SIMD vectors and a scalar remainder with other bits for sigmoid, softplus and
+# SiLU (pairs of 16 floats with AVX2, of 32 with AVX-512). Padding to a multiple of 4 positions matched only where
+# 4 positions fill those vectors: on an AVX-512 CPU ("AMD EPYC", Dec 7) the mHC sigmoid over (positions, 4) ran
+# scalar in a one-position step (padded to 4) and vectorised in a 6-position block (padded to 8), and blocks of 5-8
+# positions differed; tiling every GEMM into fixed row tiles did not help (measured). So no blocking is matched:
+# a step of up to STEP_TILE positions runs at exactly STEP_TILE, inert positions after its real ones, and the
+# decoder's head at exactly HEAD_TILE rows, so every decode step and every verify block runs the same shapes through
+# every op, and a position's bits follow from its own inputs. Assumed: (1) a CPU kernel's result for an element is
+# fixed by the shapes, dtypes, strides and thread count (constant in a process) and that element's own inputs (no
+# kernel branches on other rows' values); (2) a position's outputs depend on it and the positions before it only (the
+# steps' causal rule), so the padding is inert and dropped. The one shape that may still differ between a block and
+# a one-position step at the same position is a global store's length (a power of two from `min_global_entries`,
+# doubling at different steps): the columns of the index-score GEMM, which only ranks entries; on the CPU measured,
+# its column bits change only below 12 columns, and stores hold at least the top-k size (32+ entries here).
+# Held, position by position and bit for bit (logits, hand-over rows, ring rows, draft_main), for blocks of 2-8 at 15
+# histories across store doublings, on the AVX-512 CPU with ATen's AVX-512 and AVX2 kernels, MKL's default and AVX2
+# paths, 1 and 2 threads; the padding of 4 held with AVX2 kernels only.
 
 
-def _whole_blocks(rows: int) -> int:
-    """`rows` rounded up to a multiple of `GEMM_ROW_BLOCK` (at least one block)."""
-    return max(-(-rows // GEMM_ROW_BLOCK), 1) * GEMM_ROW_BLOCK
+def _whole_tiles(rows: int, tile: int) -> int:
+    """`rows` rounded up to a multiple of `tile` (at least one tile)."""
+    return max(-(-rows // tile), 1) * tile
 
 
 def _pad_encoder_feed(feed: Arrays, padded: int) -> Arrays:
@@ -155,7 +171,7 @@ def _pad_encoder_feed(feed: Arrays, padded: int) -> Arrays:
 def _pad_decoder_feed(feed: Arrays, padded: int) -> Arrays:
     """The decoder feed with hand-over rows appended up to `padded` positions (zero rows, no top-k entries or
     candidate blocks: a replay's padding rows, which compute without NaN), its LoRA grid over them, and `verify`
-    extended by the last real position, then by position 0, so that the head reads whole GEMM row blocks."""
+    extended by the last real position, then by position 0, so that the head reads whole tiles of `HEAD_TILE` rows."""
     B, steps = feed["streams"].shape[:2]
     extra = padded - steps
     out = dict(feed)
@@ -163,7 +179,7 @@ def _pad_decoder_feed(feed: Arrays, padded: int) -> Arrays:
         v = feed[k]
         out[k] = np.concatenate((v, np.full((B, extra, *v.shape[2:]), fill, v.dtype)), 1)
     verify = np.concatenate((feed["verify"], np.full((B, 1), steps - 1, np.int64)), 1)
-    fill_rows = _whole_blocks(1 + verify.shape[1]) - 1 - verify.shape[1]  # the head reads 1 + verify rows
+    fill_rows = _whole_tiles(1 + verify.shape[1], HEAD_TILE) - 1 - verify.shape[1]  # the head reads 1 + verify rows
     out["verify"] = np.concatenate((verify, np.zeros((B, fill_rows), np.int64)), 1)
     return {**out, **lora_grid(row_slots(feed).tolist(), padded)}  # the grid of the padded positions
 
@@ -193,9 +209,10 @@ def target_embed_and_head(model_dir: Path, cfg: CEDConfig) -> tuple[nn.Embedding
 
 
 def _by_row(run, feed: Arrays, batch_inputs: set[str], row_inputs: Callable[[int], Arrays] | None = None) -> Arrays:  # type: ignore[no-untyped-def]
-    """Run each batch row alone and stack the results: PyTorch's CPU GEMM picks kernels by row count, so a row's
-    result would otherwise depend on how many other rows share the call. `row_inputs(b)` replaces inputs that are
-    not sliced by row (the decoder's LoRA grid) with row b's own."""
+    """Run each batch row alone and stack the results: PyTorch's CPU kernels are picked by shape (a GEMM's by its row
+    count, an elementwise loop's by its element count), so a row's result would otherwise depend on how many other
+    rows share the call. `row_inputs(b)` replaces inputs that are not sliced by row (the decoder's LoRA grid) with row
+    b's own."""
     rows = next(feed[k] for k in batch_inputs if k in feed).shape[0]
     if rows == 1:
         return run(feed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ced.steps.lora_grid import lora_grid
 from ced.steps.parity import HANDOVER
 from ced.steps.rows import (
     DecoderRow,
@@ -135,8 +136,9 @@ def release_shaped(tmp_path_factory):  # type: ignore[no-untyped-def]
 def test_the_torch_engine_verifies_a_block_as_one_position_steps_decode_it(release_shaped) -> None:  # type: ignore[no-untyped-def]
     """A speculative step's `verify_logits` are, position by position and bit for bit, the logits of one-position
     steps, and its hand-over rows those steps' rows: what lets greedy drafting give the plain tokens. PyTorch's CPU
-    GEMM takes other kernels at 1 and at 2-3 rows than at 4+; before the torch engine padded its steps to 4 positions,
-    the last bits differed and the release's fake-quant grew them into other greedy tokens."""
+    kernels are picked by shape (MKL's GEMM by row count, ATen's sigmoid/SiLU loops by element count); unpadded, and
+    on AVX-512 padded to 4 positions, the last bits differed and the release's fake-quant grew them into other greedy
+    tokens. Blocks of 4, 6 and 8 (the longest decode step) positions, the last across a store's doubling."""
     from build_engines.build.onnx_build import random_bank
     from ced.steps.rows import HANDOVER_FIELDS
     from ced.steps.step_loop import prefill_and_replay
@@ -156,7 +158,8 @@ def test_the_torch_engine_verifies_a_block_as_one_position_steps_decode_it(relea
         absorb_decoder([drow], result, feed, False, [1])
         return out, result
 
-    for history, block_size in ((13, 4), (36, 4), (37, 6)):  # short and longer contexts, both ratio-2 parities
+    # short and longer contexts, both ratio-2 parities; at 28 the block's stores double (to 64 entries), the steps' not
+    for history, block_size in ((13, 4), (36, 4), (37, 6), (28, 8)):
         session = prefill_and_replay(layout, engine.encoder, engine.decoder, {},
                                      rng.integers(0, layout.cfg.vocab_size, history), chunk=16, slot=1,
                                      engram=engine.engram)
@@ -188,11 +191,50 @@ def test_dspark_blocks_leave_greedy_replies_on_a_release_shaped_checkpoint_uncha
     assert replies[3] == replies[0]
 
 
-def test_steps_are_padded_to_whole_gemm_blocks_only_where_last_bits_flip_tokens(release_shaped) -> None:  # type: ignore[no-untyped-def]
-    """The padding costs about a fifth of a CPU decode step, so it is on for checkpoints with the release's runtime
+def test_steps_are_padded_to_whole_tiles_only_where_last_bits_flip_tokens(release_shaped) -> None:  # type: ignore[no-untyped-def]
+    """The padding costs a share of a CPU decode step, so it is on for checkpoints with the release's runtime
     fake-quant (where the last bits moved greedy tokens) and off for the embedded default."""
     from ced.formats.config_file import load_config
     from tritonserver_backend.engines.torch_engine import whole_blocks
 
     assert whole_blocks(load_config(release_shaped[0]))
     assert not whole_blocks(load_config(EMBEDDED))
+
+
+def test_every_decode_step_runs_the_step_modules_at_one_shape_when_padded() -> None:
+    """What makes a verify block's bits a one-position step's on any CPU: padded, every decode step (the fed token
+    and up to MAX_BLOCK drafts) reaches the step modules at exactly STEP_TILE positions, with a LoRA grid over them
+    and a head of exactly HEAD_TILE rows, whatever its length and however many positions it verifies; the outputs
+    come back cut to the real positions, `logits` the last real one's and `verify_logits` the asked ones'."""
+    from tritonserver_backend.core.drafting import MAX_BLOCK
+    from tritonserver_backend.engines.torch_engine import HEAD_TILE, STEP_TILE, run_decoder_rows, run_encoder_rows
+
+    assert STEP_TILE >= MAX_BLOCK + 1 and HEAD_TILE >= STEP_TILE + 2  # the padded last position + asked + last real
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+
+    def encoder(feed):  # type: ignore[no-untyped-def]
+        seen.add((("encoder",), feed["tokens"].shape))
+        S = feed["tokens"].shape[1]
+        return {"streams": np.arange(S, dtype=np.float32).reshape(1, S, 1), "ring_rows": np.zeros((1, 2, S, 3))}
+
+    def decoder(feed):  # type: ignore[no-untyped-def]
+        # a position's "logits" are its index; the head reads the last position, then the verified ones
+        seen.add((("decoder",), feed["streams"].shape, feed["verify"].shape, feed["lora_rows"].shape))
+        S = feed["streams"].shape[1]
+        head = np.concatenate(([S - 1], feed["verify"][0])).astype(np.float32)[None, :, None]
+        return {"logits": head[:, 0], "verify_logits": head[:, 1:], "ring_rows": np.zeros((1, 2, S, 3))}
+
+    for steps in range(1, MAX_BLOCK + 2):
+        out = run_encoder_rows(encoder, {"tokens": np.zeros((1, steps), np.int64), "start": np.zeros(1, np.int64),
+                                         "rings": np.zeros((1, 2))}, pad=True)
+        assert out["streams"].shape == (1, steps, 1) and out["ring_rows"].shape == (1, 2, steps, 3)
+        for asked in {0, steps - 1, steps}:
+            feed = {"streams": np.zeros((1, steps, 4, 2), np.float32), "ffn_pre": np.zeros((1, steps, 4), np.float32),
+                    "topk": np.zeros((1, steps, 2), np.int64), "candidates": np.zeros((1, steps, 2), np.int64),
+                    "verify": np.arange(asked, dtype=np.int64)[None], **lora_grid([1], steps)}
+            result = run_decoder_rows(decoder, feed, {}, pad=True)
+            assert result["logits"].ravel().tolist() == [steps - 1]
+            assert result["verify_logits"].ravel().tolist() == list(range(asked))
+            assert result["ring_rows"].shape == (1, 2, steps, 3)
+    assert seen == {(("encoder",), (1, STEP_TILE)),
+                    (("decoder",), (1, STEP_TILE, 4, 2), (1, HEAD_TILE - 1), (1, STEP_TILE))}, seen
