@@ -23,6 +23,7 @@ from dynamo_deploy.worker_common import MODEL_NAME, discovery_env
 from tritonserver_backend.adapters.registry_init import ensure_registry
 from tritonserver_backend.auth.session_auth import INTERNAL_KEY_FILE, InternalKey
 from tritonserver_backend.core.drafting import DRAFT_BATCH
+from tritonserver_backend.launcher.start_log import note_start
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DYNAMO_PYTHON = PROJECT_ROOT / ".venv-dynamo" / "bin" / "python"
@@ -61,6 +62,7 @@ class Deployment:
 
     # ------------------------------------------------------------------ start
     def start(self, timeout_s: float = 300.0) -> None:
+        note_start("dynamo", f"{self.run_dir} ({self.encoders}x{self.decoders})")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         write_model_folder(self.model_dir, self.run_dir / "model", MODEL_NAME, self.max_context)

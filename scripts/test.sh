@@ -20,6 +20,7 @@
 # tests (--durations), so that a CI log shows where the suite's time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+SUITE_START=$SECONDS
 bash scripts/setup.sh --main-only
 if [ "$#" -gt 0 ]; then
     bash scripts/setup_dynamo.sh
@@ -55,7 +56,16 @@ status=0
 .venv/bin/lint-imports --no-cache || status=$?
 .venv/bin/ruff check . || status=$?
 
+# each phase's JUnit XML and its server starts (MOL2_START_LOG) go to build/test-reports; scripts/test_durations.py
+# prints where the time went at the end
+REPORTS=build/test-reports
+rm -rf "$REPORTS" && mkdir -p "$REPORTS"
+echo "setup and lint: $((SECONDS - SUITE_START)) s"
 PARALLEL=(tests/ced tests/build_engines tests/plugins tests/test_collection.py tests/test_docs.py)
-OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "" --durations=15 "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
-.venv/bin/python -m pytest -q -m "" --durations=25 tests "${PARALLEL[@]/#/--ignore=}" || status=$?
+MOL2_START_LOG="$REPORTS/starts-1-build.log" OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "" \
+    --durations=15 --junitxml="$REPORTS/1-build.xml" "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
+MOL2_START_LOG="$REPORTS/starts-2-serving.log" .venv/bin/python -m pytest -q -m "" --durations=25 \
+    --junitxml="$REPORTS/2-serving.xml" tests "${PARALLEL[@]/#/--ignore=}" || status=$?
+.venv/bin/python scripts/test_durations.py "$REPORTS" || true
+echo "test suite wall time: $((SECONDS - SUITE_START)) s"
 exit "$status"

@@ -34,6 +34,7 @@ from tritonserver_backend.launcher.record import (
     remove_record,
     write_record,
 )
+from tritonserver_backend.launcher.start_log import note_start
 
 # mol2-* request headers (the adapter_admin key, docs/admin.md) reach the models as request parameters
 _HEADER_FORWARD_FLAGS = ("--grpc-header-forward-pattern", "--http-header-forward-pattern")
@@ -233,6 +234,7 @@ class TritonServer:
                 start_new_session=True,
             )
         self.started_at = time.monotonic()
+        note_start("tritonserver", str(repo))
         self.ready_after = None
         self.pid = self.process.pid
         self.record = ServerRecord.for_process(self.pid, self.describe(), self.log_file, self._log_offset)
