@@ -65,7 +65,7 @@ def test_an_unclaimed_turn_gives_its_slot_back_when_its_lease_ends(engine) -> No
     encoded = service.encode_turn("user", prompt(9, 20, vocab), start=True)
     assert service.counters.get(k.TURN_LEASES_ENDED, k.LEASE_EXPIRED) == 3
     assert len(service.leases) == 1 and not any(service.sessions.contains(f"ghost-{i}") for i in range(3))
-    with pytest.raises(BadRequest, match="no longer in flight"):
+    with pytest.raises(UnknownSession, match="ghost-0' was rolled back: its first turn was not taken by a decoder"):
         service.claim("ghost-0", stale[0].turn_id)
     with pytest.raises((BadRequest, UnknownSession)):
         service.encode_step(["ghost-0"], np.asarray([[7]]), turn_ids=np.asarray([stale[0].turn_id]))

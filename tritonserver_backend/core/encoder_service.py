@@ -615,6 +615,8 @@ class EncoderService:
         self.expire_leases()
         lease = self.leases.get(session_id)
         if lease is None or lease.turn_id != int(turn_id) or lease.status not in (HANDED_OVER, CLAIMED):
+            if not self.sessions.contains(session_id):
+                self.sessions.get(session_id)  # ended or evicted meanwhile: says which
             raise BadRequest(f"session {session_id!r}: its turn is no longer in flight (the lease ended before the "
                              "decoder took it: expired, rolled back or evicted); resend the turn")
         lease.status = CLAIMED
@@ -649,7 +651,8 @@ class EncoderService:
         else:
             self._h19[session_id] = lease.h19_before
         if before is None:
-            self.sessions.end(session_id)
+            self.sessions.end(session_id, "rolled back: its first turn was not taken by a decoder within the turn "
+                                          "lease" if status == EXPIRED else "ended")
         else:
             self._store(session_id, before)
             self._set_base(session_id, base_before)  # pinned by the lease until the release below

@@ -430,10 +430,10 @@ class TurnScheduler:
                 self.decoder.restore(turn.session_id, previous)
             self._fail_turn(turn, exc)
             return
-        self.emit(turn, -1, turn.finish)
-        if turn.end_session:
+        if turn.end_session:  # gone before the client hears the end: its next request finds it ended, not half-ended
             self.decoder.end(turn.session_id)
             self._quietly(self.encoder.drop, turn.session_id)
+        self.emit(turn, -1, turn.finish)
 
     def _refuse(self, request: TurnStart, exc: BaseException) -> None:
         """A turn that never started (rejected, cancelled while waiting, or failed with the scheduler): counted as a

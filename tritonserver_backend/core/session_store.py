@@ -61,12 +61,13 @@ class SessionStore(Generic[T]):
                     self.on_drop(old, value)
             return evicted
 
-    def end(self, session_id: str) -> bool:
+    def end(self, session_id: str, why: str = "ended") -> bool:
+        """Drop a session; its next request is told it `why` ("was ended", or another reason the caller names)."""
         with self._lock:
             if session_id not in self._items:
                 return False
             value = self._items.pop(session_id)
-            self._forget(session_id, "ended")
+            self._forget(session_id, why)
             if self.on_drop is not None:
                 self.on_drop(session_id, value)
             return True
