@@ -11,7 +11,6 @@ import urllib.request
 import pytest
 
 from dynamo_deploy.launcher import read_turns
-from tests.dynamo_deploy.test_deployment import _deploy
 from tritonserver_backend.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -20,10 +19,8 @@ TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    d = _deploy(tmp_path_factory.mktemp("dynamo-completions"), default_engines, encoders=1, decoders=1)
-    yield d
-    d.stop()
+def deployment(dynamo_1x1):  # type: ignore[no-untyped-def]
+    return dynamo_1x1  # tests/dynamo_deploy/conftest.py: shared with the other 1x1 modules
 
 
 def _complete(url: str, body: dict) -> dict:

@@ -12,7 +12,6 @@ import jsonschema
 import pytest
 
 from dynamo_deploy.client import Conversation
-from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment
 from dynamo_deploy.requests import SPECULATIVE_OFF, params_from_json, params_to_json, sampling_params
 from tests.conftest import EMBEDDED
 from tritonserver_backend.errors import BadRequest
@@ -99,16 +98,8 @@ def _port() -> int:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    if not DYNAMO_PYTHON.exists():
-        pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
-    d = Deployment(tmp_path_factory.mktemp("dynamo-sampling"), EMBEDDED, default_engines, encoders=1, decoders=1,
-                   http_port=_port())
-    try:
-        d.start(timeout_s=300)
-        yield d
-    finally:
-        d.stop()
+def deployment(dynamo_1x1):  # type: ignore[no-untyped-def]
+    return dynamo_1x1  # tests/dynamo_deploy/conftest.py: shared with the other 1x1 modules
 
 
 @pytest.mark.slow

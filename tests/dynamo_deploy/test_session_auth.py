@@ -22,7 +22,7 @@ from dynamo_deploy.client import Conversation
 from dynamo_deploy.launcher import PROJECT_ROOT, Deployment, read_turns
 from dynamo_deploy.session_guard import CallAuth
 from dynamo_deploy.worker_common import DECODER_TURN, ENCODER_CONTROL, ENCODER_STEP
-from tests.dynamo_deploy.test_deployment import CONVERSATION, MAX_TOKENS, _deploy, _reference_turns, _served
+from tests.dynamo_deploy.test_deployment import CONVERSATION, MAX_TOKENS, _reference_turns, _served
 from tritonserver_backend.auth.session_auth import InternalKey, new_token
 
 pytestmark = pytest.mark.slow
@@ -30,10 +30,8 @@ DIRECT_CALLS = Path(__file__).with_name("direct_calls.py")
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    d = _deploy(tmp_path_factory.mktemp("dynamo-auth-1x1"), default_engines, encoders=1, decoders=1)
-    yield d
-    d.stop()
+def pair(dynamo_1x1):  # type: ignore[no-untyped-def]
+    return dynamo_1x1  # tests/dynamo_deploy/conftest.py: shared with the other 1x1 modules
 
 
 def _refusals(d: Deployment, role: str) -> dict[str, int]:
@@ -145,6 +143,7 @@ def test_direct_calls_on_the_request_plane_without_the_key_are_refused(pair, ref
 
 
 def test_conversations_without_a_session_id_are_kept_apart_by_their_history(pair, reference) -> None:  # type: ignore[no-untyped-def]
+    logged = len(read_turns(pair.run_dir))  # a shared deployment: this test's turns are the ones after these
     first = Conversation(pair.url, None)
     for text in CONVERSATION[:2]:
         first.say(text, max_tokens=MAX_TOKENS)
@@ -154,7 +153,7 @@ def test_conversations_without_a_session_id_are_kept_apart_by_their_history(pair
     intruder.say(CONVERSATION[1], max_tokens=MAX_TOKENS)
     for text in CONVERSATION[2:4]:
         first.say(text, max_tokens=MAX_TOKENS)
-    anon = [t for t in read_turns(pair.run_dir) if t["session"].startswith("anon-")]
+    anon = [t for t in read_turns(pair.run_dir)[logged:] if t["session"].startswith("anon-")]
     first_turns = [t for t in anon if t["internal_session"] == anon[0]["internal_session"]]
     assert len(first_turns) == 4 and not any(t["rebuilt"] for t in first_turns)  # never ended or replaced
     assert [t["tokens"] for t in first_turns] == _reference_turns(reference, "ref-anon-1", CONVERSATION[:4])

@@ -38,10 +38,14 @@ def _reference(pipe: InProcessPipeline, session: str, adapters: list[str | None]
 
 @pytest.mark.parametrize("drafter, tp", [("dspark", 1), ("ngram", 1), ("dspark", 2)],
                          ids=["dspark", "ngram", "dspark-tp2"])
-def test_drafting_decoders_serve_the_single_server_tokens(drafter, tp, tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
+def test_drafting_decoders_serve_the_single_server_tokens(drafter, tp, tmp_path, default_engines, reference,  # type: ignore[no-untyped-def]
+                                                         request) -> None:
     parallel = {"backend": "torch", "tensor_parallel_size": tp} if tp > 1 else {}
-    d = _deploy(tmp_path / f"dynamo-{drafter}", default_engines, encoders=1, decoders=1, speculative=drafter,
-                **parallel)
+    # DSpark on one rank is the default ("auto": the default's engines hold a drafter): the shared 1x1 deployment
+    shared = drafter == "dspark" and tp == 1
+    d = (request.getfixturevalue("dynamo_1x1") if shared else
+         _deploy(tmp_path / f"dynamo-{drafter}", default_engines, encoders=1, decoders=1, speculative=drafter,
+                 **parallel))
     try:
         adapters = [None, None, EXPLICIT, None, None]
         conv = Conversation(d.url, f"spec-{drafter}")
@@ -70,5 +74,6 @@ def test_drafting_decoders_serve_the_single_server_tokens(drafter, tp, tmp_path,
         assert ([t["tokens"] for t in _served(d.run_dir, f"drafted-{drafter}")]
                 == [t["tokens"] for t in _served(d.run_dir, f"plain-{drafter}")])
     finally:
-        d.stop()
+        if not shared:
+            d.stop()
 

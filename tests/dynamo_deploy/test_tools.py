@@ -15,7 +15,6 @@ import pytest
 
 from dynamo_deploy.client import post_chat, stream_chat
 from dynamo_deploy.launcher import read_turns
-from tests.dynamo_deploy.test_deployment import _deploy
 from tritonserver_backend.sampling.grammar import canonical
 from tritonserver_backend.sampling.sampler import SamplingParams
 
@@ -34,10 +33,8 @@ ASK = "What is the weather in Paris right now?"
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    d = _deploy(tmp_path_factory.mktemp("dynamo-tools"), default_engines, encoders=1, decoders=1)
-    yield d
-    d.stop()
+def deployment(dynamo_1x1):  # type: ignore[no-untyped-def]
+    return dynamo_1x1  # tests/dynamo_deploy/conftest.py: shared with the other 1x1 modules
 
 
 def _ask(deployment, tool_choice, **extra) -> tuple[dict, list[int]]:  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ import pytest
 
 from ced.steps.rows import HANDOVER_FIELDS, HANDOVER_KEYS
 from tests.conftest import EMBEDDED
-from tests.tritonserver_backend.streams import concurrent_token_ids, start_server
+from tests.tritonserver_backend.streams import concurrent_token_ids
 from tritonserver_backend.adapters.registry_init import ensure_registry
 from tritonserver_backend.clients.client import GrpcChat, TurnRequest
 from tritonserver_backend.core import counters as k
@@ -270,11 +270,10 @@ def metric(server, name: str, partition: str) -> float:  # type: ignore[no-untyp
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_engines: Path):  # type: ignore[no-untyped-def]
-    """One tritonserver for the served tests (the cache and chunked prefill are on by default)."""
-    server = start_server(tmp_path_factory.mktemp("prefix-server"), default_engines, max_context="4096")
-    yield server
-    server.stop()
+def server(shared_server):  # type: ignore[no-untyped-def]
+    """The served tests' tritonserver (the cache and chunked prefill are on by default): the 4096-token one, shared
+    with the session-token module (conftest.py)."""
+    return shared_server(max_context="4096")
 
 
 @pytest.fixture(scope="module")

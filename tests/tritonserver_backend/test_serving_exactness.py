@@ -21,7 +21,6 @@ import pytest
 
 from tests.conftest import EMBEDDED
 from tests.reference_oracle import ReferenceNetwork
-from tests.tritonserver_backend.streams import start_server
 from tritonserver_backend.clients.client import GrpcChat, HttpChat, Reply, TurnRequest
 
 pytestmark = pytest.mark.slow
@@ -52,12 +51,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    srv = start_server(tmp_path_factory.mktemp("exactness"), default_engines, max_context="2048")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_server):  # type: ignore[no-untyped-def]
+    return shared_server(max_context="2048")  # conftest.py: shared with the grammar and speculative modules
 
 
 def probe(text: str, sid: str, adapter: str | None, new: bool = False, history: str | None = None,

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from tests.conftest import EMBEDDED
-from tests.tritonserver_backend.streams import concurrent_token_ids, start_server
+from tests.tritonserver_backend.streams import concurrent_token_ids
 from tests.tritonserver_backend.test_sampling_grammar import SCHEMAS
 from tritonserver_backend.adapters.registry_init import ensure_registry
 from tritonserver_backend.clients.client import GrpcChat, HttpChat, TurnRequest
@@ -24,12 +24,8 @@ EOT = 6
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    srv = start_server(tmp_path_factory.mktemp("triton-grammar"), default_engines, max_context="2048")
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_server):  # type: ignore[no-untyped-def]
+    return shared_server(max_context="2048")  # conftest.py: shared with the exactness and speculative modules
 
 
 @pytest.fixture(scope="module")

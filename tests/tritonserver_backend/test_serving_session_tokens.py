@@ -30,12 +30,8 @@ HISTORY = json.dumps([{"role": "user", "content": "Hello."}, {"role": "assistant
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    srv = start_server(tmp_path_factory.mktemp("tokens"), default_engines)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(shared_server):  # type: ignore[no-untyped-def]
+    return shared_server()  # conftest.py: the 4096-token server, shared with the prefix-cache module
 
 
 def _chat(server, transport: str, tokens: SessionTokens | None = None):  # type: ignore[no-untyped-def]

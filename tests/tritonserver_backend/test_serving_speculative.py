@@ -35,9 +35,14 @@ OPTED_OUT = (3, 1)  # conversation, turn: sent with speculative false
 
 
 @pytest.fixture(scope="module", params=["default", "ngram"])
-def server(request, tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    extra = {} if request.param == "default" else {"speculative": request.param}
-    srv = start_server(tmp_path_factory.mktemp("speculative"), default_engines, max_context="2048", **extra)
+def server(request, shared_server, tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
+    """The default drafter is the shared 2048-token server (conftest.py); n-gram drafting has one of its own, stopped
+    with the module."""
+    if request.param == "default":
+        yield shared_server(max_context="2048")
+        return
+    srv = start_server(tmp_path_factory.mktemp("speculative"), default_engines, max_context="2048",
+                       speculative=request.param)
     try:
         yield srv
     finally:
