@@ -42,7 +42,8 @@ from tritonserver_backend.core.counters import Counters
 from tritonserver_backend.core.handover import MAX_DECODE_LANES, Handover
 from tritonserver_backend.core.prefix_cache import PrefixCache, PrefixEntry, check_salt
 from tritonserver_backend.core.resting_rows import RestingRow, rest, wake
-from tritonserver_backend.core.session_journal import MAX_SESSION_ID_BYTES, SessionJournal
+from tritonserver_backend.core.session_journal import SessionJournal
+from tritonserver_backend.core.session_journal import check_session_id as journal_session_id
 from tritonserver_backend.core.session_store import SessionStore
 from tritonserver_backend.core.turn_lease import (
     ABANDONED,
@@ -71,15 +72,14 @@ DEFAULT_PREFILL_STEP = 64
 
 
 def check_session_id(session_id: object) -> str:
-    """A request's session id: a non-empty string of at most `MAX_SESSION_ID_BYTES` UTF-8 bytes."""
+    """A request's session id: a non-empty string within the journal's bound (`session_journal.check_session_id`,
+    the one place that bound is checked), as a client's BadRequest."""
     if not isinstance(session_id, str) or not session_id:
         raise BadRequest("session_id must be a non-empty string")
     try:
-        size = len(session_id.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise BadRequest("session_id is not valid Unicode text") from None
-    if size > MAX_SESSION_ID_BYTES:
-        raise BadRequest(f"session_id is {size} bytes long; at most {MAX_SESSION_ID_BYTES} are accepted")
+        journal_session_id(session_id)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
     return session_id
 
 

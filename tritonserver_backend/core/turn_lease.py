@@ -41,7 +41,6 @@ DEFAULT_LEASE_S = 30.0
 PREFILLING, HANDED_OVER, CLAIMED = "prefilling", "handed_over", "claimed"
 DONE, ROLLED_BACK, EXPIRED = "done", "rolled_back", "expired"
 EVICTED, ENDED, ABANDONED = "evicted", "ended", "abandoned"
-LIVE = (PREFILLING, HANDED_OVER, CLAIMED)
 
 
 @dataclass
@@ -70,10 +69,6 @@ class TurnLease:
     unjournaled: list[np.ndarray] | None = None  # the turn's tokens for the journal (None: not journaled)
     journal_reset: bool = False  # its record restarts the session's file (a start, a restart, a fork)
     draft: DraftBlock | None = None  # a speculative step waiting for its kept length
-
-    @property
-    def live(self) -> bool:
-        return self.status in LIVE
 
 
 class TurnIds:
@@ -140,6 +135,3 @@ class LeaseTable:
                 return False
             del self._by_session[lease.session_id]
             return True
-
-    def leases(self) -> list[TurnLease]:
-        return list(self._by_session.values())
