@@ -40,6 +40,7 @@ BENCHMARKS = {
                    "frontend (docs/model_card.md)"),
     "default-compare": ("default_compare", "the default before and after a rebuild: routing, perplexities, drafter, "
                         "replay (docs/model_card.md)"),
+    "seed-sweep": ("seed_sweep", "the step-module bound of test_steps.py over hundreds of seeds (docs/testing.md)"),
     "device-check": ("device_check", "the mol2 kernels and the model loop on a GPU (docs/kernels.md)"),
 }
 

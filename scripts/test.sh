@@ -12,10 +12,12 @@
 #   1. the three other environments install while the embedded default's engines build and the corpora are prepared
 #      into artifacts/data (the tests reuse both: each step is idempotent, and a lock makes a concurrent builder or
 #      preparer wait and reuse; tests/real_data.py);
-#   2. the build-stage and plugin tests (exports, quantized builds, kernels; no server, no timing) run on two pytest-xdist
-#      workers, a file per worker;
-#   3. every other test runs in one process: they start tritonservers, Dynamo workers and clients, and some check
-#      latencies, which a second busy worker would distort.
+#   2. every test runs on two pytest-xdist workers (--dist loadgroup), one torch thread each: tests/conftest.py
+#      gives each test its group (the users of one shared server or one built-once artifact, the Dynamo deployments,
+#      else its file), a worker takes a group whole, and the longest groups (tests/group_durations.json) go first;
+#      each worker takes its own loopback ports (MOL2_PORT_RANGE, ced/ports.py);
+#   3. the tests whose subject is load (marker `serial`) run alone afterwards, so a second busy worker cannot distort
+#      what they measure.
 # Step 3 is "everything step 2 did not run", so no test can fall between the two. Both steps print their slowest
 # tests (--durations), so that a CI log shows where the suite's time goes.
 set -euo pipefail
@@ -61,11 +63,11 @@ status=0
 REPORTS=build/test-reports
 rm -rf "$REPORTS" && mkdir -p "$REPORTS"
 echo "setup and lint: $((SECONDS - SUITE_START)) s"
-PARALLEL=(tests/ced tests/build_engines tests/plugins tests/test_collection.py tests/test_docs.py)
-MOL2_START_LOG="$REPORTS/starts-1-build.log" OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadfile -m "" \
-    --durations=15 --junitxml="$REPORTS/1-build.xml" "${PARALLEL[@]}" || status=$?  # one torch thread a worker: two would spin on two cores
-MOL2_START_LOG="$REPORTS/starts-2-serving.log" .venv/bin/python -m pytest -q -m "" --durations=25 \
-    --junitxml="$REPORTS/2-serving.xml" tests "${PARALLEL[@]/#/--ignore=}" || status=$?
+MOL2_START_LOG="$REPORTS/starts-1-parallel.log" MOL2_GROUPS_OUT="$REPORTS" OMP_NUM_THREADS=1 \
+    .venv/bin/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "not serial" --durations=25 \
+    --junitxml="$REPORTS/1-parallel.xml" tests || status=$?  # one torch thread a worker: two would spin on two cores
+MOL2_START_LOG="$REPORTS/starts-2-serial.log" .venv/bin/python -m pytest -q -m "serial" --durations=10 \
+    --junitxml="$REPORTS/2-serial.xml" tests || status=$?
 .venv/bin/python scripts/test_durations.py "$REPORTS" || true
 echo "test suite wall time: $((SECONDS - SUITE_START)) s"
 exit "$status"

@@ -3,8 +3,11 @@ use) the embedded default's engines and the prepared corpora."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,65 @@ from tests.tiny import PROJECT_ROOT, tiny_network
 
 EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
 DEFAULT_ENGINES = PROJECT_ROOT / "artifacts" / "engines" / "mol2-small"
+
+
+GROUP_DURATIONS = Path(__file__).resolve().parent / "group_durations.json"  # scripts/test_durations.py --write-groups
+UNKNOWN_GROUP_S = 20.0  # a group the durations file does not know yet is scheduled as if it took this long
+WORKER_PORTS = 3000  # each xdist worker's own slice of loopback ports (MOL2_PORT_RANGE, ced/ports.py), from 20000
+GROUPS_OUT = "MOL2_GROUPS_OUT"  # a folder: each worker writes which group each of its tests ran in (test_durations)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker takes its own range of ports before anything asks for one, so two workers starting servers
+    side by side never pick the same port (ced/ports.py); the processes it starts inherit the range."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and not os.environ.get("MOL2_PORT_RANGE"):
+        first = 20000 + int(worker[2:]) * WORKER_PORTS
+        os.environ["MOL2_PORT_RANGE"] = f"{first}-{first + WORKER_PORTS - 1}"
+
+
+def shared_fixture_package(item: pytest.Item) -> str | None:
+    """The package whose conftest gives `item` a package- or session-scoped fixture (a shared server, the exported
+    graphs), if any; the root conftest's (the default engines, the corpora: built once, behind a lock) do not count."""
+    for name in item.fixturenames:
+        for fixture in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            if fixture.scope in ("package", "session") and fixture.baseid not in ("", "tests"):
+                return fixture.baseid
+    return None
+
+
+def server_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """Each test's group, the unit a worker takes whole: the Dynamo deployments (one worker runs them all, one after
+    the other); else, for a module any of whose tests uses a shared fixture of its package, that package (the
+    fixture starts or builds once, in the one worker that holds all its users); else the test's module (its
+    module-scoped servers start once)."""
+    modules: dict[str, str] = {}
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if path.startswith("tests/dynamo_deploy/") or path == "tests/deploy/test_dynamo_graph.py":
+            modules[path] = "dynamo"
+        elif modules.get(path, path) == path:
+            modules[path] = shared_fixture_package(item) or path
+    return {item.nodeid: modules[item.nodeid.split("::")[0]] for item in items}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` (scripts/test.sh), every test gets its group (`server_groups`) and the groups are
+    ordered longest first by tests/group_durations.json (what the last recorded run measured), so that the long groups
+    start at once and the short ones fill in at the end instead of leaving one worker alone with a long tail."""
+    if config.getoption("dist", default="no") != "loadgroup":
+        return
+    groups = server_groups(items)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    seconds = json.loads(GROUP_DURATIONS.read_text()) if GROUP_DURATIONS.exists() else {}
+    items.sort(key=lambda item: -seconds.get(groups[item.nodeid], UNKNOWN_GROUP_S))  # stable: a group keeps its order
+    out = os.environ.get(GROUPS_OUT, "")
+    if out:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"groups-{worker}.json").write_text(json.dumps(groups, indent=0))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -9,6 +9,7 @@ to plugins. Graph inputs and outputs are named by `StepLayout`, in its order.
 from __future__ import annotations
 
 import inspect
+import logging
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,10 @@ from ced.steps.opset import OPSET
 from plugins import DOMAIN, OPSET_VERSION, onnx_functions, register_onnx_schemas
 
 _DTYPES = {"float32": torch.float32, "int64": torch.int64, "bool": torch.bool}
+# the exporter's op registry warns once per torchvision op it skips when torchvision is not installed (it is not: the
+# graphs use none of its ops), a screenful on every build; its other warnings stay
+logging.getLogger("torch.onnx._internal.exporter._registration").addFilter(
+    lambda record: not record.getMessage().startswith("torchvision is not installed"))
 
 
 def example(tensors: list[GraphTensor], sizes: dict[str, int]) -> tuple[torch.Tensor, ...]:

@@ -18,11 +18,12 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
+
+from ced.ports import free_port
 
 #: How long a collective may wait for a peer before the process group gives up (seconds).
 DEFAULT_GROUP_TIMEOUT_S = 60.0
@@ -36,13 +37,6 @@ class RankFailed(RuntimeError):
     def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None) -> None:
         super().__init__(message)
         self.rank, self.exitcode = rank, exitcode
-
-
-def free_port() -> int:
-    """A TCP port free on localhost right now (the OS picks it; the short race until gloo binds it is accepted)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results: Any,

@@ -9,7 +9,7 @@ import pytest
 
 from tests.tiny import PROJECT_ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # its subject is load: it runs alone, after the rest
 
 
 def test_a_short_soak_run_passes(default_engines, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -5,10 +5,9 @@ before/after differences; a module that stops, kills or reconfigures workers sta
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
+from ced.ports import free_port
 from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment
 from tests.conftest import EMBEDDED
 from tritonserver_backend.adapters.registry_init import ensure_registry
@@ -30,9 +29,7 @@ def dynamo_1x1(tmp_path_factory, default_engines):  # type: ignore[no-untyped-de
     a deployment of its own.)"""
     if not DYNAMO_PYTHON.exists():
         pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/test.sh does)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     d = Deployment(tmp_path_factory.mktemp("dynamo-1x1"), EMBEDDED, default_engines, encoders=1, decoders=1,
                    http_port=port)
     try:

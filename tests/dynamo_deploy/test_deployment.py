@@ -3,13 +3,13 @@ against the single-server path (`InProcessPipeline`, which the Triton tests hold
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from ced.ports import free_port
 from dynamo_deploy.client import Conversation
 from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment, read_turns
 from dynamo_deploy.model_ids import model_id
@@ -27,16 +27,10 @@ OPENERS = ["Hello there, any plans today?", "import numpy as np\nx = np.zeros(3)
            "The button colour looks off on mobile.", "How do I squash my last two commits?"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _deploy(tmp: Path, engines: Path, encoders: int, decoders: int, **options: int | str) -> Deployment:
     if not DYNAMO_PYTHON.exists():
         pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
-    d = Deployment(tmp, EMBEDDED, engines, encoders=encoders, decoders=decoders, http_port=_port(), **options)
+    d = Deployment(tmp, EMBEDDED, engines, encoders=encoders, decoders=decoders, http_port=free_port(), **options)
     try:
         d.start(timeout_s=300)
     except BaseException:

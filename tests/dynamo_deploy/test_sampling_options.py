@@ -5,7 +5,6 @@ what the workers cannot serve (n > 1, a structural tag, two constraints) is refu
 from __future__ import annotations
 
 import json
-import socket
 import urllib.request
 
 import jsonschema
@@ -89,12 +88,6 @@ def test_a_tool_choice_tag_is_enforced_in_the_models_own_call_syntax() -> None:
     assert json.loads(passed.grammar) == own
     with pytest.raises(BadRequest, match="cannot take tool_choice"):  # a model with no call syntax
         sampling_params({"sampling_options": {"guided_decoding": {"structural_tag": _hermes_tag(["plan"], True)}}})
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

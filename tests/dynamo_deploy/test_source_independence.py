@@ -8,12 +8,12 @@ decoder worker computed, compared here, not only the few tokens a client sees.
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import numpy as np
 import pytest
 
+from ced.ports import free_port
 from dynamo_deploy.client import Conversation
 from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment, read_turns
 from dynamo_deploy.model_ids import model_id
@@ -31,9 +31,7 @@ TARGET = "L3_design"
 def fleet(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
     if not DYNAMO_PYTHON.exists():
         pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     d = Deployment(tmp_path_factory.mktemp("dynamo-logprobs"), EMBEDDED, default_engines, http_port=port,
                    record_logprobs=True)
     try:

@@ -23,7 +23,7 @@ from tritonserver_backend.clients.client import GrpcChat, SessionTokens, TurnReq
 from tritonserver_backend.core.pipeline import InProcessPipeline
 from tritonserver_backend.sampling.sampler import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # its subject is load: it runs alone, after the rest
 LONG = 1500  # tokens: a turn that runs for seconds
 LEASE_S = 4  # the small server's turn lease: how long a turn nobody continues may hold its slot
 

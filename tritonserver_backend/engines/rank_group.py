@@ -96,7 +96,7 @@ class RankGroup:
     # ------------------------------------------------------------------ start / stop
     def start(self) -> None:
         from ced.parallel.comm import Comm, barrier, open_group
-        from ced.parallel.launch import free_port
+        from ced.ports import free_port
         from tritonserver_backend.engines.shard_steps import ShardSteps
 
         port = free_port()

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 from typing import Any
 
-HOST = "127.0.0.1"
+from ced.ports import HOST, free_port
 
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port that is free on the loopback address right now (the kernel's pick; racy by nature, like any such)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["HOST", "free_port", "http_ready", "repository_index"]
 
 
 def http_ready(http_port: int, host: str = HOST, timeout: float = 1.0) -> bool:

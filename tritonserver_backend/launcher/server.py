@@ -234,7 +234,7 @@ class TritonServer:
                 start_new_session=True,
             )
         self.started_at = time.monotonic()
-        note_start("tritonserver", str(repo))
+        note_start("tritonserver" if (Path(repo) / "encoder").is_dir() else "tritonserver-toy", str(repo))
         self.ready_after = None
         self.pid = self.process.pid
         self.record = ServerRecord.for_process(self.pid, self.describe(), self.log_file, self._log_offset)

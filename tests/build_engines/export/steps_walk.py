@@ -1,0 +1,121 @@
+"""The step modules walked through a conversation beside the reference network, and the bound their logits keep.
+
+Shared by test_steps.py (one fixed seed per variant) and `python -m benchmarks seed-sweep` (the bound checked over
+hundreds of seeds, docs/testing.md).
+
+Why the bound has two terms. The step modules compute what the reference computes in another order (chunked
+prefill, gathered ring rows, the LoRA grid), so float32 rounding differs at the level of a few units in the last
+place of each product; through the tiny network that stays below `ROUNDING_BOUND` on the logits. The Engram gate
+is the exception: gate = sigmoid(copysign(sqrt(max(|dot|, GATE_FLOOR)), dot)) is discontinuous at dot = 0, so a
+rounding difference that moves a dot across zero moves the signed root by up to 2 * sqrt(GATE_FLOOR) and the gate
+by up to sigmoid'(0) * 2 * sqrt(GATE_FLOOR) = 5e-4 (a "tie" the two paths may break either way). That gate
+multiplies a value row and the layers after it carry the step to the logits; `GATE_GAIN` allows a factor 4 for
+both, so the Engram term is 4 * 5e-4 = 2e-3. Neither term depends on the seed; the sweep shows how much of each a
+run uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ced.conversation import Conversation
+from ced.lora import AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter
+from ced.model.config import CEDConfig
+from ced.model.engram import GATE_FLOOR
+from ced.model.network import CEDNetwork
+from ced.steps.decoder_step import DecoderStep
+from ced.steps.encoder_step import EncoderStep
+from ced.steps.engram_feed import EngramFeed
+from ced.steps.layout import StepLayout
+from ced.steps.lora_stacked import stack_adapters
+from ced.steps.parity import HANDOVER, torch_runner
+from ced.steps.rows import (
+    DecoderRow,
+    EncoderRow,
+    absorb_decoder,
+    absorb_encoder,
+    decoder_inputs,
+    encoder_inputs,
+)
+
+ROUNDING_BOUND = 1e-4  # reordered float32 arithmetic, no discontinuity crossed
+SIGMOID_SLOPE_AT_0 = 0.25
+GATE_GAIN = 4.0  # the value row the gate scales, and the layers from there to the logits
+TURNS = [(37, 1), (173, 2), (41, 0), (9, 1)]  # (length, adapter slot); the first replay is shorter than the window
+DECODE_STEPS = 6
+
+
+def logit_bound(cfg: CEDConfig) -> float:
+    """The largest logit difference the step modules may show against the reference (module docstring)."""
+    if not cfg.engram_layers:
+        return ROUNDING_BOUND
+    return ROUNDING_BOUND + GATE_GAIN * SIGMOID_SLOPE_AT_0 * 2 * GATE_FLOOR**0.5
+
+
+@dataclass
+class Walk:
+    worst: float  # max abs logit difference over every turn and decode step
+    other_token: str | None  # where the step modules' greedy token first differs from the reference's, if anywhere
+    positions_agree: bool
+    engram_history_agrees: bool | None  # None without Engram
+
+
+def walk_turns(net: CEDNetwork, work: Path) -> Walk:
+    """Chunked prefill, replay under an adapter, decode, a new turn under another adapter (TURNS), with two random
+    adapters saved under `work`: the step modules beside the reference Conversation, fed the reference's tokens."""
+    cfg = net.cfg
+    enc, dec = net.split()
+    bank = AdapterBank(cfg, dec)
+    adapters = []
+    for name in ("A", "B"):
+        save_adapter(work / name, random_adapter_weights(decoder_lora_modules(cfg, dec), 4, 0.05), 4, 8.0, "tiny")
+        adapters.append(bank.load(work / name, name=name))
+    bank.attach(dec)
+    layout = StepLayout(cfg)
+    encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
+    decoder = torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())
+    lora = stack_adapters(layout, [None, *adapters])
+    engram = EngramFeed.of_network(layout, enc)
+
+    conv = Conversation(enc, dec)
+    erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
+    worst, other = 0.0, None
+
+    def compare(got: dict[str, np.ndarray], want: torch.Tensor, where: str) -> int:
+        nonlocal worst, other
+        worst = max(worst, float(np.abs(got["logits"][0] - want.numpy()).max()))
+        token = int(want.argmax())
+        if other is None and int(got["logits"][0].argmax()) != token:
+            other = where
+        return token
+
+    for turn, (length, slot) in enumerate(TURNS):
+        tokens = torch.randint(0, cfg.vocab_size, (1, length))
+        want = conv.new_turn(tokens, [None, *adapters][slot])
+        for chunk in torch.split(tokens, 64, dim=1):  # prefill in chunks, as the encoder service does
+            out = encoder(encoder_inputs(layout, [erow], chunk.numpy(), engram=engram))
+            absorb_encoder(layout, [erow], out, chunk.shape[1], chunk.numpy())
+            drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
+        feed = {**decoder_inputs(layout, [drow], None, [slot]), **lora}
+        got = decoder(feed)
+        absorb_decoder([drow], got, feed, True, [slot])
+        token = compare(got, want.logits[0, -1], f"turn {turn}: replay")
+        for step in range(DECODE_STEPS):
+            want = conv.step(torch.tensor([[token]]))
+            out = encoder(encoder_inputs(layout, [erow], np.array([[token]]), engram=engram))
+            absorb_encoder(layout, [erow], out, 1, np.array([[token]]))
+            rows = {k: out[k][0] for k in HANDOVER}
+            drow.absorb(layout, rows)
+            feed = {**decoder_inputs(layout, [drow], [{k: rows[k] for k in HANDOVER[:4]}], [slot]), **lora}
+            got = decoder(feed)
+            absorb_decoder([drow], got, feed, False, [slot])
+            token = compare(got, want.logits[0, -1], f"turn {turn}: decode step {step}")
+    history = None
+    if engram is not None:
+        want_history = conv.encoder_state.engram_history[0]  # compressed ids; the row keeps the raw ones
+        history = bool(torch.equal(engram.hasher.compress(torch.from_numpy(erow.engram_recent)), want_history))
+    return Walk(worst, other, erow.position == drow.position == conv.position, history)
