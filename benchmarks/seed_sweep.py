@@ -1,6 +1,6 @@
 """The test suite's random-data bounds checked over many seeds: the step modules against the reference network.
 
-    .venv/bin/python -m benchmarks seed-sweep [--seeds 200] [--first 0] [--workers 2] [--out docs/testing.md]
+    .venv/bin/python -m benchmarks seed-sweep [--seeds 200] [--first 0] [--workers 2] [--out FILE | --force]
 
 Why: a test draws its random network from one fixed seed (tests/conftest.py), so it never fails by chance, but a
 bound that held for one seed says little about the next. The bound of test_steps.py is derived from the arithmetic
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from benchmarks.harness import ROOT, write_section
+from benchmarks.harness import ROOT, refuse_to_overwrite, write_section
 
 SECTION = "## Measured: the step-module bound over a seed sweep (benchmarks/seed_sweep.py)"
 
@@ -76,7 +76,9 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--variants", nargs="+", default=["plain", "engram"], choices=["plain", "engram"])
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "testing.md")
+    p.add_argument("--force", action="store_true", help="rewrite this section of the committed --out file")
     args = p.parse_args()
+    refuse_to_overwrite([args.out], args.force, "--out FILE")
     seeds = range(args.first, args.first + args.seeds)
     started = time.monotonic()
     jobs = [(v, s) for s in seeds for v in args.variants]

@@ -61,6 +61,23 @@ def router_note(model: Path) -> str | None:
             f"but the same in every process; an explicit adapter still wins")
 
 
+def choose_engine(asked: str, model: Path, engines: Path) -> str:
+    """The engine backend to serve: what was asked, or for `auto` the ONNX engines when current ones are built and
+    else the torch engine (the same step modules in PyTorch), saying why and how to build the ONNX ones. Why: the
+    ONNX export takes minutes on two cores, and a first run should show a served conversation before that."""
+    if asked != "auto":
+        return asked
+    from ced.engine_dir.manifest import BuildSettings, stale_reason
+    from ced.steps.opset import OPSET
+
+    reason = stale_reason(engines, model, BuildSettings("onnx", "none", OPSET, "none"))
+    if reason is None:
+        return "onnx"
+    print(f"engines: serving with the torch engine: the ONNX engines in {engines} are not current ({reason}); "
+          "`bash scripts/main.sh --engine onnx` builds them (minutes on 2 cores) and serves them\n")
+    return "torch"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL,
@@ -69,6 +86,10 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=ROOT / "artifacts" / "main")
     p.add_argument("--engines", type=Path, default=None,
                    help="ONNX engine directory, built or reused (default: artifacts/engines/<model directory name>)")
+    p.add_argument("--engine", choices=["auto", "onnx", "torch"], default="auto",
+                   help="onnx: build the ONNX engines (minutes on 2 cores the first time; reused once built) and "
+                   "serve them; torch: serve the checkpoint's step modules in PyTorch, no build; auto (default): onnx "
+                   "when current engines are there, else torch, so that the first reply never waits for a build")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--openai", action="store_true",
                    help="also start the OpenAI-compatible frontend and talk to it with the openai client")
@@ -90,14 +111,16 @@ def main() -> int:
     if args.work.exists():
         shutil.rmtree(args.work)
     engines = args.engines.resolve()
-    print(f"engines: python -m build_engines build --model {args.model} --out {args.engines}")
-    if build_engines_main(["--model", str(args.model), "--out", str(engines)]) != 0:
-        return 1
+    backend = choose_engine(args.engine, args.model.resolve(), engines)
+    if backend == "onnx":
+        print(f"engines: python -m build_engines build --model {args.model} --out {args.engines}")
+        if build_engines_main(["--model", str(args.model), "--out", str(engines)]) != 0:
+            return 1
     params = {"model_dir": str(args.model.resolve()), "registry_root": str((args.work / "registry").resolve()),
-              "engine_dir": str(engines)}
+              "engine_dir": str(engines), "engine_backend": backend}
     repo = build_repository(args.work / "model_repository", params)
     print(f"model repository: {repo} (models: preprocess, encoder, router, decoder, adapter_admin, session_control; "
-          "ensemble mol2; onnx engines)")
+          f"ensemble mol2; {backend} engines)")
     server = TritonServer(work_dir=args.work / "server")
     server.start(repo)
     try:

@@ -7,8 +7,8 @@
 #
 # (A plain `pytest` is the fast subset: pyproject.toml deselects the `slow` marker by default; `-m ""` lifts that.)
 #
-# On two cores most of the time went to work that leaves the second core idle: pip installing .venv-dynamo,
-# .venv-quant and .venv-eval, and single-threaded ONNX exports. So, after .venv:
+# The venvs install with uv from requirements/*.lock (scripts/uv_env.sh: torch is fetched once into uv's cache and
+# linked into each venv). On two cores the setup's long part is single-threaded ONNX exports. So, after .venv:
 #   1. the three other environments install while the embedded default's engines build and the corpora are prepared
 #      into artifacts/data (the tests reuse both: each step is idempotent, and a lock makes a concurrent builder or
 #      preparer wait and reuse; tests/real_data.py);

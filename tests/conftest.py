@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _pytest.nodeid import NodeId
 
 from ced.model.network import CEDNetwork
 from tests.tiny import PROJECT_ROOT, tiny_network
@@ -19,6 +20,7 @@ EMBEDDED = PROJECT_ROOT / "embedded" / "mol2-small"
 DEFAULT_ENGINES = PROJECT_ROOT / "artifacts" / "engines" / "mol2-small"
 
 
+PLAIN_NODE_ID = pytest.StashKey[str]()  # a test's node id before the "@group" suffix of a grouped run
 GROUP_DURATIONS = Path(__file__).resolve().parent / "group_durations.json"  # scripts/test_durations.py --write-groups
 UNKNOWN_GROUP_S = 20.0  # a group the durations file does not know yet is scheduled as if it took this long
 WORKER_PORTS = 3000  # each xdist worker's own slice of loopback ports (MOL2_PORT_RANGE, ced/ports.py), from 20000
@@ -59,18 +61,22 @@ def server_groups(items: list[pytest.Item]) -> dict[str, str]:
     return {item.nodeid: modules[item.nodeid.split("::")[0]] for item in items}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under `--dist loadgroup` (scripts/test.sh), every test gets its group (`server_groups`) and the groups are
     ordered longest first by tests/group_durations.json (what the last recorded run measured), so that the long groups
     start at once and the short ones fill in at the end instead of leaving one worker alone with a long tail."""
-    if config.getoption("dist", default="no") != "loadgroup":
+    # the controller has dist=loadgroup; xdist's workers, which collect, have dist=no and loadgroup=True
+    if not (getattr(config.option, "loadgroup", False) or config.getoption("dist", default="no") == "loadgroup"):
         return
     groups = server_groups(items)
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+        # xdist's loadgroup unit is the text after "@" in a node id. Its own hook, which appends what an xdist_group
+        # mark names, sets `_nodeid`, which pytest 9.2 no longer reads (node ids are NodeId objects in `_id`): so the
+        # id is set here, and the id the test had is kept for what must not depend on the run's mode (its seed)
+        item.stash[PLAIN_NODE_ID] = item.nodeid
+        item._id = NodeId.parse(f"{item.nodeid}@{groups[item.nodeid]}")
     seconds = json.loads(GROUP_DURATIONS.read_text()) if GROUP_DURATIONS.exists() else {}
-    items.sort(key=lambda item: -seconds.get(groups[item.nodeid], UNKNOWN_GROUP_S))  # stable: a group keeps its order
+    items.sort(key=lambda item: -seconds.get(groups[item.stash[PLAIN_NODE_ID]], UNKNOWN_GROUP_S))  # stable sort
     out = os.environ.get(GROUPS_OUT, "")
     if out:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
@@ -95,7 +101,7 @@ def seed(request: pytest.FixtureRequest) -> int:
     elif chosen is not None:
         value = int(chosen)
     else:
-        value = zlib.crc32(request.node.nodeid.encode()) & 0x7FFFFFFF
+        value = zlib.crc32(request.node.stash.get(PLAIN_NODE_ID, request.node.nodeid).encode()) & 0x7FFFFFFF
     print(f"random seed: {value} (replay with --seed {value})")
     torch.manual_seed(value)
     return value

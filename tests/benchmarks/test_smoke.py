@@ -71,6 +71,7 @@ def test_prefix_state_bytes_runs_small(tmp_path: Path, default_engines: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # streams against a long prompt's prefill: a second busy worker starves the streams
 def test_chunked_prefill_runs_small(tmp_path: Path, default_engines: Path) -> None:
     out = tmp_path / "load.md"
     run("chunked-prefill", "--long-tokens", "600", "--streams", "1", "--stream-tokens", "80", "--rounds", "1",
