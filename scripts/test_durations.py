@@ -36,11 +36,8 @@ def phases(folder: Path) -> list[tuple[str, float, int, int, int]]:
 
 
 def slowest(folder: Path, count: int) -> list[tuple[float, str]]:
-    cases = []
-    for path in sorted(folder.glob("*.xml")):
-        for case in ET.parse(path).getroot().iter("testcase"):
-            cases.append((float(case.get("time", 0.0)), f"{case.get('classname', '')}::{case.get('name', '')}"))
-    return sorted(cases, reverse=True)[:count]
+    return sorted(((seconds, f"{classname}::{name}") for (classname, name), seconds in case_seconds(folder).items()),
+                  reverse=True)[:count]
 
 
 def case_seconds(folder: Path) -> dict[tuple[str, str], float]:

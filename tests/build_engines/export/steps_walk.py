@@ -1,7 +1,7 @@
 """The step modules walked through a conversation beside the reference network, and the bound their logits keep.
 
-Shared by test_steps.py (one fixed seed per variant) and `python -m benchmarks seed-sweep` (the bound checked over
-hundreds of seeds, docs/testing.md).
+Shared by test_steps.py (one fixed seed per variant), test_fake_quant_steps.py (the same walk with the runtime
+fake-quant on) and `python -m benchmarks seed-sweep` (the bound checked over hundreds of seeds, docs/testing.md).
 
 Why the bound has two terms. The step modules compute what the reference computes in another order (chunked
 prefill, gathered ring rows, the LoRA grid), so float32 rounding differs at the level of a few units in the last
@@ -58,15 +58,22 @@ def logit_bound(cfg: CEDConfig) -> float:
 
 @dataclass
 class Walk:
-    worst: float  # max abs logit difference over every turn and decode step
+    differences: list[float]  # max abs logit difference at each replay and decode step, in order
     other_token: str | None  # where the step modules' greedy token first differs from the reference's, if anywhere
+    odd_ends: int  # encoder steps that ended on an odd position (each leaves a ratio-2 source's last token unpaired)
     positions_agree: bool
     engram_history_agrees: bool | None  # None without Engram
 
+    @property
+    def worst(self) -> float:
+        return max(self.differences)
 
-def walk_turns(net: CEDNetwork, work: Path) -> Walk:
-    """Chunked prefill, replay under an adapter, decode, a new turn under another adapter (TURNS), with two random
-    adapters saved under `work`: the step modules beside the reference Conversation, fed the reference's tokens."""
+
+def walk_turns(net: CEDNetwork, work: Path, turns: list[tuple[int, int]] = TURNS,
+               decode_steps: int = DECODE_STEPS) -> Walk:
+    """Chunked prefill, replay under an adapter, `decode_steps` decode steps, a new turn under another adapter
+    (`turns`: length and adapter slot of each), with two random adapters saved under `work`: the step modules beside
+    the reference Conversation, fed the reference's tokens."""
     cfg = net.cfg
     enc, dec = net.split()
     bank = AdapterBank(cfg, dec)
@@ -83,31 +90,34 @@ def walk_turns(net: CEDNetwork, work: Path) -> Walk:
 
     conv = Conversation(enc, dec)
     erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-    worst, other = 0.0, None
+    differences: list[float] = []
+    other, odd_ends = None, 0
 
     def compare(got: dict[str, np.ndarray], want: torch.Tensor, where: str) -> int:
-        nonlocal worst, other
-        worst = max(worst, float(np.abs(got["logits"][0] - want.numpy()).max()))
+        nonlocal other
+        differences.append(float(np.abs(got["logits"][0] - want.numpy()).max()))
         token = int(want.argmax())
         if other is None and int(got["logits"][0].argmax()) != token:
             other = where
         return token
 
-    for turn, (length, slot) in enumerate(TURNS):
+    for turn, (length, slot) in enumerate(turns):
         tokens = torch.randint(0, cfg.vocab_size, (1, length))
         want = conv.new_turn(tokens, [None, *adapters][slot])
         for chunk in torch.split(tokens, 64, dim=1):  # prefill in chunks, as the encoder service does
             out = encoder(encoder_inputs(layout, [erow], chunk.numpy(), engram=engram))
             absorb_encoder(layout, [erow], out, chunk.shape[1], chunk.numpy())
+            odd_ends += erow.position % 2
             drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
         feed = {**decoder_inputs(layout, [drow], None, [slot]), **lora}
         got = decoder(feed)
         absorb_decoder([drow], got, feed, True, [slot])
         token = compare(got, want.logits[0, -1], f"turn {turn}: replay")
-        for step in range(DECODE_STEPS):
+        for step in range(decode_steps):
             want = conv.step(torch.tensor([[token]]))
             out = encoder(encoder_inputs(layout, [erow], np.array([[token]]), engram=engram))
             absorb_encoder(layout, [erow], out, 1, np.array([[token]]))
+            odd_ends += erow.position % 2
             rows = {k: out[k][0] for k in HANDOVER}
             drow.absorb(layout, rows)
             feed = {**decoder_inputs(layout, [drow], [{k: rows[k] for k in HANDOVER[:4]}], [slot]), **lora}
@@ -118,4 +128,4 @@ def walk_turns(net: CEDNetwork, work: Path) -> Walk:
     if engram is not None:
         want_history = conv.encoder_state.engram_history[0]  # compressed ids; the row keeps the raw ones
         history = bool(torch.equal(engram.hasher.compress(torch.from_numpy(erow.engram_recent)), want_history))
-    return Walk(worst, other, erow.position == drow.position == conv.position, history)
+    return Walk(differences, other, odd_ends, erow.position == drow.position == conv.position, history)

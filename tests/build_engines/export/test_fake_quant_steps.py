@@ -29,8 +29,6 @@ import numpy as np
 import pytest
 import torch
 
-from ced.conversation import Conversation
-from ced.lora import AdapterBank, decoder_lora_modules, random_adapter_weights, save_adapter
 from ced.model import quant_formats
 from ced.model.config import CEDConfig
 from ced.model.network import CEDNetwork, DecoderEngine, EncoderEngine
@@ -38,16 +36,8 @@ from ced.steps import graph_ops
 from ced.steps.decoder_step import DecoderStep
 from ced.steps.encoder_step import EncoderStep
 from ced.steps.layout import StepLayout
-from ced.steps.lora_stacked import stack_adapters
-from ced.steps.parity import HANDOVER, torch_runner
-from ced.steps.rows import (
-    DecoderRow,
-    EncoderRow,
-    absorb_decoder,
-    absorb_encoder,
-    decoder_inputs,
-    encoder_inputs,
-)
+from ced.steps.parity import torch_runner
+from tests.build_engines.export.steps_walk import walk_turns
 from tests.tiny import tiny_config, tiny_network
 
 FORMATS = {"fp8_qdq": 32, "fp4_qdq_ue8m0": 32, "fp4_qdq_e4m3": 16}  # name -> the block the release uses
@@ -254,62 +244,6 @@ class FollowReferenceRounding:
         return qdq
 
 
-def _conversation_vs_steps(net: CEDNetwork, tmp_path: Path, turns: list[tuple[int, int]],
-                           decode: int) -> tuple[list[float], int, int]:
-    """test_steps' scenario (chunked prefill, replay under an adapter, decode, another turn under another adapter):
-    per position the max abs logit difference between the step modules and the reference Conversation, how often
-    their greedy tokens differ (the reference's token is fed to both), and how many encoder steps end on an odd
-    position (each leaves a ratio-2 source's last token unpaired)."""
-    cfg = net.cfg
-    enc, dec = net.split()
-    bank = AdapterBank(cfg, dec)
-    adapters = []
-    for name in ("A", "B"):
-        save_adapter(tmp_path / name, random_adapter_weights(decoder_lora_modules(cfg, dec), 4, 0.05), 4, 8.0, "tiny")
-        adapters.append(bank.load(tmp_path / name, name=name))
-    bank.attach(dec)
-    layout = StepLayout(cfg)
-    encoder = torch_runner(EncoderStep(enc).eval(), layout.encoder_inputs(), layout.encoder_outputs())
-    decoder = torch_runner(DecoderStep(dec).eval(), layout.decoder_inputs(), layout.decoder_outputs())
-    lora = stack_adapters(layout, [None, *adapters])
-    conv = Conversation(enc, dec)
-    erow, drow = EncoderRow.empty(layout), DecoderRow.empty(layout)
-    diffs, other_tokens, odd_ends = [], 0, 0
-
-    def compare(got: dict[str, np.ndarray], want: torch.Tensor) -> int:
-        nonlocal other_tokens
-        diffs.append(float(np.abs(got["logits"][0] - want[0, -1].numpy()).max()))
-        token = int(want[0, -1].argmax())
-        other_tokens += int(got["logits"][0].argmax()) != token
-        return token
-
-    for length, slot in turns:
-        tokens = torch.randint(0, cfg.vocab_size, (1, length))
-        want = conv.new_turn(tokens, [None, *adapters][slot])
-        for chunk in torch.split(tokens, 64, dim=1):
-            out = encoder(encoder_inputs(layout, [erow], chunk.numpy()))
-            absorb_encoder(layout, [erow], out, chunk.shape[1])
-            odd_ends += erow.position % 2
-            drow.absorb(layout, {k: out[k][0] for k in HANDOVER})
-        feed = {**decoder_inputs(layout, [drow], None, [slot]), **lora}
-        got = decoder(feed)
-        absorb_decoder([drow], got, feed, True, [slot])
-        token = compare(got, want.logits)
-        for _ in range(decode):
-            want = conv.step(torch.tensor([[token]]))
-            out = encoder(encoder_inputs(layout, [erow], np.array([[token]])))
-            absorb_encoder(layout, [erow], out, 1)
-            odd_ends += erow.position % 2
-            rows = {k: out[k][0] for k in HANDOVER}
-            drow.absorb(layout, rows)
-            feed = {**decoder_inputs(layout, [drow], [{k: rows[k] for k in HANDOVER[:4]}], [slot]), **lora}
-            got = decoder(feed)
-            absorb_decoder([drow], got, feed, False, [slot])
-            token = compare(got, want.logits)
-    assert erow.position == drow.position == conv.position
-    return diffs, other_tokens, odd_ends
-
-
 # A 32-token window and 4 Sinkhorn iterations keep the scenario short; the roles, the compressor's unpaired token
 # (odd first turn), a replay past the window, top-k over more entries than k and a restricting candidate pool remain.
 SMALL = dict(runtime_fake_quant=True, window_size=32, hc_sinkhorn_iters=4)
@@ -323,8 +257,9 @@ def test_steps_follow_the_reference_with_the_fake_quant(monkeypatch: pytest.Monk
     the steps' QDQ outputs bit for bit the reference's (apart from rounding flips, taken from the reference)."""
     sync = FollowReferenceRounding(monkeypatch)
     net = tiny_network(tiny_config(**SMALL))
-    diffs, other_tokens, odd_ends = _conversation_vs_steps(net, tmp_path, TURNS, decode=3)
-    print(f"fake-quant steps vs reference: max abs logit difference {max(diffs):.2e}; blocks {dict(sync.blocks)}; "
+    walk = walk_turns(net, tmp_path, TURNS, decode_steps=3)
+    assert walk.positions_agree
+    print(f"fake-quant steps vs reference: max abs logit difference {walk.worst:.2e}; blocks {dict(sync.blocks)}; "
           f"{len(sync.flips)} rounding flips followed {sync.flips[:6]}; blocks without a reference "
           f"{dict(sync.unmatched)}")
     for name, block in FORMATS.items():
@@ -332,7 +267,7 @@ def test_steps_follow_the_reference_with_the_fake_quant(monkeypatch: pytest.Monk
             f"{name} is used on both sides")
     assert len(sync.flips) <= 20, "rounding flips are rare; many mean the inputs of the QDQ differ systematically"
     cfg = net.cfg
-    unpaired = odd_ends * sum(1 for s in cfg.kv_source_layers if cfg.compress_ratios[s] == 2)
+    unpaired = walk.odd_ends * sum(1 for s in cfg.kv_source_layers if cfg.compress_ratios[s] == 2)
     expected = {"fp4_qdq_e4m3": unpaired * cfg.head_dim // 16, "fp4_qdq_ue8m0": unpaired * cfg.index_head_dim // 32}
     # the only blocks the reference never quantizes: unpaired ratio-2 entries, keys. Matching is by the output block's
     # bits, so now and then an unpaired block rounds onto the same coarse fp4 values as some block the reference did
@@ -340,7 +275,7 @@ def test_steps_follow_the_reference_with_the_fake_quant(monkeypatch: pytest.Monk
     assert set(sync.unmatched) <= set(expected), dict(sync.unmatched)
     for kind, count in expected.items():
         assert count - max(2, count // 8) <= sync.unmatched[kind] <= count, (kind, dict(sync.unmatched), expected)
-    assert max(diffs) < 1e-4 and other_tokens == 0
+    assert walk.worst < 1e-4 and walk.other_token is None, walk.other_token
     plain = CEDNetwork(net.cfg.replace(runtime_fake_quant=False)).eval()
     plain.load_state_dict(net.state_dict())
     tokens = torch.randint(0, net.cfg.vocab_size, (1, 87))
