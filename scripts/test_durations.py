@@ -69,7 +69,8 @@ def group_seconds(folder: Path) -> dict[str, float]:
 
 
 def starts(folder: Path) -> dict[str, Counter[str]]:
-    """Per phase: starts counted by kind (tritonserver, dynamo)."""
+    """Per phase: starts counted by kind (tritonserver, tritonserver-toy, either with -heal: a supervisor's restart
+    of a dead server, the subject of the fault tests; dynamo)."""
     out: dict[str, Counter[str]] = {}
     for path in sorted(folder.glob("starts-*.log")):
         kinds = Counter(line.split("\t")[1] for line in path.read_text().splitlines() if line.count("\t") >= 2)
@@ -78,14 +79,15 @@ def starts(folder: Path) -> dict[str, Counter[str]]:
 
 
 def report(folder: Path, count: int) -> str:
-    lines = ["| phase | wall (s) | tests | failed | skipped | tritonserver starts (MoL2 / toy) | Dynamo deployments |",
+    lines = ["| phase | wall (s) | tests | failed | skipped | tritonserver starts: MoL2 / toy (+ heals) "
+             "| Dynamo deployments |",
              "|---|---|---|---|---|---|---|"]
     started = starts(folder)
     for name, seconds, tests, failed, skipped in phases(folder):
         kinds = started.get(name, Counter())
+        heals = kinds["tritonserver-heal"] + kinds["tritonserver-toy-heal"]
         lines.append(f"| {name} | {seconds:.0f} | {tests} | {failed} | {skipped} | {kinds['tritonserver']} / "
-                     f"{kinds['tritonserver-toy']} | "
-                     f"{kinds['dynamo']} |")
+                     f"{kinds['tritonserver-toy']} (+ {heals}) | {kinds['dynamo']} |")
     lines += ["", f"The {count} slowest tests:", "", "| seconds | test |", "|---|---|"]
     lines += [f"| {seconds:.1f} | `{name}` |" for seconds, name in slowest(folder, count)]
     return "\n".join(lines)

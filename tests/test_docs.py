@@ -61,7 +61,9 @@ def _help(entry: str) -> str:
     return done.stdout
 
 
+@functools.lru_cache(maxsize=None)
 def _subcommand_help(entry: str, sub: str) -> str:
+    """A subcommand's `--help` ("" when `sub` is none), asked once per run: many documented commands share one."""
     argv = [sys.executable, "-m", entry] if not entry.endswith(".py") else [sys.executable, entry]
     done = subprocess.run([*argv, sub, "--help"], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200"})

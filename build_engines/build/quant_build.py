@@ -60,10 +60,9 @@ def build_quantized(model_dir: Path, fp32_dir: Path, fp32_graphs: dict[str, Any]
     calib = write_calibration(calib_dir, layout, fp32["encoder"], fp32["decoder"], val, model_dir / "tokenizer.json",
                               adapters)
     calib_seconds = time.time() - t0
-    reports = {}
     try:
-        for name in tqdm(QUANTIZED, desc=f"ModelOpt {mode} PTQ", unit="graph"):
-            reports[name] = run_worker(fp32_dir / GRAPH_FILES[name], out / GRAPH_FILES[name], mode, calib_dir)
+        reports = run_worker({name: (fp32_dir / GRAPH_FILES[name], out / GRAPH_FILES[name]) for name in QUANTIZED},
+                             mode, calib_dir)
     finally:
         shutil.rmtree(calib_dir, ignore_errors=True)
     kv_cache = None

@@ -1,7 +1,10 @@
-"""ModelOpt ONNX post-training quantization of one exported graph; runs inside the quantization venv.
+"""ModelOpt ONNX post-training quantization of exported graphs; runs inside the quantization venv.
 
-    .venv-quant/bin/python build_engines/quantize/ptq_worker.py --graph encoder.onnx --out q.onnx --mode fp8 \
-        --calib DIR --report report.json
+    .venv-quant/bin/python build_engines/quantize/ptq_worker.py --graph encoder.onnx decoder.onnx \
+        --out qe.onnx qd.onnx --mode fp8 --calib DIR --report re.json rd.json
+
+Several graphs in one process: importing ModelOpt (and torch beneath it) costs about 5 s, once per worker. Each
+graph's report is written, and printed as one JSON line, as soon as it is quantized (the build's progress bar).
 
 Why a separate process and venv: ModelOpt 0.47 needs numpy 2, which corrupts tensors in Triton's Python backend, so
 the serving venv keeps numpy 1 and this file is run as a script by the quantization venv's interpreter (it imports
@@ -73,53 +76,61 @@ def exact(names: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--graph", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--graph", type=Path, nargs="+", required=True)
+    p.add_argument("--out", type=Path, nargs="+", required=True, help="one per --graph, in the same order")
     p.add_argument("--mode", choices=sorted(CALIBRATION_METHOD), required=True)
     p.add_argument("--calib", type=Path, required=True,
                    help="directory of <name>_NNN.npz calibration feeds (+ <name>_shared.npz)")
-    p.add_argument("--report", type=Path, required=True)
+    p.add_argument("--report", type=Path, nargs="+", required=True, help="one per --graph, in the same order")
     args = p.parse_args(argv)
+    if not len(args.graph) == len(args.out) == len(args.report):
+        p.error(f"--graph, --out and --report need one value each per graph: got {len(args.graph)}, "
+                f"{len(args.out)} and {len(args.report)}")
+    for graph, out, report in zip(args.graph, args.out, args.report):
+        quantize_graph(graph, out, args.mode, args.calib, report)
+    return 0
 
+
+def quantize_graph(graph: Path, out: Path, mode: str, calib: Path, report_path: Path) -> None:
+    """Quantize `graph` into `out` (ModelOpt PTQ calibrated on `calib`'s feeds of it) and write its report."""
     from importlib.metadata import version
 
     import modelopt.onnx.quantization as moq
     from onnxruntime.quantization.calibrate import CalibrationDataReader
 
     t0 = time.time()
-    model = inline_mol2(onnx.load(str(args.graph)))
+    model = inline_mol2(onnx.load(str(graph)))
     nodes = weight_matmuls(model)
     others = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm") and n.name not in set(nodes)]
-    inlined = args.out.with_suffix(".inlined.onnx")
+    inlined = out.with_suffix(".inlined.onnx")
     onnx.save(model, str(inlined))
     names = [i.name for i in model.graph.input]
-    files = sorted(args.calib.glob(f"{args.graph.stem}_[0-9]*.npz"))
-    shared_path = args.calib / f"{args.graph.stem}_shared.npz"
+    files = sorted(calib.glob(f"{graph.stem}_[0-9]*.npz"))
+    shared_path = calib / f"{graph.stem}_shared.npz"
     shared = dict(np.load(shared_path)) if shared_path.exists() else {}
     if not files:
-        raise SystemExit(f"no calibration feeds {args.graph.stem}_*.npz in {args.calib}")
+        raise SystemExit(f"no calibration feeds {graph.stem}_*.npz in {calib}")
     reader = type("Reader", (NpzReader, CalibrationDataReader), {})(files, names, shared)
-    moq.quantize(str(inlined), quantize_mode=args.mode, calibration_data_reader=reader,
-                 calibration_method=CALIBRATION_METHOD[args.mode], calibration_eps=["cpu"], high_precision_dtype="fp32",
+    moq.quantize(str(inlined), quantize_mode=mode, calibration_data_reader=reader,
+                 calibration_method=CALIBRATION_METHOD[mode], calibration_eps=["cpu"], high_precision_dtype="fp32",
                  op_types_to_quantize=["MatMul", "Gemm"], nodes_to_quantize=exact(nodes),
-                 nodes_to_exclude=exact(others), dq_only=True, output_path=str(args.out), log_level="WARNING")
+                 nodes_to_exclude=exact(others), dq_only=True, output_path=str(out), log_level="WARNING")
     inlined.unlink()
-    quantized = onnx.load(str(args.out))
+    quantized = onnx.load(str(out))
     rewritten = rewrite_trt_qdq(quantized)
     summary = qdq_summary(quantized)
     if summary["custom_domains"]:
         raise SystemExit(f"the quantized graph still has non-standard domains {summary['custom_domains']}")
     onnx.checker.check_model(quantized)
-    onnx.save(quantized, str(args.out))
+    onnx.save(quantized, str(out))
     report = {
         "tool": "modelopt.onnx.quantization.quantize", "modelopt": version("nvidia-modelopt"), "numpy": np.__version__,
-        "mode": args.mode, "calibration_method": CALIBRATION_METHOD[args.mode], "calibration_feeds": len(files),
+        "mode": mode, "calibration_method": CALIBRATION_METHOD[mode], "calibration_feeds": len(files),
         "weight_matmuls": len(nodes), "fp32_matmuls": len(others), "trt_nodes_rewritten": rewritten, **summary,
         "seconds": round(time.time() - t0, 1),
     }
-    args.report.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report))
-    return 0
+    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent.parent
 QUANT_VENV = PROJECT_ROOT / ".venv-quant"
@@ -23,8 +26,7 @@ def quant_python() -> Path:
     """The interpreter of the quantization venv (MOL2_QUANT_PYTHON overrides), created on first use."""
     override = os.environ.get("MOL2_QUANT_PYTHON")
     python = Path(override) if override else QUANT_VENV / "bin" / "python"
-    probe = [str(python), "-c", "import modelopt.onnx.quantization"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+    if _imports_modelopt(python):
         return python
     if override:
         raise QuantEnvError(f"MOL2_QUANT_PYTHON={override} cannot import modelopt.onnx.quantization")
@@ -38,15 +40,45 @@ def quant_python() -> Path:
     return python
 
 
-def run_worker(graph: Path, out: Path, mode: str, calib: Path) -> dict:
-    """Quantize `graph` into `out` with ModelOpt in the quantization venv; returns the worker's report."""
-    report = out.with_suffix(".report.json")
-    cmd = [str(quant_python()), str(WORKER), "--graph", str(graph), "--out", str(out), "--mode", mode,
-           "--calib", str(calib), "--report", str(report)]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=PROJECT_ROOT)
-    if done.returncode != 0 or not report.exists():
-        raise QuantEnvError(f"ModelOpt PTQ of {graph.name} failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
-                            f"{done.stderr[-3000:]}")
-    result = json.loads(report.read_text())
-    report.unlink()
+def _imports_modelopt(python: Path) -> bool:
+    """Whether `python` imports ModelOpt's ONNX quantization. Asked once per interpreter and process (the import
+    takes about 5 s; a build's graphs and the builds of one test worker would otherwise pay it each time); a failed
+    probe is not remembered, so a venv created afterwards is found."""
+    if python in _PROBED:
+        return True
+    probe = [str(python), "-c", "import modelopt.onnx.quantization"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        _PROBED.add(python)
+        return True
+    return False
+
+
+_PROBED: set[Path] = set()
+
+
+def run_worker(graphs: dict[str, tuple[Path, Path]], mode: str, calib: Path) -> dict[str, dict]:
+    """Quantize each graph (name -> (fp32 graph, quantized graph)) with ModelOpt in one process of the quantization
+    venv; returns each graph's report. The bar moves as each graph's report line arrives."""
+    reports = {name: out.with_suffix(".report.json") for name, (_, out) in graphs.items()}
+    cmd = [str(quant_python()), str(WORKER), "--mode", mode, "--calib", str(calib),
+           "--graph", *(str(g) for g, _ in graphs.values()), "--out", *(str(o) for _, o in graphs.values()),
+           "--report", *(str(r) for r in reports.values())]
+    with tempfile.TemporaryFile("w+") as errors, \
+            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True, cwd=PROJECT_ROOT) as worker, \
+            tqdm(total=len(graphs), desc=f"ModelOpt {mode} PTQ", unit="graph") as bar:
+        assert worker.stdout is not None
+        output = []
+        for line in worker.stdout:
+            output.append(line)
+            bar.update(line.startswith("{"))
+        code = worker.wait()
+        errors.seek(0)
+        stderr = errors.read()
+    missing = [name for name, r in reports.items() if not r.exists()]
+    if code != 0 or missing:
+        raise QuantEnvError(f"ModelOpt PTQ of {', '.join(missing) or 'the graphs'} failed ({code}):\n"
+                            f"{''.join(output)[-3000:]}\n{stderr[-3000:]}")
+    result = {name: json.loads(r.read_text()) for name, r in reports.items()}
+    for r in reports.values():
+        r.unlink()
     return result

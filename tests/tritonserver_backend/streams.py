@@ -49,7 +49,8 @@ def concurrent_token_ids(url: str, conversations: list[list[TurnRequest]],
 
 
 def start_server(work: Path, engines: Path, **params: str):  # type: ignore[no-untyped-def]
-    """A tritonserver on the embedded default's ONNX engines in `work`, with these model-config parameters, ready."""
+    """A tritonserver on the embedded default's ONNX engines in `work`, with these model-config parameters, ready;
+    its `registry_root` is where its admin key lives."""
     from tritonserver_backend.launcher import TritonServer
     from tritonserver_backend.repository import build_repository
 
@@ -57,6 +58,7 @@ def start_server(work: Path, engines: Path, **params: str):  # type: ignore[no-u
               "max_context": "4096", **params}
     repo = build_repository(work / "repo", values)
     server = TritonServer(work_dir=work / "server")
+    server.registry_root = Path(values["registry_root"])
     server.start(repo)
     server.wait_ready(240)
     return server

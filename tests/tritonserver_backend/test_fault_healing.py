@@ -4,10 +4,12 @@ middle of a stream, tritonserver itself SIGKILLed between turns, a stop and a st
 Each time: the open stream ends with an error within 10 s, the supervisor's readiness says not ready within 5 s
 while liveness stays up, the server serves again within 60 s with nobody acting, no shared-memory region of the dead
 server is left, and every open session's next turn (the killed one retried, and the others) equals what the
-in-process pipeline, which never died, answers to the same conversation, token for token (greedy)."""
+in-process pipeline, which never died, answers to the same conversation, token for token (greedy). And without a
+supervisor: a server SIGKILLed and started again by hand in the same work dir continues every conversation."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -22,11 +24,13 @@ from benchmarks.fault_drill import (
     stub_pid,
 )
 from tests.conftest import EMBEDDED
+from tests.tritonserver_backend.streams import start_server
 from tritonserver_backend import contract as c
 from tritonserver_backend.adapters.registry_init import ensure_registry
-from tritonserver_backend.clients.client import GrpcChat
+from tritonserver_backend.clients.client import GrpcChat, SessionTokens, TurnRequest
 from tritonserver_backend.core.pipeline import InProcessPipeline
 from tritonserver_backend.core.session_journal import file_name
+from tritonserver_backend.sampling.sampler import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -128,3 +132,55 @@ def test_stop_and_start_keep_sessions_and_a_corrupt_journal_loses_only_its_sessi
     finally:
         chat.close()
     assert refused.error and "'s7' cannot be resumed" in refused.error and "corrupt" in refused.error, refused.error
+
+
+CONVERSATION = ["Hi! How was your day?", "def mean(xs):\n    return sum(xs) / len(xs)",
+                "Make the header sticky with a shadow.", "git log --oneline shows nothing, why?"]
+
+
+def test_a_killed_server_continues_each_conversation_exactly(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
+    """Without a supervisor: SIGKILL mid-conversation, start again in the same work dir: nothing of the dead server
+    is left (stubs, shared memory), and each conversation goes on with exactly the undisturbed replies: resumed from
+    the server's session journal under the token it had, or resent with `history` (which rebuilds it from the
+    client's side)."""
+    from tritonserver_backend.launcher import group_members, mapped_shm_regions
+
+    work = tmp_path / "crash"
+    server = start_server(work, default_engines, max_context="2048")  # as the module's reference
+    sessions = {f"crash{i}": [] for i in range(3)}
+    tokens = SessionTokens()  # the clients keep their sessions' tokens across the server's death
+    for sid, history in sessions.items():
+        chat = GrpcChat(server.grpc_url, tokens)
+        for turn, text in enumerate(CONVERSATION[:2]):
+            reply = chat.turn(TurnRequest(sid, text, new_session=turn == 0, max_tokens=12))
+            assert reply.error is None
+            history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply.text}]
+        chat.close()
+    old_pid = server.pid
+    old_group = group_members(old_pid)
+    old_regions = mapped_shm_regions(old_group)
+    # what must be gone after the restart is there now (the server, a stub per model, their regions): else the
+    # "nothing left" checks below would pass on empty lists
+    assert old_pid in old_group and len(old_group) > 1, f"the server's process group before the kill: {old_group}"
+    assert old_regions and all(r.exists() for r in old_regions), f"its shared-memory regions: {old_regions}"
+    os.kill(old_pid, signal.SIGKILL)
+    server.process.wait(timeout=30)
+    restarted = start_server(work, default_engines, max_context="2048")
+    try:
+        assert not [p for p in group_members(old_pid)], "stubs of the killed server are gone"
+        assert not [r for r in old_regions if r.exists()], "its shared-memory regions are gone"
+        for i, (sid, history) in enumerate(sessions.items()):
+            chat = GrpcChat(restarted.grpc_url, tokens)
+            if i == 0:  # a stranger's token opens nothing, journaled or not
+                refused = chat.turn(TurnRequest(sid, CONVERSATION[2], max_tokens=12, session_token="not-its-token"))
+                assert refused.error is not None and f"no live session {sid!r}" in refused.error
+            sent_history = json.dumps(history) if i == 2 else None
+            resumed = chat.turn(TurnRequest(sid, CONVERSATION[2], history=sent_history, max_tokens=12))
+            assert bool(resumed.session_token) == (i == 2), "a journaled session keeps its token; history issues one"
+            for turn, text in enumerate(CONVERSATION[:2]):  # the undisturbed conversation, in process
+                reference.chat(f"ref-{sid}", text, new_session=turn == 0, params=SamplingParams(max_tokens=12))
+            want = reference.chat(f"ref-{sid}", CONVERSATION[2], params=SamplingParams(max_tokens=12))
+            assert resumed.error is None and resumed.token_ids == want.token_ids and resumed.adapter == want.adapter
+            chat.close()
+    finally:
+        restarted.stop()

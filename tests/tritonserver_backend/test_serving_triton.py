@@ -18,10 +18,11 @@ from build_engines.routing.requests import ZERO_SHOT_ADAPTER, ZERO_SHOT_DESCRIPT
 from tests.conftest import EMBEDDED
 from tests.tiny import PROJECT_ROOT
 from tests.tritonserver_backend.routing_oracle import Choice, RoutingOracle
-from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply
+from tests.tritonserver_backend.streams import concurrent_token_ids, reference_reply, start_server
 from tritonserver_backend.adapters.registry_init import ensure_registry
 from tritonserver_backend.clients.client import GrpcChat, HttpChat, TurnRequest, cancel_turn, raw_stream_error
 from tritonserver_backend.core.pipeline import InProcessPipeline
+from tritonserver_backend.launcher import TritonNotFoundError
 
 ROOT = PROJECT_ROOT
 pytestmark = pytest.mark.slow
@@ -38,22 +39,19 @@ def backend(request) -> str:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, backend, default_engines):  # type: ignore[no-untyped-def]
-    from tritonserver_backend.launcher import TritonNotFoundError, TritonServer
-    from tritonserver_backend.repository import build_repository
-
+def server(tmp_path_factory, backend, default_engines, shared_server):  # type: ignore[no-untyped-def]
+    """The served default (onnx) is the package's shared 2048-token server (conftest.py; these tests use their own
+    session ids, read counters as differences and put back every adapter they unload); the torch engine has one of
+    its own, stopped with the module."""
+    if backend == "onnx":
+        yield shared_server(max_context="2048")
+        return
     work = tmp_path_factory.mktemp(f"triton-{backend}")
-    params = {"model_dir": str(EMBEDDED), "registry_root": str(work / "registry"), "max_context": "2048",
-              "engine_backend": backend, "engine_dir": str(default_engines)}
-    repo = build_repository(work / "repo", params)
     try:
-        srv = TritonServer(work_dir=work / "server")
+        srv = start_server(work, default_engines, max_context="2048", engine_backend=backend)
     except TritonNotFoundError as exc:
         pytest.fail(f"tritonserver not found although the serve extra is installed: {exc}")
-    srv.start(repo)
     try:
-        srv.wait_ready(240)
-        srv.registry_root = work / "registry"
         yield srv
     finally:
         srv.stop()

@@ -48,6 +48,7 @@ from tritonserver_backend.launcher.health_probe import HealthProbe, answer
 from tritonserver_backend.launcher.process import SHM_DIR, SHM_REGION_NAME, stub_instance_name
 from tritonserver_backend.launcher.record import StubSeen
 from tritonserver_backend.launcher.restart_policy import RestartPolicy
+from tritonserver_backend.launcher.start_log import START_LOG_ENV
 from tritonserver_backend.launcher.supervise import openai_frontend
 from tritonserver_backend.launcher.supervisor import (
     COMPANION_EXITED,
@@ -256,7 +257,10 @@ def _open_drip_stream(grpc_url: str, events: queue.Queue) -> Any:
 
 
 @pytest.mark.slow
-def test_a_killed_stub_is_noticed_and_healed(tmp_path: Path) -> None:
+def test_a_killed_stub_is_noticed_and_healed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the start log (scripts/test.sh's accounting; a file of this test's own when none is set) tells the heal apart
+    start_log = Path(os.environ.get(START_LOG_ENV) or tmp_path / "starts.log")
+    monkeypatch.setenv(START_LOG_ENV, str(start_log))
     sup = _supervisor(tmp_path, drip=True)
     stubs: list[int] = []
     client = None
@@ -316,6 +320,8 @@ def test_a_killed_stub_is_noticed_and_healed(tmp_path: Path) -> None:
         assert fault["healed_at"] >= fault["detected_at"] and 0 < fault["heal_seconds"] < 60
         state = json.loads((tmp_path / "work" / "supervisor.json").read_text())
         assert state["faults"] == body["faults"] and state["supervisor_pid"] == os.getpid()
+        logged = [line.split("\t")[1] for line in start_log.read_text().splitlines() if str(tmp_path) in line]
+        assert logged == ["tritonserver-toy", "tritonserver-toy-heal"]
     finally:
         if client is not None:
             client.stop_stream()

@@ -97,6 +97,7 @@ class TritonServer:
         self._log_offset = 0
         self._start_args: dict[str, object] = {}
         self.lock_abort_restarts = 0  # runs restarted by wait_ready after the Python backend's lock_exception abort
+        self.healing = False  # started by a supervisor in place of a dead server (the start log counts it apart)
 
     # -- addresses ----------------------------------------------------------------------------------------------------
     @property
@@ -234,7 +235,8 @@ class TritonServer:
                 start_new_session=True,
             )
         self.started_at = time.monotonic()
-        note_start("tritonserver" if (Path(repo) / "encoder").is_dir() else "tritonserver-toy", str(repo))
+        kind = "tritonserver" if (Path(repo) / "encoder").is_dir() else "tritonserver-toy"
+        note_start(f"{kind}-heal" if self.healing else kind, str(repo))
         self.ready_after = None
         self.pid = self.process.pid
         self.record = ServerRecord.for_process(self.pid, self.describe(), self.log_file, self._log_offset)

@@ -12,7 +12,8 @@ START_LOG_ENV = "MOL2_START_LOG"
 
 def note_start(kind: str, what: str) -> None:
     """Append `kind` (tritonserver: a MoL2 model repository; tritonserver-toy: any other, such as the launcher tests'
-    one-model repositories; dynamo) and `what` (the repository or run folder) to $MOL2_START_LOG."""
+    one-model repositories; either with `-heal` when a supervisor starts it in place of a dead server; dynamo) and
+    `what` (the repository or run folder) to $MOL2_START_LOG."""
     path = os.environ.get(START_LOG_ENV, "")
     if not path:
         return

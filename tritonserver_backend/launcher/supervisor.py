@@ -333,9 +333,11 @@ class Supervisor:
         if self.probe is not None:
             self.probe.close()
 
-    def _start_server(self) -> str | None:
-        """Start a fresh server and wait until ready; returns None, or why it failed."""
+    def _start_server(self, healing: bool = False) -> str | None:
+        """Start a fresh server and wait until ready (`healing`: in place of a dead one); returns None, or why it
+        failed."""
         server = self.factory()
+        server.healing = healing
         with self._lock:
             self.server = server
         if self._stopping.is_set():
@@ -509,7 +511,7 @@ class Supervisor:
             if fault.kind == COMPANION_EXITED:
                 error = self._start_companion()
             else:
-                error = self._start_server()
+                error = self._start_server(healing=True)
                 if error is None and self.companion_factory is not None and \
                         (self.companion is None or not self.companion.running()):
                     error = self._start_companion()
