@@ -62,7 +62,6 @@ class Deployment:
 
     # ------------------------------------------------------------------ start
     def start(self, timeout_s: float = 300.0) -> None:
-        note_start("dynamo", f"{self.run_dir} ({self.encoders}x{self.decoders})")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         write_model_folder(self.model_dir, self.run_dir / "model", MODEL_NAME, self.max_context)
@@ -95,9 +94,15 @@ class Deployment:
                "--speculative-batch", str(self.speculative_batch)] if role == "decoder" else [])])
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        """Start one process. The frontend's start is the deployment's line in the start log (start_log.py): it
+        starts last, once per deployment, so the log counts deployments whose processes run (not a start() whose
+        spawning a test replaced, nor a worker restarted into a running deployment)."""
         log = open(self.run_dir / "logs" / f"{name}.log", "ab")
-        return subprocess.Popen([str(self.python), *args], cwd=PROJECT_ROOT, env=self.env(), stdout=log,
+        proc = subprocess.Popen([str(self.python), *args], cwd=PROJECT_ROOT, env=self.env(), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+        if name == "frontend":
+            note_start("dynamo", f"{self.run_dir} ({self.encoders}x{self.decoders})")
+        return proc
 
     def wait_ready(self, timeout_s: float) -> None:
         """Every worker listed in discovery, and the frontend serving the model."""

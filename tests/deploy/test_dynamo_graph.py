@@ -42,6 +42,7 @@ from tests.deploy.checks import (
     validation_problems,
 )
 from tests.tiny import PROJECT_ROOT
+from tritonserver_backend.launcher.start_log import START_LOG_ENV, note_start
 
 GRAPH = load_yaml_documents(DYNAMO / "graph.yaml")[0]
 RUN_PVC = load_yaml_documents(DYNAMO / "run-pvc.yaml")[0]
@@ -205,12 +206,16 @@ def test_worker_commands_parse_with_the_workers_own_arguments() -> None:
 
 
 def _launcher_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
-    """The arguments dynamo_deploy.launcher.Deployment gives each process (its start(), processes not spawned)."""
+    """The arguments dynamo_deploy.launcher.Deployment gives each process (its start(), processes not spawned). It
+    adds no line to the start log, which counts deployments that run (a line here would count one that never did)."""
+    log = tmp_path / "starts.log"
+    monkeypatch.setenv(START_LOG_ENV, str(log))
     spawned: dict[str, list[str]] = {}
     monkeypatch.setattr(Deployment, "_spawn", lambda self, name, args: spawned.setdefault(name, args))
     monkeypatch.setattr(Deployment, "wait_ready", lambda self, timeout_s: None)
     monkeypatch.setattr(Deployment, "_write_state", lambda self: None)
     Deployment(tmp_path / "run", EMBEDDED, tmp_path / "engines", http_port=18080).start()
+    assert not log.exists(), log.read_text()
     return spawned
 
 
@@ -360,6 +365,7 @@ def test_the_graphs_commands_serve_a_conversation_on_loopback(tmp_path: Path, de
                 procs[name] = subprocess.Popen(
                     command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
+        note_start("dynamo", f"{run} (graph.yaml)")  # a deployment as the launcher's count them (start_log.py)
         url = f"http://127.0.0.1:{http_port}"
         deadline = time.monotonic() + 300
         while True:

@@ -1,5 +1,10 @@
 """The loopback Dynamo deployment (real processes: Dynamo's frontend, encoder and decoder workers on the ONNX engines)
-against the single-server path (`InProcessPipeline`, which the Triton tests hold equal to the served ensemble)."""
+against the single-server path (`InProcessPipeline`, which the Triton tests hold equal to the served ensemble).
+
+The routing tests and the encoder kill run on the package's fleet (conftest.py: 3 encoders, 2 decoders; the kill
+comes last, after every routing test); the decoder kill, whose hand-overs cross NIXL, starts a deployment of its own
+(a worker's NIXL agent busy-polls a core from start-up, transfer.py: no option for a fleet that serves many tests).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ced.ports import free_port
 from dynamo_deploy.client import Conversation
-from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment, read_turns
+from dynamo_deploy.launcher import Deployment, read_turns
 from dynamo_deploy.model_ids import model_id
-from tests.conftest import EMBEDDED
+from tests.dynamo_deploy.conftest import deploy
 from tritonserver_backend.adapters.registry import Registry
 from tritonserver_backend.core import counters as k
 from tritonserver_backend.core.pipeline import InProcessPipeline
@@ -27,23 +31,9 @@ OPENERS = ["Hello there, any plans today?", "import numpy as np\nx = np.zeros(3)
            "The button colour looks off on mobile.", "How do I squash my last two commits?"]
 
 
-def _deploy(tmp: Path, engines: Path, encoders: int, decoders: int, **options: int | str) -> Deployment:
-    if not DYNAMO_PYTHON.exists():
-        pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
-    d = Deployment(tmp, EMBEDDED, engines, encoders=encoders, decoders=decoders, http_port=free_port(), **options)
-    try:
-        d.start(timeout_s=300)
-    except BaseException:
-        d.stop()
-        raise
-    return d
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    d = _deploy(tmp_path_factory.mktemp("dynamo-2x2"), default_engines, encoders=2, decoders=2)
-    yield d
-    d.stop()
+def fleet(dynamo_fleet: Deployment) -> Deployment:
+    return dynamo_fleet  # tests/dynamo_deploy/conftest.py: shared with test_faults, whose kills come after these
 
 
 def _reference_turns(pipe: InProcessPipeline, session: str, texts: list[str]) -> list[list[int]]:
@@ -99,7 +89,7 @@ def test_concurrent_sessions_stay_on_their_workers(fleet, reference) -> None:  #
         placements[session] = (served[0]["worker"], served[0]["decoder"])
     print("placements:", placements)
     decoders = {d for _, d in placements.values()}
-    assert len(decoders) == 2, placements  # both decoder workers took sessions
+    assert len(decoders) == 2, placements  # both decoder workers took sessions (the fleet has two)
     stats = fleet.stats()
     written = sum(v for w in stats.values() if w["role"] == "encoder" for k, v in w["counters"].items()
                   if k.startswith("routing_decisions_written"))
@@ -186,7 +176,7 @@ def test_sessions_sharing_a_prefix_go_to_the_encoder_that_holds_it(fleet, refere
     for i, text in enumerate(texts):
         Conversation(fleet.url, f"shared-prefix-{i}").say(text, max_tokens=MAX_TOKENS)
     served = [_served(fleet.run_dir, f"shared-prefix-{i}")[0] for i in range(4)]
-    assert len({t["worker"] for t in served}) == 1, served  # one encoder took them all (by chance: 1 in 8)
+    assert len({t["worker"] for t in served}) == 1, served  # one encoder of three took them all (by chance: 1 in 27)
     after = {w["instance_id"]: w["counters"].get(f"{k.PREFIX_HITS}/{k.PREFIX_SHARED}", 0)
              for w in fleet.stats().values() if w["role"] == "encoder"}
     assert sum(after.values()) - sum(before.values()) == 3  # every session after the first hit its cache
@@ -197,7 +187,7 @@ def test_sessions_sharing_a_prefix_go_to_the_encoder_that_holds_it(fleet, refere
 def test_killed_decoder_rebuilds_elsewhere_with_same_tokens(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
     """Also the hand-over's transport rule: turns below the threshold inline, the rebuild's long hand-over through NIXL,
     with the tokens of the single-server path either way."""
-    d = _deploy(tmp_path / "dynamo-1x2", default_engines, encoders=1, decoders=2, nixl_threshold_bytes=NIXL_THRESHOLD)
+    d = deploy(tmp_path / "dynamo-1x2", default_engines, encoders=1, decoders=2, nixl_threshold_bytes=NIXL_THRESHOLD)
     try:
         conv = Conversation(d.url, "killed-0")
         for text in CONVERSATION[:2]:
@@ -245,28 +235,31 @@ def _say_until_served(conv: Conversation, text: str, within_s: float) -> tuple[i
             time.sleep(1.0)
 
 
-def test_killed_encoder_rebuilds_on_the_other_with_same_tokens(tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
-    """2 encoders: the session's encoder is SIGKILLed between turns. The frontend keeps the session pinned to it until
-    Dynamo's file discovery drops the dead instance (its lease, ~10 s measured); meanwhile the turn fails with an
-    HTTP error. Then the turn goes to the other encoder, which rebuilds the session from the resent conversation."""
-    d = _deploy(tmp_path / "dynamo-2x1", default_engines, encoders=2, decoders=1)
-    try:
-        conv = Conversation(d.url, "enc-killed-0")
-        for text in CONVERSATION[:2]:
-            conv.say(text, max_tokens=MAX_TOKENS)
-        victim = _served(d.run_dir, "enc-killed-0")[-1]["worker"]
-        d.kill(victim)
-        failures, waited = _say_until_served(conv, CONVERSATION[2], within_s=90)
-        print(f"encoder failover: {failures} failed tries, served after {waited:.1f} s")
-        for text in CONVERSATION[3:]:
-            conv.say(text, max_tokens=MAX_TOKENS)
-        served = _served(d.run_dir, "enc-killed-0")
-        assert len(served) == len(CONVERSATION)  # every failed try left no turn behind
-        assert served[2]["rebuilt"] and served[2]["worker"] != victim  # rebuilt from the resent conversation elsewhere
-        # the whole conversation, from position 0
-        assert served[2]["new_tokens"] > sum(len(t["tokens"]) for t in served[:2])
-        assert not any(t["rebuilt"] for t in served[3:]) and {t["worker"] for t in served[2:]} == {served[2]["worker"]}
-        # as if undisturbed
-        assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-enc-killed-0", CONVERSATION)
-    finally:
-        d.stop()
+def live_workers(d: Deployment, role: str) -> list[str]:
+    """The names of `d`'s worker processes of `role` not killed yet (a shared fleet loses one per kill test)."""
+    return [n for n in d.procs if n.startswith(f"{role}-")]
+
+
+def test_killed_encoder_rebuilds_on_the_other_with_same_tokens(fleet, reference) -> None:  # type: ignore[no-untyped-def]
+    """The session's encoder is SIGKILLed between turns (on the fleet, after its routing tests: three encoders, two
+    after this test). The frontend keeps the session pinned to it until Dynamo's file discovery drops the dead
+    instance (its lease, ~10 s measured); meanwhile the turn fails with an HTTP error. Then the turn goes to another
+    encoder, which rebuilds the session from the resent conversation."""
+    assert len(live_workers(fleet, "encoder")) >= 2, fleet.procs
+    conv = Conversation(fleet.url, "enc-killed-0")
+    for text in CONVERSATION[:2]:
+        conv.say(text, max_tokens=MAX_TOKENS)
+    victim = _served(fleet.run_dir, "enc-killed-0")[-1]["worker"]
+    fleet.kill(victim)
+    failures, waited = _say_until_served(conv, CONVERSATION[2], within_s=90)
+    print(f"encoder failover: {failures} failed tries, served after {waited:.1f} s")
+    for text in CONVERSATION[3:]:
+        conv.say(text, max_tokens=MAX_TOKENS)
+    served = _served(fleet.run_dir, "enc-killed-0")
+    assert len(served) == len(CONVERSATION)  # every failed try left no turn behind
+    assert served[2]["rebuilt"] and served[2]["worker"] != victim  # rebuilt from the resent conversation elsewhere
+    # the whole conversation, from position 0
+    assert served[2]["new_tokens"] > sum(len(t["tokens"]) for t in served[:2])
+    assert not any(t["rebuilt"] for t in served[3:]) and {t["worker"] for t in served[2:]} == {served[2]["worker"]}
+    # as if undisturbed
+    assert [t["tokens"] for t in served] == _reference_turns(reference, "ref-enc-killed-0", CONVERSATION)

@@ -1,7 +1,10 @@
 """A worker killed while it streams a turn (issue 51): the client's stream ends with a clear error (HTTP 503,
 service_unavailable), the same conversation resent is served again from a state rebuilt from its history on a live
 worker, with the tokens of an undisturbed session, and a session on the surviving workers never notices. Each test
-prints the time from the kill to the resent turn's reply (docs/scale_out.md records them)."""
+prints the time from the kill to the resent turn's reply (docs/scale_out.md records them).
+
+Both run on the package's fleet (conftest.py), after test_deployment's encoder kill: two encoders and two decoders
+live; the decoder case leaves one decoder, the encoder case one encoder."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import time
 import pytest
 
 from dynamo_deploy.client import Conversation, stream_chat
-from tests.dynamo_deploy.test_deployment import CONVERSATION, MAX_TOKENS, _deploy, _reference_turns, _served
+from dynamo_deploy.launcher import Deployment
+from tests.dynamo_deploy.test_deployment import CONVERSATION, MAX_TOKENS, _reference_turns, _served, live_workers
 
 pytestmark = pytest.mark.slow
 LONG = 400  # the cut turn's budget (ignore_eos): it is still streaming when the worker dies
@@ -46,44 +50,45 @@ def _retry_until_served(conv: Conversation, text: str, within_s: float) -> float
             time.sleep(0.5)
 
 
+@pytest.fixture(scope="module")
+def fleet(dynamo_fleet: Deployment) -> Deployment:
+    return dynamo_fleet  # tests/dynamo_deploy/conftest.py: after test_deployment's tests, one worker fewer per kill
+
+
 @pytest.mark.parametrize("role", ["decoder", "encoder"])
-def test_a_worker_killed_mid_stream_costs_one_turn_and_no_session(role, tmp_path, default_engines, reference) -> None:  # type: ignore[no-untyped-def]
-    d = _deploy(tmp_path / f"dynamo-kill-{role}", default_engines, encoders=2 if role == "encoder" else 1,
-                decoders=2 if role == "decoder" else 1)
-    try:
-        victim_conv = Conversation(d.url, f"victim-{role}")
-        victim_conv.say(CONVERSATION[0], max_tokens=MAX_TOKENS)
-        where = "decoder" if role == "decoder" else "instance_id"
-        held = _served(d.run_dir, f"victim-{role}")[0][where]
-        victim = next(n for n, w in d.stats().items() if w["instance_id"] == held)
-        for i in range(8):  # a bystander on the other worker (decoders: round robin; encoders: the frontend's router)
-            bystander = Conversation(d.url, f"bystander-{role}-{i}")
-            bystander.say(CONVERSATION[3], max_tokens=MAX_TOKENS)
-            if _served(d.run_dir, bystander.session_id)[0][where] != held:
-                break
-        else:
-            raise AssertionError(f"no session of 8 landed on another {role} than {victim}")
+def test_a_worker_killed_mid_stream_costs_one_turn_and_no_session(role, fleet, reference) -> None:  # type: ignore[no-untyped-def]
+    assert len(live_workers(fleet, role)) >= 2, fleet.procs  # the victim's and a bystander's
+    victim_conv = Conversation(fleet.url, f"victim-{role}")
+    victim_conv.say(CONVERSATION[0], max_tokens=MAX_TOKENS)
+    where = "decoder" if role == "decoder" else "instance_id"
+    held = _served(fleet.run_dir, f"victim-{role}")[0][where]
+    victim = next(n for n, w in fleet.stats().items() if w["instance_id"] == held)
+    for i in range(8):  # a bystander on the other worker (decoders: round robin; encoders: the frontend's router)
+        bystander = Conversation(fleet.url, f"bystander-{role}-{i}")
+        bystander.say(CONVERSATION[3], max_tokens=MAX_TOKENS)
+        if _served(fleet.run_dir, bystander.session_id)[0][where] != held:
+            break
+    else:
+        raise AssertionError(f"no session of 8 landed on another {role} than {victim}")
 
-        killed_at: list[float] = []
-        chunks, errors, finish = _stream_and_kill(victim_conv, CONVERSATION[1], 5,
-                                                  lambda: (d.kill(victim), killed_at.append(time.monotonic())))
-        assert killed_at and 5 <= chunks < LONG and finish is None  # cut, never finished as if whole
-        assert [e.get("code") for e in errors] == [503] and errors[0]["type"] == "service_unavailable"
+    killed_at: list[float] = []
+    chunks, errors, finish = _stream_and_kill(victim_conv, CONVERSATION[1], 5,
+                                              lambda: (fleet.kill(victim), killed_at.append(time.monotonic())))
+    assert killed_at and 5 <= chunks < LONG and finish is None  # cut, never finished as if whole
+    assert [e.get("code") for e in errors] == [503] and errors[0]["type"] == "service_unavailable"
 
-        waited = _retry_until_served(victim_conv, CONVERSATION[1], within_s=90)
-        recovered = time.monotonic() - killed_at[0]
-        print(f"{role} killed mid-stream after {chunks} chunks: resent turn served {recovered:.1f} s after the kill "
-              f"({waited:.1f} s of retries)")
-        victim_conv.say(CONVERSATION[2], max_tokens=MAX_TOKENS)
-        served = _served(d.run_dir, f"victim-{role}")
-        assert served[1]["rebuilt"] and served[1][where] != held and not served[2]["rebuilt"]
-        expected = _reference_turns(reference, f"ref-kill-{role}", CONVERSATION[:3])
-        assert [t["tokens"] for t in served] == expected  # as if the cut turn never happened
+    waited = _retry_until_served(victim_conv, CONVERSATION[1], within_s=90)
+    recovered = time.monotonic() - killed_at[0]
+    print(f"{role} killed mid-stream after {chunks} chunks: resent turn served {recovered:.1f} s after the kill "
+          f"({waited:.1f} s of retries)")
+    victim_conv.say(CONVERSATION[2], max_tokens=MAX_TOKENS)
+    served = _served(fleet.run_dir, f"victim-{role}")
+    assert served[1]["rebuilt"] and served[1][where] != held and not served[2]["rebuilt"]
+    expected = _reference_turns(reference, f"ref-kill-{role}", CONVERSATION[:3])
+    assert [t["tokens"] for t in served] == expected  # as if the cut turn never happened
 
-        bystander.say(CONVERSATION[4], max_tokens=MAX_TOKENS)  # the other worker's session never noticed
-        calm = _served(d.run_dir, bystander.session_id)
-        assert not any(t["rebuilt"] for t in calm)
-        assert ([t["tokens"] for t in calm]
-                == _reference_turns(reference, f"ref-calm-{role}", [CONVERSATION[3], CONVERSATION[4]]))
-    finally:
-        d.stop()
+    bystander.say(CONVERSATION[4], max_tokens=MAX_TOKENS)  # the other worker's session never noticed
+    calm = _served(fleet.run_dir, bystander.session_id)
+    assert not any(t["rebuilt"] for t in calm)
+    assert ([t["tokens"] for t in calm]
+            == _reference_turns(reference, f"ref-calm-{role}", [CONVERSATION[3], CONVERSATION[4]]))

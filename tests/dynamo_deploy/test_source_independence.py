@@ -2,22 +2,23 @@
 on the ONNX engines): turn 2 under a target adapter after turn 1 under adapter A equals, bit for bit in its tokens'
 log-probabilities, turn 2 of a session the encoder rebuilds from the identical messages, whatever A was.
 
-The workers run with `--record-logprobs`, so `turns.jsonl` keeps each served token's log-probability: the bits the
-decoder worker computed, compared here, not only the few tokens a client sees.
+Every turn of this module asks for its tokens' log-probabilities (`logprobs`), so `turns.jsonl` keeps each served
+token's log-probability: the bits the decoder worker computed, compared here, not only the few tokens a client sees.
+A turn with log-probabilities is never drafted, so on the shared 1x1 deployment (conftest.py, DSpark on) these turns
+run as on a deployment started with `--record-logprobs`, which turns drafting off for every turn.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
 
-from ced.ports import free_port
 from dynamo_deploy.client import Conversation
-from dynamo_deploy.launcher import DYNAMO_PYTHON, Deployment, read_turns
+from dynamo_deploy.launcher import Deployment, read_turns
 from dynamo_deploy.model_ids import model_id
-from tests.conftest import EMBEDDED
 
 pytestmark = pytest.mark.slow
 
@@ -25,20 +26,16 @@ FIRST = "def mean(xs):\n    return sum(xs) / len(xs)"
 SECOND = "Make the header sticky with a shadow."
 SOURCES = ("base", "L0_chat", "L2_code")
 TARGET = "L3_design"
+RECORDED = {"logprobs": True}  # each turn's token log-probabilities, kept in turns.jsonl (and no drafting)
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, default_engines):  # type: ignore[no-untyped-def]
-    if not DYNAMO_PYTHON.exists():
-        pytest.fail(f"{DYNAMO_PYTHON} missing: run `bash scripts/setup_dynamo.sh` (scripts/setup.sh does)")
-    port = free_port()
-    d = Deployment(tmp_path_factory.mktemp("dynamo-logprobs"), EMBEDDED, default_engines, http_port=port,
-                   record_logprobs=True)
-    try:
-        d.start(timeout_s=300)
-        yield d
-    finally:
-        d.stop()
+def fleet(dynamo_1x1: Deployment) -> Deployment:
+    return dynamo_1x1  # tests/dynamo_deploy/conftest.py: shared with the other 1x1 modules
+
+
+def _say(conv: Conversation, text: str, max_tokens: int) -> dict[str, Any]:
+    return conv.say(text, max_tokens=max_tokens, **RECORDED)
 
 
 def _turn(fleet, session: str, index: int) -> dict:  # type: ignore[no-untyped-def]
@@ -59,7 +56,7 @@ def test_the_turn_after_any_source_adapter_equals_a_rebuilt_session_on_dynamo(fl
             if stop.is_set():
                 return
             try:
-                conv.say(f"Question {n}: how do I sort a list?", max_tokens=12)
+                _say(conv, f"Question {n}: how do I sort a list?", max_tokens=12)
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
                 return
@@ -84,11 +81,11 @@ def _pair(fleet, tag: str, source: str) -> tuple[int, ...]:  # type: ignore[no-u
     """Turn 1 under `source`, turn 2 under TARGET, and TARGET's turn on a session rebuilt from the same messages:
     the two turn-2s agree bit for bit. -> the tokens of turn 1 (the history the source wrote)."""
     conv = Conversation(fleet.url, f"dyn-{tag}", model=model_id(source))
-    conv.say(FIRST, max_tokens=8)
+    _say(conv, FIRST, max_tokens=8)
     conv.model = model_id(TARGET)
-    conv.say(SECOND, max_tokens=6)
+    _say(conv, SECOND, max_tokens=6)
     rebuilt = Conversation(fleet.url, f"dyn-rebuilt-{tag}", messages=list(conv.messages[:2]), model=model_id(TARGET))
-    rebuilt.say(SECOND, max_tokens=6)
+    _say(rebuilt, SECOND, max_tokens=6)
     first, got, want = (_turn(fleet, f"dyn-{tag}", 0), _turn(fleet, f"dyn-{tag}", 1),
                         _turn(fleet, f"dyn-rebuilt-{tag}", 0))
     assert first["explicit"] == source and got["explicit"] == want["explicit"] == TARGET
