@@ -9,9 +9,9 @@
 #
 # The venvs install with uv from requirements/*.lock (scripts/uv_env.sh: torch is fetched once into uv's cache and
 # linked into each venv). On two cores the setup's long part is single-threaded ONNX exports. So, after .venv:
-#   1. the three other environments install while the embedded default's engines build and the corpora are prepared
-#      into artifacts/data (the tests reuse both: each step is idempotent, and a lock makes a concurrent builder or
-#      preparer wait and reuse; tests/real_data.py);
+#   1. the three other environments install and the lint runs while the embedded default's engines build and the
+#      corpora are prepared into artifacts/data (the tests reuse both: each step is idempotent, and a lock makes a
+#      concurrent builder or preparer wait and reuse; tests/real_data.py);
 #   2. every test runs on two pytest-xdist workers (--dist loadgroup), one torch thread each: tests/conftest.py
 #      gives each test its group (the users of one shared server or one built-once artifact, the Dynamo deployments,
 #      else its file), a worker takes a group whole, and the longest groups (tests/group_durations.json) go first;
@@ -42,6 +42,12 @@ in_background quant-venv bash scripts/setup_quant.sh
 in_background eval-venv bash scripts/setup_eval.sh  # lm-evaluation-harness (tests/benchmarks/test_eval_harness.py)
 in_background default-engines .venv/bin/python -m build_engines build --model embedded/mol2-small --out artifacts/engines/mol2-small
 in_background corpora .venv/bin/python -m tests.real_data
+# the layer contracts of pyproject.toml ([tool.importlinter]; docs/architecture.md#layers) and the lint rules (lines at
+# 120 included), beside the setup (one core while the engines build on two); a broken one fails the run, after the
+# tests have run
+( status=0; .venv/bin/lint-imports --no-cache || status=$?; .venv/bin/ruff check . || status=$?; exit $status ) \
+    >"$LOGS/lint.log" 2>&1 &
+lint_pid=$!
 failed=0
 for i in "${!pids[@]}"; do
     if wait "${pids[$i]}"; then
@@ -52,11 +58,9 @@ for i in "${!pids[@]}"; do
 done
 [ "$failed" = 0 ] || exit 1
 
-# the layer contracts of pyproject.toml ([tool.importlinter]; docs/architecture.md#layers) and the lint rules (lines at
-# 120 included): a broken one fails the run, after the tests have run
 status=0
-.venv/bin/lint-imports --no-cache || status=$?
-.venv/bin/ruff check . || status=$?
+wait "$lint_pid" || status=$?
+cat "$LOGS/lint.log"
 
 # each phase's JUnit XML and its server starts (MOL2_START_LOG) go to build/test-reports; scripts/test_durations.py
 # prints where the time went at the end

@@ -119,30 +119,31 @@ def export_graph_from_checkpoint(model_dir: Path, name: str, out: Path) -> dict[
 
 
 def build_onnx(model_dir: Path, out: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, float]]]:
-    """Export encoder, decoder and pointer graphs into `out`; returns their descriptions and parity figures.
+    """Export encoder, decoder and pointer graphs (and the drafter's, when the checkpoint ships one) into `out`;
+    returns their descriptions and parity figures.
 
-    Why a second process: each export is single-threaded Python (torch.onnx's tracer and optimizer), about two
-    minutes for the encoder and one and a half for the decoder on a 2-core CI machine, so the encoder exports in a
-    spawned worker while this process exports the others (`MOL2_BUILD_WORKERS=0` exports all three here). The graphs
-    do not depend on where they were exported (the manifest's hashes are the same)."""
+    Why a second process: each export is single-threaded Python (torch.onnx's tracer and optimizer), about a minute
+    for the encoder and for the decoder on a 2-core CI machine, so the encoder, then the drafter, export in a
+    spawned worker while this process exports the decoder and the pointer (`MOL2_BUILD_WORKERS=0` exports all
+    here). The graphs do not depend on where they were exported (the manifest's hashes are the same)."""
     out.mkdir(parents=True, exist_ok=True)
     layout, modules, head = step_modules(model_dir)
     sizes = export_sizes(layout)
+    names = [*GRAPH_FILES, *(["drafter"] if "drafter" in modules else [])]
     graphs: dict[str, dict[str, Any]] = {}
-    in_worker = ["encoder"] if os.environ.get("MOL2_BUILD_WORKERS", "1") != "0" and (os.cpu_count() or 1) > 1 else []
-    with tqdm(total=len(GRAPH_FILES), desc="exporting", unit="graph") as bar, \
+    in_worker = ([n for n in ("encoder", "drafter") if n in names]
+                 if os.environ.get("MOL2_BUILD_WORKERS", "1") != "0" and (os.cpu_count() or 1) > 1 else [])
+    with tqdm(total=len(names), desc="exporting", unit="graph") as bar, \
             ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         pending = {name: pool.submit(export_graph_from_checkpoint, model_dir, name, out) for name in in_worker}
-        for name in GRAPH_FILES:
+        for name in names:
             if name not in pending:
                 graphs[name] = export_graph(name, *modules[name], sizes, out)
                 bar.update()
         for name, future in pending.items():
             graphs[name] = future.result()
             bar.update()
-    graphs = {name: graphs[name] for name in GRAPH_FILES}
-    if "drafter" in modules:
-        graphs["drafter"] = export_graph("drafter", *modules["drafter"], sizes, out)
+    graphs = {name: graphs[name] for name in names}
     tqdm.write("checking each graph against its module (onnxruntime CPU)")
     rounding: dict[str, dict[str, int]] = {}
     parity = check_parity(out, layout, modules["encoder"][0], modules["decoder"][0], modules["pointer"][0], head,
