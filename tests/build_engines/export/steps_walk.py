@@ -30,9 +30,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
-import pytest
 import torch
 
 import ced.model.attention as attention
@@ -102,12 +102,11 @@ class NearTies:
             return select_top(scores, k)
 
         def noted_topk(scores: torch.Tensor, k: int, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
-            self.note(scores if kwargs.get("dim", -1) == -1 else scores.movedim(int(kwargs["dim"]), -1), k)
+            dim = int(kwargs.get("dim", args[0] if args else -1))  # type: ignore[call-overload]
+            self.note(scores.movedim(dim, -1), k)
             return topk(scores, k, *args, **kwargs)
 
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(attention, "select_top", noted_select_top)
-            patch.setattr(torch, "topk", noted_topk)
+        with patch.object(attention, "select_top", noted_select_top), patch.object(torch, "topk", noted_topk):
             yield
 
 
